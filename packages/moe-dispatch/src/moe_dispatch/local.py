@@ -1,0 +1,101 @@
+"""LocalDispatcher: every expert on this rank; permute into expert order and back."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from moe_dispatch.protocol import DispatchHandle
+from moe_kernels import Permutation, permute, unpermute
+
+__all__ = ["LocalDispatcher", "capacity_keep_mask"]
+
+
+@dataclass(frozen=True)
+class _LocalState:
+    permutation: Permutation
+    topk_weight_TK: Tensor
+
+
+def capacity_keep_mask(topk_idx_TK: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """[T, K] bool: keep a copy iff fewer than ``capacity`` earlier copies went to its expert.
+
+    "Earlier" is token order, then k order. Computed on the device, without host sync.
+    """
+    num_copies = topk_idx_TK.numel()
+    expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
+    # Stable sort by expert: within an expert, copies stay in (token, k) order, so a copy's
+    # position in its expert is its sorted row minus the first row of that expert.
+    copy_of_row_F = torch.argsort(expert_of_copy_F, stable=True)
+    tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx_TK.device)
+    tokens_per_expert_E.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
+    first_row_E = torch.cumsum(tokens_per_expert_E, 0) - tokens_per_expert_E
+    rows_F = torch.arange(num_copies, device=topk_idx_TK.device)
+    position_of_row_F = rows_F - first_row_E[expert_of_copy_F[copy_of_row_F]]
+    position_of_copy_F = torch.empty_like(position_of_row_F).scatter_(
+        0, copy_of_row_F, position_of_row_F
+    )
+    return (position_of_copy_F < capacity).view(topk_idx_TK.shape)
+
+
+class LocalDispatcher:
+    """No expert parallelism: dispatch is a permutation into expert-contiguous rows.
+
+    Dropless when ``capacity_factor`` is None. Otherwise each expert takes at most
+    ``ceil(capacity_factor * T * K / E)`` copies, first come (token order, then k order) first
+    served; the rest are dropped (they contribute zero) and counted in the handle.
+    """
+
+    def __init__(self, num_experts: int, capacity_factor: float | None = None) -> None:
+        if num_experts < 1:
+            raise ValueError(f"LocalDispatcher: num_experts={num_experts} must be at least 1")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(
+                f"LocalDispatcher: capacity_factor={capacity_factor} must be positive, or None "
+                "for dropless"
+            )
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts
+        self.capacity_factor = capacity_factor
+
+    def capacity(self, num_tokens: int, top_k: int) -> int | None:
+        """Copies each expert may take for ``num_tokens`` tokens at ``top_k``; None if dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * top_k / self.num_experts)
+
+    def dispatch(
+        self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
+    ) -> tuple[Tensor, Tensor, DispatchHandle]:
+        """Permute token copies into expert order (T*K rows; dropped copies after the kept ones)."""
+        if topk_idx_TK.dim() != 2 or topk_weight_TK.shape != topk_idx_TK.shape:
+            raise ValueError(
+                "LocalDispatcher.dispatch: topk_idx and topk_weight must both be [T, K], got "
+                f"{tuple(topk_idx_TK.shape)} and {tuple(topk_weight_TK.shape)}"
+            )
+        num_tokens, top_k = topk_idx_TK.shape
+        capacity = self.capacity(num_tokens, top_k)
+        keep_TK = None
+        if capacity is not None:
+            keep_TK = capacity_keep_mask(topk_idx_TK, self.num_experts, capacity)
+        expert_input_PD, permutation = permute(x_TD, topk_idx_TK, self.num_experts, keep_TK)
+        num_copies = topk_idx_TK.numel()
+        dropped_copies = num_copies - permutation.tokens_per_expert.sum()
+        handle = DispatchHandle(
+            state=_LocalState(permutation=permutation, topk_weight_TK=topk_weight_TK),
+            dropped_copies=dropped_copies,
+            num_copies=num_copies,
+        )
+        return expert_input_PD, permutation.tokens_per_expert, handle
+
+    def combine(self, expert_output: Tensor, handle: DispatchHandle) -> Tensor:
+        """Weighted sum of each token's kept copies, [T, D] in the dtype of ``expert_output``."""
+        state = handle.state
+        if not isinstance(state, _LocalState):
+            raise TypeError(
+                f"LocalDispatcher.combine: handle comes from another backend ({type(state).__name__})"
+            )
+        return unpermute(expert_output, state.permutation, state.topk_weight_TK)

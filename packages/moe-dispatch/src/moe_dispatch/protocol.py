@@ -1,0 +1,51 @@
+"""The Dispatcher protocol every backend implements, and the DispatchHandle it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+__all__ = ["BackendUnavailable", "DispatchHandle", "Dispatcher"]
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested dispatcher backend cannot run here (not implemented, or missing a library)."""
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What ``combine`` needs to undo a ``dispatch``, plus drop accounting for metrics."""
+
+    state: Any
+    """Backend-specific state (for example the permutation and the routing weights)."""
+    dropped_copies: Tensor
+    """0-dim int64 on the device: token copies dropped for capacity in this call."""
+    num_copies: int
+    """T * K: token copies routed in this call (the denominator of the dropped fraction)."""
+
+
+@runtime_checkable
+class Dispatcher(Protocol):
+    """Moves token copies to their experts and back; both directions are differentiable."""
+
+    num_experts: int
+    """Routed experts of the layer, over all ranks."""
+    num_local_experts: int
+    """Experts held by this rank."""
+
+    def dispatch(
+        self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
+    ) -> tuple[Tensor, Tensor, DispatchHandle]:
+        """Send each token copy to its expert.
+
+        Returns ``(expert_input, tokens_per_expert, handle)``: ``expert_input`` rows grouped by
+        local expert; ``tokens_per_expert`` [num_local_experts] int64 on the device; rows past
+        ``tokens_per_expert.sum()`` are padding that experts must ignore.
+        """
+        ...
+
+    def combine(self, expert_output: Tensor, handle: DispatchHandle) -> Tensor:
+        """Bring expert outputs back and sum each token's copies with its routing weights."""
+        ...

@@ -1,0 +1,141 @@
+"""Token permutation into expert-contiguous order and the weighted sum back, without host sync.
+
+A token routed to K experts becomes K "copies"; copy ``f = t * K + k`` goes to expert
+``topk_idx[t, k]``. ``permute`` lays the T*K copies out grouped by expert (stable: token order,
+then k order), kept copies first and dropped copies after ``offsets[-1]``. ``unpermute`` sums
+each token's kept copies back with its routing weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["Permutation", "permute", "unpermute"]
+
+
+@dataclass(frozen=True)
+class Permutation:
+    """How ``permute`` laid out the token copies; everything ``unpermute`` needs to invert it."""
+
+    source_token: Tensor
+    """[T*K] int64: the token each permuted row was copied from."""
+    row_of_copy: Tensor
+    """[T*K] int64: the permuted row of copy ``t * K + k`` (inverse of the sort order)."""
+    tokens_per_expert: Tensor
+    """[E] int64: kept copies routed to each expert."""
+    offsets: Tensor
+    """[E] int32: cumulative ends of ``tokens_per_expert`` (the grouped_mm offsets)."""
+    num_tokens: int
+    """T."""
+    top_k: int
+    """K."""
+    kept_copies: Tensor | None = None
+    """[T*K] bool, False for dropped copies; None when nothing can be dropped."""
+
+    @property
+    def num_experts(self) -> int:
+        """E."""
+        return self.tokens_per_expert.shape[0]
+
+
+def permute(
+    x_TD: Tensor, topk_idx_TK: Tensor, num_experts: int, keep_TK: Tensor | None = None
+) -> tuple[Tensor, Permutation]:
+    """Copy each token once per chosen expert, grouped by expert (stable within an expert).
+
+    Args:
+        x_TD: [T, D] tokens.
+        topk_idx_TK: [T, K] expert of each copy, in ``[0, num_experts)`` (not checked on device).
+        num_experts: E.
+        keep_TK: optional [T, K] bool; copies with False are dropped: placed after every
+            expert's rows (past ``offsets[-1]``) and not counted in ``tokens_per_expert``.
+
+    Returns:
+        ``(x_perm_PD, permutation)`` with always P = T*K rows, differentiable wrt ``x_TD``.
+    """
+    if x_TD.dim() != 2:
+        raise ValueError(f"permute: x must be 2-D [T, D], got shape {tuple(x_TD.shape)}")
+    if topk_idx_TK.dim() != 2 or topk_idx_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(
+            f"permute: topk_idx must be [T, K] with T={x_TD.shape[0]} (from x), got shape "
+            f"{tuple(topk_idx_TK.shape)}"
+        )
+    if keep_TK is not None and (keep_TK.shape != topk_idx_TK.shape or keep_TK.dtype != torch.bool):
+        raise ValueError(
+            f"permute: keep must be a bool tensor shaped like topk_idx {tuple(topk_idx_TK.shape)}, "
+            f"got {keep_TK.dtype} {tuple(keep_TK.shape)}"
+        )
+    if num_experts < 1:
+        raise ValueError(f"permute: num_experts={num_experts} must be at least 1")
+
+    num_tokens, top_k = topk_idx_TK.shape
+    num_copies = num_tokens * top_k
+    device = topk_idx_TK.device
+    expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
+    kept_copies_F = None
+    if keep_TK is not None:
+        kept_copies_F = keep_TK.reshape(-1)
+        # Dropped copies go to an extra bucket E, sorted after all real experts.
+        expert_of_copy_F = torch.where(
+            kept_copies_F, expert_of_copy_F, torch.full_like(expert_of_copy_F, num_experts)
+        )
+
+    copy_of_row_P = torch.argsort(expert_of_copy_F, stable=True)
+    row_of_copy_F = torch.empty_like(copy_of_row_P).scatter_(
+        0, copy_of_row_P, torch.arange(num_copies, device=device)
+    )
+    copies_per_bucket = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    copies_per_bucket.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
+    tokens_per_expert_E = copies_per_bucket[:num_experts].clone()
+    source_token_P = torch.div(copy_of_row_P, top_k, rounding_mode="floor")
+
+    permutation = Permutation(
+        source_token=source_token_P,
+        row_of_copy=row_of_copy_F,
+        tokens_per_expert=tokens_per_expert_E,
+        offsets=torch.cumsum(tokens_per_expert_E, 0).to(torch.int32),
+        num_tokens=num_tokens,
+        top_k=top_k,
+        kept_copies=kept_copies_F,
+    )
+    return x_TD.index_select(0, source_token_P), permutation
+
+
+def unpermute(y_PD: Tensor, permutation: Permutation, topk_weight_TK: Tensor) -> Tensor:
+    """Sum each token's kept copies back: ``y[t] = sum_k w[t, k] * y_perm[row of (t, k)]``.
+
+    Dropped copies contribute exactly zero (even if their rows hold NaN) and get zero gradient.
+    Computed in the dtype of ``y_PD``; the weights are cast to it. Differentiable wrt ``y_PD``
+    and ``topk_weight_TK``.
+
+    Args:
+        y_PD: [T*K, D] expert outputs in permuted order.
+        permutation: what ``permute`` returned.
+        topk_weight_TK: [T, K] routing weights.
+
+    Returns:
+        [T, D].
+    """
+    num_tokens, top_k = permutation.num_tokens, permutation.top_k
+    if y_PD.dim() != 2 or y_PD.shape[0] != num_tokens * top_k:
+        raise ValueError(
+            f"unpermute: y must be [T*K, D] with T*K={num_tokens * top_k}, got shape "
+            f"{tuple(y_PD.shape)}"
+        )
+    if tuple(topk_weight_TK.shape) != (num_tokens, top_k):
+        raise ValueError(
+            f"unpermute: topk_weight must be [T, K]=[{num_tokens}, {top_k}], got shape "
+            f"{tuple(topk_weight_TK.shape)}"
+        )
+    y_TKD = y_PD.index_select(0, permutation.row_of_copy).view(num_tokens, top_k, y_PD.shape[1])
+    if permutation.kept_copies is not None:
+        # A select, not a multiply: dropped rows may hold anything, NaN included. This also
+        # zeroes the gradient wrt y and wrt the weights of dropped copies.
+        kept_TK1 = permutation.kept_copies.view(num_tokens, top_k, 1)
+        y_TKD = torch.where(kept_TK1, y_TKD, 0)
+    weight_TK = topk_weight_TK.to(y_PD.dtype)
+    # [T, 1, K] @ [T, K, D]: the weighted sum over k, accumulated by the matmul kernel.
+    return torch.bmm(weight_TK.unsqueeze(1), y_TKD).squeeze(1)

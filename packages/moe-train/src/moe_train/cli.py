@@ -1,0 +1,80 @@
+"""The `moe-train` command line: train, prepare-data."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from moe_train.errors import MoeTrainError
+
+USAGE_EXIT = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-train", description="Train Mixture-of-Experts language models."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser(
+        "train",
+        help="train a model from a YAML config",
+        description="Train from CONFIG.yaml; override any key with --section.key=value.",
+    )
+    train.add_argument("config", type=Path, help="YAML config file")
+
+    prepare = commands.add_parser(
+        "prepare-data",
+        help="tokenize text / JSONL / .npy files into a token memmap",
+        description="Tokenize UTF-8 text files, JSONL (a 'text' field per line) and "
+        "pre-tokenized .npy arrays into DIR/tokens.bin and DIR/meta.json.",
+    )
+    prepare.add_argument("inputs", nargs="+", type=Path, metavar="INPUT")
+    prepare.add_argument("--out", required=True, type=Path, metavar="DIR")
+    prepare.add_argument(
+        "--tokenizer",
+        default=None,
+        help="'byte' (default) or the path of a tokenizer.json (needs the tokenizers package)",
+    )
+    return parser
+
+
+def run(argv: list[str]) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        from moe_train.config import load_config
+        from moe_train.train import train
+
+        config = load_config(args.config, extra)
+        result = train(config)
+        print(
+            f"done: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}, "
+            f"metrics in {result.run_dir / 'metrics.jsonl'}"
+        )
+        return 0
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from moe_train.data import prepare_data
+
+    meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer)
+    print(
+        f"wrote {meta['num_tokens']:,} tokens of {meta['num_documents']:,} documents "
+        f"({meta['dtype']}) to {args.out}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: user errors print one line `error: ...` and exit 2."""
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except MoeTrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return USAGE_EXIT
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""Typed, validated training configuration: YAML plus dotted command-line overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from moe_train.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    expert_hidden: int = 256
+    """Hidden width of each expert's SwiGLU."""
+    shared_experts: int = 0
+    """Always-active shared experts per MoE layer (each of width expert_hidden)."""
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    """Scoring function over the router logits."""
+    normalize_topk: bool = True
+    """Rescale the chosen experts' scores to sum to one."""
+    lb_loss_weight: float = 0.01
+    """Weight of the load-balancing auxiliary loss (0 turns it off)."""
+    z_loss_weight: float = 0.001
+    """Weight of the router z-loss on the logits (0 turns it off)."""
+    bias_update_rate: float = 0.0
+    """Step of the auxiliary-loss-free balancing bias per optimizer step (0 turns it off)."""
+    capacity_factor: float | None = None
+    """Cap on token copies per expert as a multiple of the even share; None means dropless."""
+    random_routing: bool = False
+    """Route each token to top_k experts drawn uniformly at random (for system benchmarks)."""
+
+    def validate(self, path: str) -> None:
+        _positive(self, path, "num_experts", "expert_hidden")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(
+                f"{path}.top_k={self.top_k} must be between 1 and "
+                f"{path}.num_experts={self.num_experts}"
+            )
+        _non_negative(
+            self, path, "shared_experts", "lb_loss_weight", "z_loss_weight", "bias_update_rate"
+        )
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ConfigError(
+                f"{path}.capacity_factor={self.capacity_factor} must be positive, "
+                f"or null for dropless routing"
+            )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    vocab_size: int = 320
+    """Embedding rows; must cover every token id in the data."""
+    d_model: int = 256
+    """Residual stream width."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Query heads; must divide d_model."""
+    n_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    qk_norm: bool = False
+    """RMS-normalise queries and keys per head before RoPE."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    dense_layers: int = 0
+    """The first this many blocks use a dense SwiGLU feed-forward instead of MoE."""
+    dense_hidden: int = 1024
+    """Hidden width of the dense feed-forward blocks."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """The mixture-of-experts feed-forward blocks."""
+
+    def validate(self, path: str) -> None:
+        _positive(self, path, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads")
+        _positive(self, path, "rope_theta", "norm_eps", "init_std", "dense_hidden")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"{path}.n_heads={self.n_heads} must divide {path}.d_model={self.d_model}"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ConfigError(
+                f"{path}.d_model / {path}.n_heads = {self.d_model // self.n_heads} "
+                f"(the head size) must be even for rotary embeddings"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"{path}.n_kv_heads={self.n_kv_heads} must divide {path}.n_heads={self.n_heads}"
+            )
+        if not 0 <= self.dense_layers <= self.n_layers:
+            raise ConfigError(
+                f"{path}.dense_layers={self.dense_layers} must be between 0 and "
+                f"{path}.n_layers={self.n_layers}"
+            )
+        self.moe.validate(f"{path}.moe")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    paths: list[str] = field(default_factory=lambda: ["builtin:stdlib"])
+    """Prepared token directories, .npy token arrays, or builtin:stdlib (no download)."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, over all ranks."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward pass; steps accumulate global/micro of them."""
+    cache_dir: str | None = None
+    """Where built-in data is tokenised on first use; null means ~/.cache/moe-stack."""
+
+    def validate(self, path: str) -> None:
+        if not self.paths:
+            raise ConfigError(f"{path}.paths is empty; give at least one data path")
+        _positive(self, path, "seq_len", "global_batch_size", "micro_batch_size")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"{path}.micro_batch_size={self.micro_batch_size} must divide "
+                f"{path}.global_batch_size={self.global_batch_size}"
+            )
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on norms or biases)."""
+    warmup_steps: int = 10
+    """Steps of linear warmup from 0 to lr."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio on the last step."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this; null turns clipping off."""
+
+    def validate(self, path: str) -> None:
+        _positive(self, path, "lr", "eps")
+        _non_negative(self, path, "weight_decay", "warmup_steps")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"{path}.betas={self.betas} must be two numbers in [0, 1)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"{path}.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError(
+                f"{path}.grad_clip={self.grad_clip} must be positive, or null for no clipping"
+            )
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    max_steps: int = 200
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seeds initialisation, data order and random routing."""
+    run_dir: str = "runs/default"
+    """Where metrics.jsonl and the resolved config go; a taken one gets a numbered suffix."""
+    log_interval: int = 1
+    """Log metrics every this many steps."""
+    peak_flops: float | None = None
+    """Peak matmul FLOP/s for MFU; null measures it at start-up (or looks up a known GPU)."""
+    progress: bool = True
+    """Show a live progress line (loss, tokens/s, MFU, ETA) on stderr."""
+
+    def validate(self, path: str) -> None:
+        _positive(self, path, "max_steps", "log_interval")
+        if self.seed < 0:
+            raise ConfigError(f"{path}.seed={self.seed} must be >= 0")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ConfigError(f"{path}.peak_flops={self.peak_flops} must be positive or null")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    ep: int = 1
+    """Expert-parallel ranks; divides the data-parallel size and model.moe.num_experts."""
+    pp: int = 1
+    """Pipeline stages."""
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule."""
+    dispatcher: Literal["local", "all_to_all", "rowwise", "deepep"] = "local"
+    """Token dispatch backend (local = no expert parallelism)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over each gradient-reduction group."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute in backward."""
+
+    def validate(self, path: str) -> None:
+        _positive(self, path, "ep", "pp")
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    param_dtype: Literal["float32"] = "float32"
+    """Dtype of the parameters and optimizer state."""
+    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Dtype of matmuls (bfloat16 runs under autocast; router logits and losses stay fp32)."""
+    mxfp8: bool = False
+    """Run the expert GEMMs in MXFP8."""
+
+    def validate(self, path: str) -> None:
+        pass
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Checkpoint directory; null means RUN_DIR/checkpoints."""
+    interval: int = 0
+    """Save every this many steps; 0 saves none."""
+    keep_last: int = 3
+    """Committed checkpoints to keep."""
+    resume: str = "never"
+    """auto (newest committed checkpoint), never, or a checkpoint path."""
+
+    def validate(self, path: str) -> None:
+        _non_negative(self, path, "interval")
+        _positive(self, path, "keep_last")
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The network."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training data and batch sizes."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The training loop."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Number formats."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+
+    def validate(self) -> None:
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).validate(section.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _positive(obj: Any, path: str, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ConfigError(f"{path}.{name}={getattr(obj, name)} must be positive")
+
+
+def _non_negative(obj: Any, path: str, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) < 0:
+            raise ConfigError(f"{path}.{name}={getattr(obj, name)} must be >= 0")
+
+
+# ---- building a Config from plain data -------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert `value` to type `tp` or raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if isinstance(tp, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                continue
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin is list:
+        (item_type,) = typing.get_args(tp)
+        if isinstance(value, str | int | float) and item_type is str:
+            value = [value]
+        if isinstance(value, list | tuple):
+            return [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key}={value!r} must be {_type_name(tp)}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'} must be a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            raise ConfigError(_unknown_key_message(full, str(key), names, path))
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, full)
+        else:
+            kwargs[key] = _coerce(value, tp, full)
+    return cls(**kwargs)
+
+
+def _unknown_key_message(full: str, key: str, names: list[str], path: str) -> str:
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    prefix = f"{path}." if path else ""
+    if close:
+        return f"unknown config key {full}; did you mean {prefix}{close[0]}?"
+    return f"unknown config key {full}; valid keys here: {', '.join(prefix + n for n in names)}"
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build and validate a Config from nested plain data (as read from YAML)."""
+    config = _build(Config, data, "")
+    config.validate()
+    return config
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn ['--optim.lr=3e-4', '--model.moe.top_k', '2'] into a nested dict."""
+    nested: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"override {arg!r} must look like --section.key=value")
+        if "=" in arg:
+            dotted, raw = arg[2:].split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            dotted, raw = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"override {arg!r} has no value; write {arg}=VALUE")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        keys = dotted.split(".")
+        if any(not k for k in keys):
+            raise ConfigError(f"override {arg!r} has an empty key")
+        node = nested
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {arg!r} conflicts with another override of {k}")
+        node[keys[-1]] = value
+        i += 1
+    return nested
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or start from defaults when `path` is None), apply overrides."""
+    data: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"config file {path} is not valid YAML{where}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+    data = _merge(data, parse_overrides(overrides or []))
+    return config_from_dict(data)
+
+
+def dump_config(config: Config, path: Path) -> None:
+    """Write the resolved config as YAML that `load_config` reads back to the same Config."""
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

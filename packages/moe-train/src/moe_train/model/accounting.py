@@ -1,0 +1,47 @@
+"""Parameter and FLOP counts of a model config, for MFU and planning."""
+
+from dataclasses import dataclass
+
+from moe_train.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    """Every parameter, all experts included."""
+    active: int
+    """Matmul parameters one token touches (top_k routed experts; no embedding, no norms)."""
+    embedding: int
+    """Input embedding rows (a lookup, no matmul)."""
+
+
+def count_params(config: ModelConfig) -> ParamCounts:
+    """Total and per-token active parameter counts of `config`."""
+    d, moe = config.d_model, config.moe
+    kv_dim = config.n_kv_heads * (d // config.n_heads)
+    attention = d * (d + 2 * kv_dim) + d * d
+    norms = 2 * d + (2 * (d // config.n_heads) if config.qk_norm else 0)
+    expert = 3 * d * moe.expert_hidden
+    router = d * moe.num_experts
+    shared = moe.shared_experts * expert
+    dense_ffn = 3 * d * config.dense_hidden
+    moe_layers = config.n_layers - config.dense_layers
+
+    embedding = config.vocab_size * d
+    head = 0 if config.tie_embeddings else config.vocab_size * d
+    matmuls = config.n_layers * attention + config.dense_layers * dense_ffn
+    all_norms = config.n_layers * norms + d
+    routed_total = moe_layers * (router + shared + moe.num_experts * expert)
+    total = embedding + head + matmuls + all_norms + routed_total
+    active_head = config.vocab_size * d
+    active = active_head + matmuls + moe_layers * (router + shared + moe.top_k * expert)
+    return ParamCounts(total=total, active=active, embedding=embedding)
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x active matmul parameters plus causal attention scores."""
+    active = count_params(config).active
+    # QK^T and AV: 2 matmuls x 2 FLOPs x d_model x (seq_len / 2 keys on average, causal),
+    # times 3 for forward plus backward.
+    attention = 3 * 2 * 2 * config.d_model * (seq_len / 2) * config.n_layers
+    return 6 * active + attention

@@ -1,0 +1,72 @@
+"""RMSNorm, rotary position embeddings and causal grouped-query attention."""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation with a learned per-channel scale, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight).to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin tables [max_len, head_dim // 2] of the rotary embedding."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x_BHSD: Tensor, cos_SD: Tensor, sin_SD: Tensor) -> Tensor:
+    """Rotate pairs (first half, second half) of each head's channels by position angles."""
+    seq_len = x_BHSD.shape[-2]
+    cos, sin = cos_SD[:seq_len].to(x_BHSD.dtype), sin_SD[:seq_len].to(x_BHSD.dtype)
+    first, second = x_BHSD.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads, RoPE and optional QK-norm."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        *,
+        qk_norm: bool,
+        norm_eps: float,
+    ) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = d_model // n_heads
+        kv_dim = n_kv_heads * self.head_dim
+        self.qkv = nn.Linear(d_model, d_model + 2 * kv_dim, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        batch, seq_len, d_model = x_BSD.shape
+        kv_dim = self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x_BSD).split([d_model, kv_dim, kv_dim], dim=-1)
+        q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attended = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.out(attended.transpose(1, 2).reshape(batch, seq_len, d_model))

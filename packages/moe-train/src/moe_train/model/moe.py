@@ -1,0 +1,184 @@
+"""The mixture-of-experts feed-forward block: router, SwiGLU experts, dispatch and combine."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_dispatch import Dispatcher
+from moe_kernels import grouped_mm
+from moe_parallel import mark_expert_parameter
+from moe_train.config import MoEConfig
+
+
+def compute_dtype_of(x: Tensor) -> torch.dtype:
+    """The dtype matmuls should run in: autocast's when it is on, else the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+@dataclass(frozen=True)
+class RouterOutput:
+    topk_idx_TK: Tensor
+    """Chosen experts per token, int64."""
+    topk_weight_TK: Tensor
+    """Combine weight of each chosen expert, fp32, differentiable."""
+    copies_per_expert: Tensor
+    """[E] fp32 count of token copies routed to each expert (before any capacity drop)."""
+    lb_loss: Tensor
+    """Load-balancing loss E * sum_e f_e * P_e (unweighted, fp32 scalar)."""
+    z_loss: Tensor
+    """Router z-loss mean(logsumexp(logits)^2) (unweighted, fp32 scalar)."""
+
+
+class Router(nn.Module):
+    """Scores experts per token in fp32 and picks the top k.
+
+    A per-expert bias (auxiliary-loss-free balancing) shifts which experts are selected but
+    never the combine weights; `update_bias` moves it against the observed load.
+    """
+
+    def __init__(self, d_model: int, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = nn.Linear(d_model, config.num_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+
+    def forward(self, x_TD: Tensor) -> RouterOutput:
+        config = self.config
+        with torch.autocast(x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        if config.router == "softmax":
+            scores_TE = logits_TE.softmax(dim=-1)
+            probs_TE = scores_TE
+        else:
+            scores_TE = logits_TE.sigmoid()
+            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+
+        if config.random_routing:
+            noise_TE = torch.rand(scores_TE.shape, device=scores_TE.device)
+            topk_idx_TK = noise_TE.topk(config.top_k, dim=-1).indices
+        else:
+            selection_TE = scores_TE.detach() + self.expert_bias
+            topk_idx_TK = selection_TE.topk(config.top_k, dim=-1).indices
+        topk_weight_TK = scores_TE.gather(1, topk_idx_TK)
+        if config.normalize_topk:
+            topk_weight_TK = topk_weight_TK / topk_weight_TK.sum(dim=-1, keepdim=True)
+
+        num_tokens = x_TD.shape[0]
+        copies_per_expert = torch.zeros(
+            config.num_experts, device=x_TD.device, dtype=torch.float32
+        ).scatter_add_(
+            0, topk_idx_TK.flatten(), torch.ones_like(topk_idx_TK.flatten(), dtype=torch.float32)
+        )
+        routed_fraction_E = copies_per_expert / (num_tokens * config.top_k)
+        lb_loss = config.num_experts * (routed_fraction_E * probs_TE.mean(dim=0)).sum()
+        z_loss = torch.logsumexp(logits_TE, dim=-1).square().mean()
+        return RouterOutput(topk_idx_TK, topk_weight_TK, copies_per_expert, lb_loss, z_loss)
+
+    @torch.no_grad()
+    def update_bias(self, copies_per_expert: Tensor) -> None:
+        """Raise the bias of under-loaded experts and lower it for over-loaded ones."""
+        if self.config.bias_update_rate > 0:
+            load = copies_per_expert.float()
+            self.expert_bias += self.config.bias_update_rate * torch.sign(load.mean() - load)
+
+
+class Experts(nn.Module):
+    """SwiGLU experts with weights stacked on a leading expert dimension (grouped GEMMs)."""
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int) -> None:
+        super().__init__()
+        # Stored [E, in, out], the layout grouped_mm multiplies by directly: no transposed
+        # views, so weight gradients arrive contiguous and accumulate without a strided copy.
+        self.w_gate_up_EDO = mark_expert_parameter(
+            nn.Parameter(torch.empty(num_experts, d_model, 2 * hidden))
+        )
+        self.w_down_EHD = mark_expert_parameter(
+            nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        )
+
+    def forward(self, x_PD: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        dtype = compute_dtype_of(x_PD)
+        offsets = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
+        gate_up_PO = grouped_mm(x_PD.to(dtype), self.w_gate_up_EDO.to(dtype), offsets)
+        gate, up = gate_up_PO.chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, self.w_down_EHD.to(dtype), offsets)
+
+
+class MoEFeedForward(nn.Module):
+    """Routed experts (plus optional shared experts) replacing the dense feed-forward.
+
+    The auxiliary losses of the latest forward are left in `last_lb_loss` and `last_z_loss`.
+    Routing statistics of every training forward are summed into buffers that the trainer
+    reads and clears once per optimizer step (`take_stats`).
+    """
+
+    def __init__(self, d_model: int, config: MoEConfig, dispatcher: Dispatcher) -> None:
+        super().__init__()
+        self.config = config
+        self.router = Router(d_model, config)
+        self.dispatcher = dispatcher
+        self.experts = Experts(dispatcher.num_local_experts, d_model, config.expert_hidden)
+        self.shared = (
+            SwiGLU(d_model, config.shared_experts * config.expert_hidden)
+            if config.shared_experts
+            else None
+        )
+        self.register_buffer(
+            "step_copies_per_expert", torch.zeros(config.num_experts), persistent=False
+        )
+        self.register_buffer(
+            "step_dropped_copies", torch.zeros((), dtype=torch.float64), persistent=False
+        )
+        self.register_buffer(
+            "step_routed_copies", torch.zeros((), dtype=torch.float64), persistent=False
+        )
+        self.last_lb_loss: Tensor | None = None
+        self.last_z_loss: Tensor | None = None
+
+    def forward(self, x_BSD: Tensor) -> Tensor:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        routed = self.router(x_TD)
+        expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(
+            x_TD, routed.topk_idx_TK, routed.topk_weight_TK
+        )
+        expert_output = self.experts(expert_input, tokens_per_expert)
+        y_TD = self.dispatcher.combine(expert_output, handle).to(x_TD.dtype)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        self.last_lb_loss, self.last_z_loss = routed.lb_loss, routed.z_loss
+        if self.training:
+            with torch.no_grad():
+                self.step_copies_per_expert += routed.copies_per_expert
+                self.step_dropped_copies += handle.dropped_copies
+                self.step_routed_copies += handle.num_copies
+        return y_TD.view_as(x_BSD)
+
+    @torch.no_grad()
+    def take_stats(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(copies per expert, dropped copies, routed copies) since the last call; clears them."""
+        stats = (
+            self.step_copies_per_expert.clone(),
+            self.step_dropped_copies.clone(),
+            self.step_routed_copies.clone(),
+        )
+        self.step_copies_per_expert.zero_()
+        self.step_dropped_copies.zero_()
+        self.step_routed_copies.zero_()
+        return stats

@@ -1,0 +1,125 @@
+"""Decoder-only MoE transformer: embedding, pre-norm blocks, output head."""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_dispatch import Dispatcher, make_dispatcher
+from moe_train.config import ModelConfig
+from moe_train.model.attention import Attention, RMSNorm, rope_tables
+from moe_train.model.moe import Experts, MoEFeedForward, SwiGLU
+
+DispatcherFactory = Callable[[int], Dispatcher]
+"""Builds the dispatcher of the MoE block at a given layer index."""
+
+
+def local_dispatcher_factory(config: ModelConfig) -> DispatcherFactory:
+    """Every MoE layer dispatches within the process (no expert parallelism)."""
+    moe = config.moe
+    return lambda layer: make_dispatcher(
+        "local", num_experts=moe.num_experts, capacity_factor=moe.capacity_factor
+    )
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention then a dense or MoE feed-forward."""
+
+    def __init__(self, config: ModelConfig, layer: int, dispatcher_factory: DispatcherFactory):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(
+            config.d_model,
+            config.n_heads,
+            config.n_kv_heads,
+            qk_norm=config.qk_norm,
+            norm_eps=config.norm_eps,
+        )
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.ffn: nn.Module
+        if layer < config.dense_layers:
+            self.ffn = SwiGLU(config.d_model, config.dense_hidden)
+        else:
+            self.ffn = MoEFeedForward(config.d_model, config.moe, dispatcher_factory(layer))
+
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos, sin)
+        return x_BSD + self.ffn(self.ffn_norm(x_BSD))
+
+
+class Transformer(nn.Module):
+    """The language model. `forward(tokens)` gives logits; aux losses come from `aux_losses`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_seq_len: int,
+        dispatcher_factory: DispatcherFactory | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        factory = dispatcher_factory or local_dispatcher_factory(config)
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        # A dict keyed by the global layer index keeps parameter names stable when a pipeline
+        # stage holds only some of the layers.
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(config, i, factory) for i in range(config.n_layers)}
+        )
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = rope_tables(config.d_model // config.n_heads, max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.max_seq_len = max_seq_len
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2L)."""
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_output = name.endswith(("attn.out", ".down"))
+                nn.init.normal_(module.weight, std=out_std if is_output else std)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, Experts):
+                nn.init.normal_(module.w_gate_up_EDO, std=std)
+                nn.init.normal_(module.w_down_EHD, std=out_std)
+
+    def forward(self, tokens_BS: Tensor) -> Tensor:
+        if tokens_BS.shape[1] > self.max_seq_len:
+            raise ValueError(
+                f"sequence of {tokens_BS.shape[1]} tokens is longer than the model's "
+                f"max_seq_len={self.max_seq_len}"
+            )
+        x_BSD = self.embed(tokens_BS)
+        for block in self.blocks.values():
+            x_BSD = block(x_BSD, self.rope_cos, self.rope_sin)
+        return self.head(self.norm(x_BSD))
+
+    def moe_layers(self) -> list[MoEFeedForward]:
+        """The MoE feed-forward modules, in layer order."""
+        return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
+
+    def aux_losses(self) -> tuple[Tensor, Tensor]:
+        """Load-balancing and z-loss of the latest forward, averaged over MoE layers."""
+        layers = self.moe_layers()
+        if not layers or layers[0].last_lb_loss is None:
+            zero = torch.zeros((), device=self.embed.weight.device)
+            return zero, zero
+        lb = torch.stack([m.last_lb_loss for m in layers]).mean()
+        z = torch.stack([m.last_z_loss for m in layers]).mean()
+        return lb, z
+
+
+def lm_loss(logits_BSV: Tensor, targets_BS: Tensor) -> Tensor:
+    """Mean next-token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())

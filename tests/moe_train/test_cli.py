@@ -1,0 +1,94 @@
+"""The moe-train command line: bad input gives one line on stderr and exit 2, no traceback."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_train.cli import main
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--model.moe.top_k=999"],
+            "model.moe.top_k=999 must be between 1 and model.moe.num_experts=8",
+        ),
+        (["--model.n_heads=3"], "model.n_heads=3 must divide model.d_model=128"),
+        (
+            ["--data.micro_batch_size=5"],
+            "data.micro_batch_size=5 must divide data.global_batch_size=16",
+        ),
+        (["--model.moe.top_kk=2"], "did you mean model.moe.top_k?"),
+        (["--parallel.dispatcher=magic"], "parallel.dispatcher='magic' must be one of"),
+        (["--data.paths=/nonexistent/tokens"], "/nonexistent/tokens"),
+        (["--model.d_model=abc"], "model.d_model='abc' must be an integer"),
+    ],
+)
+def test_bad_train_input_is_one_line(args, expected, capsys, tmp_path):
+    code = main(["train", str(CONFIGS / "tiny.yaml"), f"--train.run_dir={tmp_path / 'r'}", *args])
+    assert code == 2
+    assert expected in _error_line(capsys)
+
+
+def test_missing_config_file(capsys, tmp_path):
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml does not exist" in _error_line(capsys)
+
+
+def test_prepare_data_errors(capsys, tmp_path):
+    assert main(["prepare-data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert "nope.txt" in _error_line(capsys)
+
+
+def test_prepare_then_train_through_the_cli(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    assert main(["prepare-data", str(corpus), "--out", str(tmp_path / "data")]) == 0
+    code = main(
+        [
+            "train",
+            str(CONFIGS / "tiny.yaml"),
+            f"--data.paths=[{tmp_path / 'data'}]",
+            "--train.max_steps=2",
+            "--train.progress=false",
+            "--train.peak_flops=1e11",
+            "--model.n_layers=1",
+            f"--train.run_dir={tmp_path / 'run'}",
+        ]
+    )
+    assert code == 0
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_entry_point_exit_code_in_a_real_process(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_train.cli",
+            "train",
+            str(CONFIGS / "tiny.yaml"),
+            "--model.moe.top_k=999",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: model.moe.top_k=999 must be between 1 and model.moe.num_experts=8"
+    )

@@ -1,0 +1,99 @@
+"""Config loading, overrides and validation errors that name the key and the constraint."""
+
+from pathlib import Path
+
+import pytest
+
+from moe_train.config import Config, config_from_dict, dump_config, load_config, parse_overrides
+from moe_train.errors import ConfigError
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", ["tiny", "medium", "olmoe-1b-7b", "moe-47b-a3b"])
+def test_shipped_configs_load(name):
+    config = load_config(CONFIGS / f"{name}.yaml")
+    assert isinstance(config, Config)
+
+
+def test_overrides_reach_nested_keys_and_parse_types():
+    config = load_config(
+        CONFIGS / "tiny.yaml",
+        ["--optim.lr=3e-4", "--model.moe.top_k", "1", "--model.moe.capacity_factor=null"],
+    )
+    assert config.optim.lr == pytest.approx(3e-4)
+    assert config.model.moe.top_k == 1
+    assert config.model.moe.capacity_factor is None
+
+
+def test_yaml_exponent_without_dot_is_a_float(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 3e-4\n")
+    assert load_config(path).optim.lr == pytest.approx(3e-4)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(CONFIGS / "tiny.yaml", ["--model.moe.capacity_factor=1.25"])
+    dump_config(config, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == config
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"model": {"moe": {"top_kk": 2}}},
+            "unknown config key model.moe.top_kk; did you mean model.moe.top_k?",
+        ),
+        ({"optimm": {}}, "unknown config key optimm; did you mean optim?"),
+        ({"model": {"d_model": "wide"}}, "model.d_model='wide' must be an integer"),
+        ({"model": {"qk_norm": 1}}, "model.qk_norm=1 must be true/false"),
+        (
+            {"model": {"moe": {"top_k": 9}}},
+            "model.moe.top_k=9 must be between 1 and model.moe.num_experts=8",
+        ),
+        (
+            {"model": {"d_model": 100, "n_heads": 3}},
+            "model.n_heads=3 must divide model.d_model=100",
+        ),
+        (
+            {"model": {"n_heads": 4, "n_kv_heads": 3}},
+            "model.n_kv_heads=3 must divide model.n_heads=4",
+        ),
+        (
+            {"data": {"global_batch_size": 10, "micro_batch_size": 4}},
+            "data.micro_batch_size=4 must divide data.global_batch_size=10",
+        ),
+        (
+            {"parallel": {"dispatcher": "magic"}},
+            "parallel.dispatcher='magic' must be one of 'local', 'all_to_all', 'rowwise', 'deepep'",
+        ),
+        ({"optim": {"betas": [0.9]}}, "optim.betas=[0.9] must be two numbers in [0, 1)"),
+        ({"train": {"max_steps": 0}}, "train.max_steps=0 must be positive"),
+        (
+            {"model": {"moe": {"capacity_factor": -1}}},
+            "model.moe.capacity_factor=-1.0 must be positive",
+        ),
+    ],
+)
+def test_bad_values_name_the_key_and_constraint(data, message):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match=r"must look like --section\.key=value"):
+        parse_overrides(["optim.lr=1"])
+    with pytest.raises(ConfigError, match="has no value"):
+        parse_overrides(["--optim.lr"])
+
+
+def test_missing_and_malformed_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML at line"):
+        load_config(bad)

@@ -1,0 +1,84 @@
+"""The MoE transformer: parameter accounting, capacity behaviour, learning."""
+
+import pytest
+import torch
+
+from moe_train.config import ModelConfig, MoEConfig
+from moe_train.model import Transformer, count_params, lm_loss
+
+
+def _model_config(**moe_kwargs) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        qk_norm=True,
+        dense_layers=1,
+        dense_hidden=48,
+        moe=MoEConfig(
+            **{"num_experts": 4, "top_k": 2, "expert_hidden": 16, "shared_experts": 1, **moe_kwargs}
+        ),
+    )
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_parameter_count_matches_the_module(tie):
+    config = _model_config()
+    config.tie_embeddings = tie
+    model = Transformer(config, max_seq_len=16)
+    assert count_params(config).total == sum(p.numel() for p in model.parameters())
+
+
+def test_logits_shape_and_aux_losses():
+    torch.manual_seed(0)
+    model = Transformer(_model_config(), max_seq_len=16)
+    logits = model(torch.randint(0, 64, (3, 16)))
+    assert logits.shape == (3, 16, 64)
+    lb, z = model.aux_losses()
+    assert lb.item() >= 1.0 - 1e-6  # E * sum f P >= 1 holds with equality only when balanced
+    assert z.item() > 0
+
+
+def test_ample_capacity_equals_dropless_and_tight_capacity_drops():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 16))
+    dropless = Transformer(_model_config(), max_seq_len=16)
+    ample = Transformer(_model_config(capacity_factor=4.0), max_seq_len=16)
+    ample.load_state_dict(dropless.state_dict())
+    torch.testing.assert_close(ample(tokens), dropless(tokens), rtol=0, atol=0)
+    tight = Transformer(_model_config(capacity_factor=0.25), max_seq_len=16)
+    tight.load_state_dict(dropless.state_dict())
+    out = tight(tokens)
+    assert torch.isfinite(out).all()
+    _, dropped, routed = tight.moe_layers()[0].take_stats()
+    # 32 tokens x 2 copies over 4 experts, capacity ceil(0.25 * 64 / 4) = 4 per expert.
+    assert routed.item() == 64
+    assert dropped.item() >= 64 - 4 * 4
+
+
+def test_tiny_model_overfits_one_batch():
+    torch.manual_seed(0)
+    model = Transformer(_model_config(), max_seq_len=24)
+    batch = torch.randint(0, 64, (4, 25))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(150):
+        loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
+        first = first if first is not None else loss.item()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert first > 4.0
+    assert loss.item() < 0.1 * first
+
+
+def test_bf16_autocast_forward_is_close_to_fp32():
+    torch.manual_seed(0)
+    model = Transformer(_model_config(), max_seq_len=16)
+    tokens = torch.randint(0, 64, (2, 16))
+    reference = model(tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(tokens).float()
+    assert (low - reference).abs().max() < 0.05 * reference.abs().max()

@@ -1,0 +1,86 @@
+"""The single-process training loop: metrics contract, determinism, learning, run dirs."""
+
+import math
+
+import pytest
+
+from moe_train.errors import ConfigError
+from moe_train.train import read_metrics, train
+
+REQUIRED_METRICS = {
+    "step",
+    "loss",
+    "lb_loss",
+    "z_loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "mfu",
+    "expert_load_max_over_mean",
+    "dropped_token_frac",
+    "peak_mem_bytes",
+}
+
+
+def test_metrics_file_and_resolved_config(tmp_path, make_config):
+    config = make_config(tmp_path)
+    result = train(config)
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6))
+    for record in records:
+        assert record.keys() >= REQUIRED_METRICS
+        assert all(math.isfinite(record[k]) for k in REQUIRED_METRICS)
+        assert record["expert_load_max_over_mean"] >= 1.0
+        assert record["dropped_token_frac"] == 0.0
+        assert record["mfu"] > 0
+    assert [r["loss"] for r in records] == result.losses
+    assert (result.run_dir / "config.yaml").is_file()
+
+
+def test_same_seed_gives_bitwise_identical_losses(tmp_path, make_config):
+    first = train(make_config(tmp_path / "a", precision={"compute_dtype": "bfloat16"}))
+    second = train(make_config(tmp_path / "b", precision={"compute_dtype": "bfloat16"}))
+    assert first.losses == second.losses
+    other = train(make_config(tmp_path / "c", train={"seed": 1}))
+    assert other.losses != first.losses
+
+
+def test_taken_run_dir_gets_a_suffix_and_is_not_touched(tmp_path, make_config):
+    first = train(make_config(tmp_path, train={"max_steps": 1}))
+    before = (first.run_dir / "metrics.jsonl").read_bytes()
+    second = train(make_config(tmp_path, train={"max_steps": 1}))
+    assert second.run_dir == first.run_dir.with_name("run.1")
+    assert (first.run_dir / "metrics.jsonl").read_bytes() == before
+
+
+def test_capacity_drops_are_reported(tmp_path, make_config):
+    config = make_config(tmp_path, model={"moe": {"capacity_factor": 0.5}}, train={"max_steps": 2})
+    records = read_metrics(train(config).run_dir / "metrics.jsonl")
+    assert all(r["dropped_token_frac"] > 0.2 for r in records)
+
+
+def test_loss_falls_with_bias_balancing_and_sigmoid_router(tmp_path, make_config):
+    config = make_config(
+        tmp_path,
+        model={"moe": {"router": "sigmoid", "bias_update_rate": 0.01, "shared_experts": 1}},
+        train={"max_steps": 30},
+    )
+    result = train(config)
+    assert sum(result.losses[-5:]) / 5 < 0.8 * sum(result.losses[:5]) / 5
+    biases = [layer.router.expert_bias for layer in result.model.moe_layers()]
+    assert any(b.abs().sum() > 0 for b in biases)
+
+
+def test_vocab_smaller_than_data_is_refused(tmp_path, make_config):
+    from moe_train.errors import DataError
+
+    config = make_config(tmp_path, model={"vocab_size": 64})
+    with pytest.raises(DataError, match=r"set model.vocab_size >= \d+"):
+        train(config)
+    assert not (tmp_path / "run").exists()
+
+
+def test_features_of_later_versions_are_refused_clearly(tmp_path, make_config):
+    config = make_config(tmp_path, parallel={"ep": 2})
+    with pytest.raises(ConfigError, match=r"parallel\.ep=2 is not available"):
+        train(config)
