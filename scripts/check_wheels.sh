@@ -28,6 +28,7 @@ for package in moe-kernels moe-checkpoint moe-dispatch moe-parallel moe-train; d
   uv pip install --quiet --python "$venv/bin/python" -c "$work/constraints.txt" "${wheels[@]}"
   "$venv/bin/python" - "$module" <<'PY'
 import importlib
+import importlib.util
 import sys
 
 module = sys.argv[1]

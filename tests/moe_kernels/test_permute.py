@@ -267,7 +267,7 @@ def test_permute_rejects_bad_shapes(
 
 def test_unpermute_rejects_bad_shapes() -> None:
     x_perm, permutation = permute(torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int64), 3)
-    with pytest.raises(ValueError, match=r"y must be \[T\*K, D\] with T\*K=8"):
+    with pytest.raises(ValueError, match=r"y must be \[P, D\] with P=8 rows"):
         unpermute(x_perm[:7], permutation, torch.ones(4, 2))
     with pytest.raises(ValueError, match="topk_weight must be"):
         unpermute(x_perm, permutation, torch.ones(4, 3))
@@ -291,3 +291,47 @@ def test_permute_unpermute_are_sync_free_on_gpu() -> None:
         torch.cuda.set_sync_debug_mode("default")
     expected = 2 * x.detach() * (weight.detach() * keep).sum(1, keepdim=True)
     assert_close_report(out, expected, rtol=1e-5, atol=1e-5, name="out")
+
+
+@pytest.mark.parametrize("with_drops", [False, True], ids=["dropless", "drops"])
+@pytest.mark.parametrize("routing", ["random", "top4_many_experts", "all_to_one_expert"])
+def test_group_alignment_pads_groups_with_zero_rows_and_changes_nothing_else(
+    routing: str, with_drops: bool
+) -> None:
+    alignment = 4
+    topk_idx, num_experts, generator = make_routing(routing, seed=7 + with_drops)
+    num_tokens, top_k = topk_idx.shape
+    keep = torch.rand(num_tokens, top_k, generator=generator) > 0.3 if with_drops else None
+    x = torch.randn(num_tokens, 8, generator=generator, dtype=torch.float64)
+    weight = torch.rand(num_tokens, top_k, generator=generator, dtype=torch.float64)
+    grad_out = torch.randn(num_tokens, 8, generator=generator, dtype=torch.float64)
+
+    results = {}
+    for a in (1, alignment):
+        x_in = x.clone().requires_grad_()
+        weight_in = weight.clone().requires_grad_()
+        x_perm, permutation = permute(x_in, topk_idx, num_experts, keep, group_alignment=a)
+        y_perm = x_perm * 3.0
+        unpermute(y_perm, permutation, weight_in).backward(grad_out)
+        results[a] = (x_perm.detach(), permutation, x_in.grad, weight_in.grad)
+
+    plain_rows, plain, plain_grad_x, plain_grad_w = results[1]
+    rows, aligned, grad_x, grad_w = results[alignment]
+    counts = plain.tokens_per_expert.tolist()
+    assert aligned.tokens_per_expert.tolist() == counts
+    assert aligned.rows_per_expert.tolist() == [-(-c // alignment) * alignment for c in counts]
+    assert aligned.offsets.tolist() == torch.cumsum(aligned.rows_per_expert, 0).tolist()
+    assert rows.shape[0] == num_tokens * top_k + num_experts * (alignment - 1)
+    start = plain_start = 0
+    for expert, count in enumerate(counts):
+        group_rows = int(aligned.rows_per_expert[expert])
+        assert torch.equal(
+            rows[start : start + count], plain_rows[plain_start : plain_start + count]
+        )
+        assert not rows[start + count : start + group_rows].any(), "padding rows must be zero"
+        start, plain_start = start + group_rows, plain_start + count
+    num_dropped = num_tokens * top_k - sum(counts)
+    assert torch.equal(rows[start : start + num_dropped], plain_rows[plain_start:])
+    assert not rows[start + num_dropped :].any()
+    assert torch.equal(grad_x, plain_grad_x)
+    assert torch.equal(grad_w, plain_grad_w)

@@ -82,3 +82,50 @@ def test_bf16_autocast_forward_is_close_to_fp32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = model(tokens).float()
     assert (low - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+def test_group_alignment_does_not_change_the_model():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 16))
+    plain = Transformer(_model_config(group_alignment=1), max_seq_len=16)
+    aligned = Transformer(_model_config(group_alignment=8), max_seq_len=16)
+    aligned.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(aligned(tokens), plain(tokens), rtol=1e-6, atol=1e-6)
+
+
+def _accumulate_two_micro_batches(model, batches):
+    for tokens in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        lm_loss(logits, tokens[:, 1:]).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_cast_cache_gives_the_same_gradients_and_follows_weight_updates():
+    from moe_train.model.moe import CastCache, Experts
+
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 64, (2, 17)) for _ in range(2)]
+    cached = Transformer(_model_config(), max_seq_len=16)
+    uncached = Transformer(_model_config(), max_seq_len=16)
+    uncached.load_state_dict(cached.state_dict())
+    experts = [m for m in uncached.modules() if isinstance(m, Experts)]
+
+    grads = _accumulate_two_micro_batches(cached, batches)
+    reference = {}
+    for tokens in batches:  # a fresh cache for every micro-batch: no reuse
+        for module in experts:
+            module.cast_cache = CastCache()
+        reference = _accumulate_two_micro_batches(uncached, [tokens])
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name], rtol=0, atol=0, msg=name)
+
+    # An in-place update (as the optimizer makes) must reach the next forward.
+    with torch.no_grad():
+        for a, b in zip(cached.parameters(), uncached.parameters(), strict=True):
+            a.add_(0.1)
+            b.add_(0.1)
+    for module in experts:
+        module.cast_cache = CastCache()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(cached(batches[0][:, :-1]), uncached(batches[0][:, :-1]))

@@ -28,7 +28,7 @@ def make_dispatcher(
 ) -> Dispatcher:
     """Build the dispatcher named by ``parallel.dispatcher``.
 
-    ``kwargs`` go to the backend's constructor (``local`` takes none). Raises
+    ``kwargs`` go to the backend's constructor (``local`` takes ``group_alignment``). Raises
     ``BackendUnavailable`` for a known backend this version lacks and ``ValueError`` for an
     unknown name.
     """

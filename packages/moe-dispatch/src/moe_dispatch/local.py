@@ -47,9 +47,13 @@ class LocalDispatcher:
     Dropless when ``capacity_factor`` is None. Otherwise each expert takes at most
     ``ceil(capacity_factor * T * K / E)`` copies, first come (token order, then k order) first
     served; the rest are dropped (they contribute zero) and counted in the handle.
+    With ``group_alignment`` > 1 each expert's rows are padded with zero rows to a multiple of
+    it, and the returned rows per expert include that padding.
     """
 
-    def __init__(self, num_experts: int, capacity_factor: float | None = None) -> None:
+    def __init__(
+        self, num_experts: int, capacity_factor: float | None = None, group_alignment: int = 1
+    ) -> None:
         if num_experts < 1:
             raise ValueError(f"LocalDispatcher: num_experts={num_experts} must be at least 1")
         if capacity_factor is not None and not capacity_factor > 0:
@@ -57,9 +61,14 @@ class LocalDispatcher:
                 f"LocalDispatcher: capacity_factor={capacity_factor} must be positive, or None "
                 "for dropless"
             )
+        if group_alignment < 1:
+            raise ValueError(
+                f"LocalDispatcher: group_alignment={group_alignment} must be at least 1"
+            )
         self.num_experts = num_experts
         self.num_local_experts = num_experts
         self.capacity_factor = capacity_factor
+        self.group_alignment = group_alignment
 
     def capacity(self, num_tokens: int, top_k: int) -> int | None:
         """Copies each expert may take for ``num_tokens`` tokens at ``top_k``; None if dropless."""
@@ -81,7 +90,9 @@ class LocalDispatcher:
         keep_TK = None
         if capacity is not None:
             keep_TK = capacity_keep_mask(topk_idx_TK, self.num_experts, capacity)
-        expert_input_PD, permutation = permute(x_TD, topk_idx_TK, self.num_experts, keep_TK)
+        expert_input_PD, permutation = permute(
+            x_TD, topk_idx_TK, self.num_experts, keep_TK, self.group_alignment
+        )
         num_copies = topk_idx_TK.numel()
         dropped_copies = num_copies - permutation.tokens_per_expert.sum()
         handle = DispatchHandle(
@@ -89,7 +100,7 @@ class LocalDispatcher:
             dropped_copies=dropped_copies,
             num_copies=num_copies,
         )
-        return expert_input_PD, permutation.tokens_per_expert, handle
+        return expert_input_PD, permutation.rows_per_expert, handle
 
     def combine(self, expert_output: Tensor, handle: DispatchHandle) -> Tensor:
         """Weighted sum of each token's kept copies, [T, D] in the dtype of ``expert_output``."""

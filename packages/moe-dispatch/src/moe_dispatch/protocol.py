@@ -41,8 +41,9 @@ class Dispatcher(Protocol):
         """Send each token copy to its expert.
 
         Returns ``(expert_input, tokens_per_expert, handle)``: ``expert_input`` rows grouped by
-        local expert; ``tokens_per_expert`` [num_local_experts] int64 on the device; rows past
-        ``tokens_per_expert.sum()`` are padding that experts must ignore.
+        local expert; ``tokens_per_expert`` [num_local_experts] int64 on the device, the rows
+        of each expert's group (a backend that aligns groups counts its zero padding rows
+        here); rows past ``tokens_per_expert.sum()`` are padding that experts must ignore.
         """
         ...
 

@@ -4,6 +4,10 @@ A token routed to K experts becomes K "copies"; copy ``f = t * K + k`` goes to e
 ``topk_idx[t, k]``. ``permute`` lays the T*K copies out grouped by expert (stable: token order,
 then k order), kept copies first and dropped copies after ``offsets[-1]``. ``unpermute`` sums
 each token's kept copies back with its routing weights.
+
+With ``group_alignment`` A > 1 every expert's row group is padded with zero rows to a multiple
+of A, and the output has the static size T*K + E*(A-1) rows. GEMM libraries then see group
+sizes from a small set and reuse their kernels (on CPU, oneDNN compiles one per new shape).
 """
 
 from __future__ import annotations
@@ -21,13 +25,16 @@ class Permutation:
     """How ``permute`` laid out the token copies; everything ``unpermute`` needs to invert it."""
 
     source_token: Tensor
-    """[T*K] int64: the token each permuted row was copied from."""
+    """[P] int64: the token each permuted row was copied from (T for alignment padding)."""
     row_of_copy: Tensor
     """[T*K] int64: the permuted row of copy ``t * K + k`` (inverse of the sort order)."""
     tokens_per_expert: Tensor
     """[E] int64: kept copies routed to each expert."""
+    rows_per_expert: Tensor
+    """[E] int64: rows of each expert's group: ``tokens_per_expert`` rounded up to the
+    alignment (the extra rows are zero)."""
     offsets: Tensor
-    """[E] int32: cumulative ends of ``tokens_per_expert`` (the grouped_mm offsets)."""
+    """[E] int32: cumulative ends of ``rows_per_expert`` (the grouped_mm offsets)."""
     num_tokens: int
     """T."""
     top_k: int
@@ -42,7 +49,11 @@ class Permutation:
 
 
 def permute(
-    x_TD: Tensor, topk_idx_TK: Tensor, num_experts: int, keep_TK: Tensor | None = None
+    x_TD: Tensor,
+    topk_idx_TK: Tensor,
+    num_experts: int,
+    keep_TK: Tensor | None = None,
+    group_alignment: int = 1,
 ) -> tuple[Tensor, Permutation]:
     """Copy each token once per chosen expert, grouped by expert (stable within an expert).
 
@@ -52,9 +63,11 @@ def permute(
         num_experts: E.
         keep_TK: optional [T, K] bool; copies with False are dropped: placed after every
             expert's rows (past ``offsets[-1]``) and not counted in ``tokens_per_expert``.
+        group_alignment: pad each expert's group with zero rows to a multiple of this.
 
     Returns:
-        ``(x_perm_PD, permutation)`` with always P = T*K rows, differentiable wrt ``x_TD``.
+        ``(x_perm_PD, permutation)`` with always P = T*K + E*(group_alignment-1) rows,
+        differentiable wrt ``x_TD``.
     """
     if x_TD.dim() != 2:
         raise ValueError(f"permute: x must be 2-D [T, D], got shape {tuple(x_TD.shape)}")
@@ -70,6 +83,8 @@ def permute(
         )
     if num_experts < 1:
         raise ValueError(f"permute: num_experts={num_experts} must be at least 1")
+    if group_alignment < 1:
+        raise ValueError(f"permute: group_alignment={group_alignment} must be at least 1")
 
     num_tokens, top_k = topk_idx_TK.shape
     num_copies = num_tokens * top_k
@@ -83,25 +98,51 @@ def permute(
             kept_copies_F, expert_of_copy_F, torch.full_like(expert_of_copy_F, num_experts)
         )
 
-    copy_of_row_P = torch.argsort(expert_of_copy_F, stable=True)
-    row_of_copy_F = torch.empty_like(copy_of_row_P).scatter_(
-        0, copy_of_row_P, torch.arange(num_copies, device=device)
-    )
+    copy_of_sorted_S = torch.argsort(expert_of_copy_F, stable=True)
     copies_per_bucket = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     copies_per_bucket.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
     tokens_per_expert_E = copies_per_bucket[:num_experts].clone()
-    source_token_P = torch.div(copy_of_row_P, top_k, rounding_mode="floor")
+    if group_alignment == 1:
+        copy_of_row_P = copy_of_sorted_S
+        row_of_copy_F = torch.empty_like(copy_of_row_P).scatter_(
+            0, copy_of_row_P, torch.arange(num_copies, device=device)
+        )
+        rows_per_expert_E = tokens_per_expert_E
+        source_token_P = copy_of_row_P // top_k
+        x_perm_PD = x_TD.index_select(0, source_token_P)
+    else:
+        rows_per_bucket = copies_per_bucket.clone()
+        rows_per_bucket[:num_experts] = (
+            (tokens_per_expert_E + group_alignment - 1) // group_alignment * group_alignment
+        )
+        rows_per_expert_E = rows_per_bucket[:num_experts].clone()
+        # A copy's row: the start of its bucket's (padded) group plus its rank in the bucket.
+        first_sorted_B = torch.cumsum(copies_per_bucket, 0) - copies_per_bucket
+        group_start_B = torch.cumsum(rows_per_bucket, 0) - rows_per_bucket
+        bucket_of_sorted_S = expert_of_copy_F[copy_of_sorted_S]
+        rank_S = torch.arange(num_copies, device=device) - first_sorted_B[bucket_of_sorted_S]
+        row_of_sorted_S = group_start_B[bucket_of_sorted_S] + rank_S
+        row_of_copy_F = torch.empty_like(row_of_sorted_S).scatter_(
+            0, copy_of_sorted_S, row_of_sorted_S
+        )
+        num_rows = num_copies + num_experts * (group_alignment - 1)
+        # Padding rows read an appended zero row (index T), so the gather stays one op.
+        source_token_P = torch.full((num_rows,), num_tokens, dtype=torch.int64, device=device)
+        source_token_P.scatter_(0, row_of_sorted_S, copy_of_sorted_S // top_k)
+        x_padded_TD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
+        x_perm_PD = x_padded_TD.index_select(0, source_token_P)
 
     permutation = Permutation(
         source_token=source_token_P,
         row_of_copy=row_of_copy_F,
         tokens_per_expert=tokens_per_expert_E,
-        offsets=torch.cumsum(tokens_per_expert_E, 0).to(torch.int32),
+        rows_per_expert=rows_per_expert_E,
+        offsets=torch.cumsum(rows_per_expert_E, 0).to(torch.int32),
         num_tokens=num_tokens,
         top_k=top_k,
         kept_copies=kept_copies_F,
     )
-    return x_TD.index_select(0, source_token_P), permutation
+    return x_perm_PD, permutation
 
 
 def unpermute(y_PD: Tensor, permutation: Permutation, topk_weight_TK: Tensor) -> Tensor:
@@ -112,7 +153,7 @@ def unpermute(y_PD: Tensor, permutation: Permutation, topk_weight_TK: Tensor) ->
     and ``topk_weight_TK``.
 
     Args:
-        y_PD: [T*K, D] expert outputs in permuted order.
+        y_PD: [P, D] expert outputs in permuted order (P rows as ``permute`` gave).
         permutation: what ``permute`` returned.
         topk_weight_TK: [T, K] routing weights.
 
@@ -120,9 +161,10 @@ def unpermute(y_PD: Tensor, permutation: Permutation, topk_weight_TK: Tensor) ->
         [T, D].
     """
     num_tokens, top_k = permutation.num_tokens, permutation.top_k
-    if y_PD.dim() != 2 or y_PD.shape[0] != num_tokens * top_k:
+    num_rows = permutation.source_token.shape[0]
+    if y_PD.dim() != 2 or y_PD.shape[0] != num_rows:
         raise ValueError(
-            f"unpermute: y must be [T*K, D] with T*K={num_tokens * top_k}, got shape "
+            f"unpermute: y must be [P, D] with P={num_rows} rows (as permute gave), got shape "
             f"{tuple(y_PD.shape)}"
         )
     if tuple(topk_weight_TK.shape) != (num_tokens, top_k):

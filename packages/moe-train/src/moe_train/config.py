@@ -39,9 +39,12 @@ class MoEConfig:
     """Cap on token copies per expert as a multiple of the even share; None means dropless."""
     random_routing: bool = False
     """Route each token to top_k experts drawn uniformly at random (for system benchmarks)."""
+    group_alignment: int = 32
+    """Pad each expert's group of rows with zero rows to a multiple of this, so grouped GEMM
+    shapes repeat and libraries reuse their compiled kernels; 1 turns padding off."""
 
     def validate(self, path: str) -> None:
-        _positive(self, path, "num_experts", "expert_hidden")
+        _positive(self, path, "num_experts", "expert_hidden", "group_alignment")
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(
                 f"{path}.top_k={self.top_k} must be between 1 and "

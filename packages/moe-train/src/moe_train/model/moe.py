@@ -99,6 +99,31 @@ class Router(nn.Module):
             self.expert_bias += self.config.bias_update_rate * torch.sign(load.mean() - load)
 
 
+class CastCache:
+    """Low-precision copies of weights, made once per weight version and reused.
+
+    Under gradient accumulation every micro-batch of a step would otherwise cast the same
+    fp32 expert weights to the compute dtype again (for the medium config that is 200M
+    parameters per micro-batch). A cached copy is valid while the weight's version counter,
+    storage, dtype and grad mode are unchanged; the optimizer's in-place update bumps the
+    version, so a step never sees stale weights. The copy stays in the autograd graph, so
+    gradients still reach the fp32 weight.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[tuple, Tensor]] = {}
+
+    def get(self, weight: Tensor, dtype: torch.dtype) -> Tensor:
+        if weight.dtype == dtype:
+            return weight
+        key = (weight._version, weight.data_ptr(), dtype, torch.is_grad_enabled())
+        entry = self._entries.get(id(weight))
+        if entry is None or entry[0] != key:
+            entry = (key, weight.to(dtype))
+            self._entries[id(weight)] = entry
+        return entry[1]
+
+
 class Experts(nn.Module):
     """SwiGLU experts with weights stacked on a leading expert dimension (grouped GEMMs)."""
 
@@ -112,13 +137,15 @@ class Experts(nn.Module):
         self.w_down_EHD = mark_expert_parameter(
             nn.Parameter(torch.empty(num_experts, hidden, d_model))
         )
+        self.cast_cache = CastCache()
 
     def forward(self, x_PD: Tensor, tokens_per_expert: Tensor) -> Tensor:
         dtype = compute_dtype_of(x_PD)
         offsets = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
-        gate_up_PO = grouped_mm(x_PD.to(dtype), self.w_gate_up_EDO.to(dtype), offsets)
-        gate, up = gate_up_PO.chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.w_down_EHD.to(dtype), offsets)
+        w_gate_up = self.cast_cache.get(self.w_gate_up_EDO, dtype)
+        w_down = self.cast_cache.get(self.w_down_EHD, dtype)
+        gate, up = grouped_mm(x_PD.to(dtype), w_gate_up, offsets).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, w_down, offsets)
 
 
 class MoEFeedForward(nn.Module):

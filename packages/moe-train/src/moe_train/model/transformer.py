@@ -20,7 +20,10 @@ def local_dispatcher_factory(config: ModelConfig) -> DispatcherFactory:
     """Every MoE layer dispatches within the process (no expert parallelism)."""
     moe = config.moe
     return lambda layer: make_dispatcher(
-        "local", num_experts=moe.num_experts, capacity_factor=moe.capacity_factor
+        "local",
+        num_experts=moe.num_experts,
+        capacity_factor=moe.capacity_factor,
+        group_alignment=moe.group_alignment,
     )
 
 

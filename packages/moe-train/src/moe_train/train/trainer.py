@@ -16,6 +16,7 @@ from moe_train.config import Config, dump_config
 from moe_train.data import TokenDataset
 from moe_train.errors import ConfigError, DataError, MoeTrainError
 from moe_train.model import Transformer, count_params, flops_per_token, lm_loss
+from moe_train.train.host_memory import keep_freed_host_memory
 from moe_train.train.metrics import MetricsLog, Progress
 from moe_train.train.peak import peak_flops
 from moe_train.train.schedule import lr_at
@@ -95,6 +96,7 @@ def train(config: Config, *, device: torch.device | None = None) -> TrainResult:
     """Train `config.model` on `config.data` for `config.train.max_steps` steps."""
     check_supported(config)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    keep_freed_host_memory()
     compute_dtype = DTYPES[config.precision.compute_dtype]
     data, train_cfg, moe = config.data, config.train, config.model.moe
 

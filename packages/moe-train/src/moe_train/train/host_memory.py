@@ -1,0 +1,32 @@
+"""Keep freed host memory for reuse instead of handing it back to the kernel.
+
+glibc serves large allocations (activations, gradients, GEMM outputs) with fresh mmap
+pages and unmaps them when freed, so every training step pays page faults that zero tens of
+megabytes per tensor. On our 2-core CPU machines that made bf16 grouped GEMMs 2.7x slower
+(measured: 550 vs 1500 GFLOP/s at 8192 x 512 x 2048, 16 experts). PyTorch's CPU performance
+guides suggest preloading jemalloc or tcmalloc for the same reason; adjusting glibc's own
+policy needs no extra library and no environment variable.
+"""
+
+import ctypes
+import ctypes.util
+import sys
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+
+def keep_freed_host_memory() -> bool:
+    """Serve all allocations from the heap and never trim it; True if glibc took the settings."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    trimmed = mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+    unmapped = mallopt(_M_MMAP_MAX, 0)
+    return bool(trimmed and unmapped)
