@@ -1,6 +1,7 @@
 """The single-process training loop: metrics contract, determinism, learning, run dirs."""
 
 import math
+import re
 
 import pytest
 
@@ -81,6 +82,33 @@ def test_vocab_smaller_than_data_is_refused(tmp_path, make_config):
 
 
 def test_features_of_later_versions_are_refused_clearly(tmp_path, make_config):
-    config = make_config(tmp_path, parallel={"ep": 2})
-    with pytest.raises(ConfigError, match=r"parallel\.ep=2 is not available"):
+    config = make_config(tmp_path, parallel={"pp": 2})
+    with pytest.raises(ConfigError, match=r"parallel\.pp=2 is not available"):
         train(config)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "moe", "message"),
+    [
+        (
+            {"ep": 2, "dispatcher": "all_to_all"},
+            {},
+            "parallel.ep=2 must divide the data-parallel size 1",
+        ),
+        (
+            {"ep": 3, "dispatcher": "all_to_all"},
+            {},
+            "parallel.ep=3 must divide the data-parallel size 1",
+        ),
+        (
+            {"dispatcher": "rowwise"},
+            {},
+            "parallel.dispatcher=rowwise needs model.moe.capacity_factor",
+        ),
+    ],
+)
+def test_layouts_the_world_cannot_use_are_refused(tmp_path, make_config, parallel, moe, message):
+    config = make_config(tmp_path, parallel=parallel, model={"moe": moe})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train(config)
+    assert not (tmp_path / "run").exists()

@@ -67,6 +67,7 @@ class LocalDispatcher:
             )
         self.num_experts = num_experts
         self.num_local_experts = num_experts
+        self.first_local_expert = 0
         self.capacity_factor = capacity_factor
         self.group_alignment = group_alignment
 

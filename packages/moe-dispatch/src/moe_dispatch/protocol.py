@@ -34,6 +34,8 @@ class Dispatcher(Protocol):
     """Routed experts of the layer, over all ranks."""
     num_local_experts: int
     """Experts held by this rank."""
+    first_local_expert: int
+    """Global index of this rank's first expert (its experts are a contiguous block)."""
 
     def dispatch(
         self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor

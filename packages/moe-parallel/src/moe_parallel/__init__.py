@@ -1,6 +1,7 @@
 """moe-parallel: parallel layouts for Mixture-of-Experts models, model-agnostic.
 
-This first version holds the expert-parameter protocol that every layout builds on.
+A model opts in through the expert-parameter protocol (`mark_expert_parameter`); everything
+else here works on any `nn.Module`.
 """
 
 from moe_parallel.expert_params import (
@@ -9,12 +10,28 @@ from moe_parallel.expert_params import (
     is_expert_parameter,
     mark_expert_parameter,
 )
+from moe_parallel.grad_norm import clip_grad_norm
+from moe_parallel.grad_sync import GradientReducer
+from moe_parallel.layout import (
+    Layout,
+    LayoutError,
+    build_layout,
+    check_layout,
+    single_process_layout,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradientReducer",
+    "Layout",
+    "LayoutError",
+    "build_layout",
+    "check_layout",
+    "clip_grad_norm",
     "dense_parameters",
     "expert_parameters",
     "is_expert_parameter",
     "mark_expert_parameter",
+    "single_process_layout",
 ]

@@ -127,8 +127,10 @@ class CastCache:
 class Experts(nn.Module):
     """SwiGLU experts with weights stacked on a leading expert dimension (grouped GEMMs)."""
 
-    def __init__(self, num_experts: int, d_model: int, hidden: int) -> None:
+    def __init__(self, num_experts: int, d_model: int, hidden: int, first_expert: int = 0) -> None:
         super().__init__()
+        self.first_expert = first_expert
+        """Global index of local expert 0 (experts may be split over ranks)."""
         # Stored [E, in, out], the layout grouped_mm multiplies by directly: no transposed
         # views, so weight gradients arrive contiguous and accumulate without a strided copy.
         self.w_gate_up_EDO = mark_expert_parameter(
@@ -161,7 +163,12 @@ class MoEFeedForward(nn.Module):
         self.config = config
         self.router = Router(d_model, config)
         self.dispatcher = dispatcher
-        self.experts = Experts(dispatcher.num_local_experts, d_model, config.expert_hidden)
+        self.experts = Experts(
+            dispatcher.num_local_experts,
+            d_model,
+            config.expert_hidden,
+            first_expert=dispatcher.first_local_expert,
+        )
         self.shared = (
             SwiGLU(d_model, config.shared_experts * config.expert_hidden)
             if config.shared_experts

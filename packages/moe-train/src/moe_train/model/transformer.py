@@ -1,6 +1,7 @@
 """Decoder-only MoE transformer: embedding, pre-norm blocks, output head."""
 
 import math
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -60,6 +61,7 @@ class Transformer(nn.Module):
         config: ModelConfig,
         max_seq_len: int,
         dispatcher_factory: DispatcherFactory | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.config = config
@@ -78,24 +80,36 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.max_seq_len = max_seq_len
-        self.init_weights()
+        self.init_weights(seed)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2L)."""
+    def init_weights(self, seed: int) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2L).
+
+        Every tensor (every expert of an expert tensor) draws from its own generator seeded by
+        `seed` and its global name (and expert index), so a weight is the same whichever
+        ranks hold it and whatever else the process builds.
+        """
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.n_layers)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 is_output = name.endswith(("attn.out", ".down"))
-                nn.init.normal_(module.weight, std=out_std if is_output else std)
+                _seeded_normal(module.weight, f"{name}.weight", seed, out_std if is_output else std)
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
+                _seeded_normal(module.weight, f"{name}.weight", seed, std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
             elif isinstance(module, Experts):
-                nn.init.normal_(module.w_gate_up_EDO, std=std)
-                nn.init.normal_(module.w_down_EHD, std=out_std)
+                for local, expert in enumerate(
+                    range(module.first_expert, module.first_expert + module.w_down_EHD.shape[0])
+                ):
+                    _seeded_normal(
+                        module.w_gate_up_EDO[local], f"{name}.w_gate_up_EDO.{expert}", seed, std
+                    )
+                    _seeded_normal(
+                        module.w_down_EHD[local], f"{name}.w_down_EHD.{expert}", seed, out_std
+                    )
 
     def forward(self, tokens_BS: Tensor) -> Tensor:
         if tokens_BS.shape[1] > self.max_seq_len:
@@ -121,6 +135,13 @@ class Transformer(nn.Module):
         lb = torch.stack([m.last_lb_loss for m in layers]).mean()
         z = torch.stack([m.last_z_loss for m in layers]).mean()
         return lb, z
+
+
+def _seeded_normal(tensor: Tensor, name: str, seed: int, std: float) -> None:
+    """Fill `tensor` from N(0, std^2) with a generator seeded by (`seed`, `name`)."""
+    generator = torch.Generator(device=tensor.device)
+    generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    tensor.normal_(0.0, std, generator=generator)
 
 
 def lm_loss(logits_BSV: Tensor, targets_BS: Tensor) -> Tensor:

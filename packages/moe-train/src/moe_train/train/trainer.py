@@ -12,13 +12,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher
+from moe_parallel import GradientReducer, clip_grad_norm
 from moe_train.config import Config, dump_config
 from moe_train.data import TokenDataset
 from moe_train.errors import ConfigError, DataError, MoeTrainError
-from moe_train.model import Transformer, count_params, flops_per_token, lm_loss
+from moe_train.model import (
+    DispatcherFactory,
+    Transformer,
+    count_params,
+    flops_per_token,
+    lm_loss,
+)
 from moe_train.train.host_memory import keep_freed_host_memory
 from moe_train.train.metrics import MetricsLog, Progress
 from moe_train.train.peak import peak_flops
+from moe_train.train.runtime import Runtime, start_runtime
 from moe_train.train.schedule import lr_at
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -37,9 +46,7 @@ class TrainResult:
 def check_supported(config: Config) -> None:
     """Reject settings whose features this version of the trainer does not have yet."""
     unsupported = {
-        "parallel.ep": (config.parallel.ep, 1),
         "parallel.pp": (config.parallel.pp, 1),
-        "parallel.dispatcher": (config.parallel.dispatcher, "local"),
         "parallel.distributed_optimizer": (config.parallel.distributed_optimizer, False),
         "parallel.recompute": (config.parallel.recompute, "none"),
         "precision.mxfp8": (config.precision.mxfp8, False),
@@ -92,11 +99,49 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def dispatcher_factory(config: Config, runtime: Runtime) -> DispatcherFactory:
+    """The token dispatcher of every MoE layer, for this rank's expert-parallel group."""
+    moe, parallel = config.model.moe, config.parallel
+    if parallel.ep == 1 and parallel.dispatcher == "local":
+        kwargs = {}
+    else:
+        kwargs = {
+            "group": runtime.layout.ep_group,
+            "max_tokens_per_rank": config.data.micro_batch_size * config.data.seq_len,
+        }
+
+    def build(layer: int) -> Dispatcher:
+        try:
+            return make_dispatcher(
+                parallel.dispatcher,
+                num_experts=moe.num_experts,
+                capacity_factor=moe.capacity_factor,
+                group_alignment=moe.group_alignment,
+                **kwargs,
+            )
+        except BackendUnavailable as e:
+            raise ConfigError(str(e)) from e
+
+    return build
+
+
 def train(config: Config, *, device: torch.device | None = None) -> TrainResult:
-    """Train `config.model` on `config.data` for `config.train.max_steps` steps."""
+    """Train `config.model` on `config.data` for `config.train.max_steps` steps.
+
+    Runs in one process, or as one rank of a torchrun launch (each rank calls this).
+    """
     check_supported(config)
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    keep_freed_host_memory()
+    runtime = start_runtime(config, device)
+    try:
+        return _train(config, runtime)
+    finally:
+        runtime.close()
+
+
+def _train(config: Config, runtime: Runtime) -> TrainResult:
+    device, layout = runtime.device, runtime.layout
+    if device.type == "cpu":
+        keep_freed_host_memory()
     compute_dtype = DTYPES[config.precision.compute_dtype]
     data, train_cfg, moe = config.data, config.train, config.model.moe
 
@@ -110,23 +155,32 @@ def train(config: Config, *, device: torch.device | None = None) -> TrainResult:
             f"{dataset.vocab_size}"
         )
 
-    run_dir = choose_run_dir(train_cfg.run_dir)
-    dump_config(config, run_dir / "config.yaml")
-    progress = Progress(train_cfg.max_steps, train_cfg.progress)
+    run_dir = runtime.broadcast_object(
+        choose_run_dir(train_cfg.run_dir) if runtime.is_main else None
+    )
+    if runtime.is_main:
+        dump_config(config, run_dir / "config.yaml")
+    progress = Progress(train_cfg.max_steps, train_cfg.progress and runtime.is_main)
     # Measured before seeding: the measurement draws random numbers.
     peak, peak_source = peak_flops(compute_dtype, device, train_cfg.peak_flops)
+    peak = runtime.mean_over_world(peak)
 
     torch.manual_seed(train_cfg.seed)
-    model = Transformer(config.model, data.seq_len).to(device)
+    model = Transformer(
+        config.model, data.seq_len, dispatcher_factory(config, runtime), seed=train_cfg.seed
+    ).to(device)
+    reducer = GradientReducer(model, layout.dp_group, layout.edp_group)
     optimizer = build_optimizer(model, config)
     params = count_params(config.model)
     tokens_per_step = data.global_batch_size * data.seq_len
     step_flops = flops_per_token(config.model, data.seq_len) * tokens_per_step
     num_micro = data.global_batch_size // data.micro_batch_size
+    my_micro = num_micro // layout.dp
+    first_micro = layout.dp_rank * my_micro
     progress.message(
         f"run_dir {run_dir} | {params.total / 1e6:.1f}M params ({params.active / 1e6:.1f}M "
-        f"active) | {tokens_per_step} tokens/step | peak {peak / 1e12:.2f} TFLOP/s "
-        f"({peak_source})"
+        f"active) | {tokens_per_step} tokens/step | world {layout.describe()} | peak "
+        f"{peak / 1e12:.2f} TFLOP/s per rank ({peak_source})"
     )
 
     def autocast() -> contextlib.AbstractContextManager:
@@ -134,73 +188,75 @@ def train(config: Config, *, device: torch.device | None = None) -> TrainResult:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=compute_dtype)
 
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    metrics = MetricsLog(run_dir / "metrics.jsonl") if runtime.is_main else None
     losses: list[float] = []
     grad_clip = config.optim.grad_clip if config.optim.grad_clip is not None else float("inf")
     model.train()
     try:
         for step in range(train_cfg.max_steps):
             start = time.perf_counter()
-            batch = dataset.batch(step, data.global_batch_size, train_cfg.seed).to(device)
-            lm_sum = torch.zeros((), device=device)
-            lb_sum = torch.zeros((), device=device)
-            z_sum = torch.zeros((), device=device)
-            for micro in batch.view(num_micro, data.micro_batch_size, data.seq_len + 1):
+            batch = dataset.batch(step, data.global_batch_size, train_cfg.seed)
+            micro_batches = batch.view(num_micro, data.micro_batch_size, data.seq_len + 1)
+            # [lm, lb, z] loss sums over this rank's micro-batches.
+            loss_sums = torch.zeros(3, device=device, dtype=torch.float64)
+            for micro in micro_batches[first_micro : first_micro + my_micro].to(device):
                 with autocast():
                     logits = model(micro[:, :-1])
                 loss = lm_loss(logits, micro[:, 1:])
                 lb, z = model.aux_losses()
                 total = loss + moe.lb_loss_weight * lb + moe.z_loss_weight * z
+                # Every micro-batch of the step weighs 1/num_micro, on whichever rank it is.
                 (total / num_micro).backward()
-                lm_sum += loss.detach()
-                lb_sum += lb.detach()
-                z_sum += z.detach()
+                loss_sums += torch.stack([loss.detach(), lb.detach(), z.detach()]).double()
 
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            reducer.reduce()
+            grad_norm = clip_grad_norm(model, grad_clip, layout)
             lr = lr_at(step, config.optim, train_cfg.max_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+            layer_stats = [layer.take_stats() for layer in model.moe_layers()]
             load_ratios, dropped, routed = [], 0.0, 0.0
-            for layer in model.moe_layers():
-                copies_per_expert, layer_dropped, layer_routed = layer.take_stats()
-                layer.router.update_bias(copies_per_expert)
-                load_ratios.append(copies_per_expert.max() / copies_per_expert.mean())
-                dropped += float(layer_dropped)
-                routed += float(layer_routed)
-
-            loss_value = float(lm_sum) / num_micro
-            losses.append(loss_value)
+            if layer_stats:
+                copies = runtime.sum_over_world(torch.stack([s[0] for s in layer_stats]))
+                counts = runtime.sum_over_world(
+                    torch.stack([torch.stack([s[1], s[2]]) for s in layer_stats]).sum(0)
+                )
+                for layer, copies_per_expert in zip(model.moe_layers(), copies, strict=True):
+                    layer.router.update_bias(copies_per_expert)
+                load_ratios = (copies.max(dim=1).values / copies.mean(dim=1)).tolist()
+                dropped, routed = counts.tolist()
+            loss_lm, loss_lb, loss_z = (runtime.sum_over_world(loss_sums) / num_micro).tolist()
+            losses.append(loss_lm)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            step_time = time.perf_counter() - start
+            step_time = runtime.max_over_world(time.perf_counter() - start)
             record = {
                 "step": step,
-                "loss": loss_value,
-                "lb_loss": float(lb_sum) / num_micro,
-                "z_loss": float(z_sum) / num_micro,
+                "loss": loss_lm,
+                "lb_loss": loss_lb,
+                "z_loss": loss_z,
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "tokens_per_s": tokens_per_step / step_time,
-                "mfu": step_flops / step_time / peak,
-                "expert_load_max_over_mean": (
-                    float(torch.stack(load_ratios).max()) if load_ratios else 1.0
-                ),
+                "mfu": step_flops / step_time / (peak * layout.world_size),
+                "expert_load_max_over_mean": max(load_ratios, default=1.0),
                 "dropped_token_frac": dropped / routed if routed else 0.0,
-                "peak_mem_bytes": peak_memory_bytes(device),
+                "peak_mem_bytes": int(runtime.max_over_world(peak_memory_bytes(device))),
                 "step_time_s": step_time,
             }
-            if step % train_cfg.log_interval == 0 or step == train_cfg.max_steps - 1:
+            logged = step % train_cfg.log_interval == 0 or step == train_cfg.max_steps - 1
+            if metrics is not None and (logged or not math.isfinite(loss_lm)):
                 metrics.write(record)
             progress.update(step, record)
-            if not math.isfinite(loss_value):
-                metrics.write(record)
+            if not math.isfinite(loss_lm):
                 raise MoeTrainError(
-                    f"the loss became {loss_value} at step {step}; lower optim.lr "
+                    f"the loss became {loss_lm} at step {step}; lower optim.lr "
                     f"(now {config.optim.lr}) or set optim.grad_clip"
                 )
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     return TrainResult(run_dir=run_dir, losses=losses, model=model)

@@ -1,0 +1,119 @@
+"""The parallel layout: world = pp x dp, with expert parallelism (ep) inside dp.
+
+Rank order: rank = pp_rank * dp + dp_rank and dp_rank = edp_rank * ep + ep_rank, so an
+expert-parallel group is `ep` consecutive ranks (one node's fast links, when ep fits a node).
+Within a pipeline stage:
+- the dp group holds the same dense weights (dense gradients are summed over it);
+- an ep group splits the experts of every MoE layer between its ranks;
+- an expert-data-parallel (edp) group holds the same expert shard (expert gradients are
+  summed over it only); edp = dp / ep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+class LayoutError(ValueError):
+    """The requested layout does not fit the world size or the model."""
+
+
+def check_layout(world_size: int, pp: int, ep: int, num_experts: int | None = None) -> int:
+    """Validate pp and ep against the world size (and experts); returns dp."""
+    if pp < 1 or ep < 1:
+        raise LayoutError(f"parallel.pp={pp} and parallel.ep={ep} must be at least 1")
+    if world_size % pp:
+        raise LayoutError(
+            f"parallel.pp={pp} must divide the world size {world_size} (processes started)"
+        )
+    dp = world_size // pp
+    if dp % ep:
+        raise LayoutError(
+            f"parallel.ep={ep} must divide the data-parallel size {dp} "
+            f"(world size {world_size} / parallel.pp={pp})"
+        )
+    if num_experts is not None and num_experts % ep:
+        raise LayoutError(f"parallel.ep={ep} must divide model.moe.num_experts={num_experts}")
+    return dp
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place in the layout and the process groups it belongs to."""
+
+    world_size: int
+    rank: int
+    pp: int
+    dp: int
+    ep: int
+    dp_group: ProcessGroup | None
+    """Ranks of this pipeline stage (dense gradient reduction); None in one process."""
+    ep_group: ProcessGroup | None
+    """Ranks that split the experts between them."""
+    edp_group: ProcessGroup | None
+    """Ranks holding the same expert shard (expert gradient reduction)."""
+    pp_group: ProcessGroup | None
+    """Ranks with the same dp rank over all stages."""
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank % self.dp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_rank // self.ep
+
+    def describe(self) -> dict[str, int]:
+        """The topology as plain numbers (for logs and checkpoints)."""
+        return {"world_size": self.world_size, "pp": self.pp, "dp": self.dp, "ep": self.ep}
+
+
+def single_process_layout() -> Layout:
+    """The layout of one process: everything of size 1, no groups."""
+    return Layout(1, 0, 1, 1, 1, None, None, None, None)
+
+
+def build_layout(pp: int, ep: int, num_experts: int | None = None) -> Layout:
+    """The layout of this rank in the default process group (one process if there is none).
+
+    Every rank must call this at the same point: it creates the process groups collectively.
+    """
+    if not dist.is_initialized():
+        check_layout(1, pp, ep, num_experts)
+        return single_process_layout()
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    dp = check_layout(world_size, pp, ep, num_experts)
+    edp = dp // ep
+    mine: dict[str, ProcessGroup | None] = {}
+    for stage in range(pp):
+        base = stage * dp
+        _join(mine, "dp", rank, [base + d for d in range(dp)])
+        for block in range(edp):
+            _join(mine, "ep", rank, [base + block * ep + e for e in range(ep)])
+        for e in range(ep):
+            _join(mine, "edp", rank, [base + block * ep + e for block in range(edp)])
+    for d in range(dp):
+        _join(mine, "pp", rank, [stage * dp + d for stage in range(pp)])
+    return Layout(world_size, rank, pp, dp, ep, mine["dp"], mine["ep"], mine["edp"], mine["pp"])
+
+
+def _join(mine: dict[str, ProcessGroup | None], kind: str, rank: int, ranks: list[int]) -> None:
+    # new_group is collective over the whole world: every rank creates every group.
+    group = dist.new_group(ranks)
+    if rank in ranks:
+        mine[kind] = group
