@@ -1,10 +1,14 @@
 """Data-parallel and expert-parallel training reproduce the single-process losses."""
 
-import pytest
+import subprocess
+import sys
 
-from distributed import run_distributed
+import pytest
+import yaml
+
+from distributed import free_port, run_distributed
 from moe_train.config import config_from_dict
-from moe_train.train import train
+from moe_train.train import read_metrics, train
 
 STEPS = 4
 
@@ -57,3 +61,37 @@ def test_data_parallel_matches_single_process(token_file, tmp_path, reference_lo
     assert per_rank[0] == per_rank[1]
     _assert_losses_match(per_rank[0], reference_losses)
     assert (tmp_path / "dp2" / "metrics.jsonl").is_file()
+
+
+def _torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    command += ["--master-port", str(free_port()), "-m", "moe_train.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_torchrun_end_to_end_matches_single_process(token_file, tmp_path, reference_losses):
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(_config_data(token_file, tmp_path / "torchrun")))
+    result = _torchrun(["train", str(config_path)])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("done:") == 1, "only rank 0 reports"
+    records = read_metrics(tmp_path / "torchrun" / "metrics.jsonl")
+    _assert_losses_match([r["loss"] for r in records], reference_losses)
+
+
+def test_torchrun_bad_layout_is_one_line_on_every_rank(token_file, tmp_path):
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(_config_data(token_file, tmp_path / "bad")))
+    result = _torchrun(
+        ["train", str(config_path), "--parallel.ep=3", "--parallel.dispatcher=all_to_all"]
+    )
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert (
+        ours
+        == [
+            "error: parallel.ep=3 must divide the data-parallel size 2 (world size 2 / parallel.pp=1)"
+        ]
+        * 2
+    )
+    assert not (tmp_path / "bad").exists()

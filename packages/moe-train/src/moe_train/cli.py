@@ -47,10 +47,11 @@ def run(argv: list[str]) -> int:
 
         config = load_config(args.config, extra)
         result = train(config)
-        print(
-            f"done: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}, "
-            f"metrics in {result.run_dir / 'metrics.jsonl'}"
-        )
+        if result.is_main:
+            print(
+                f"done: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}, "
+                f"metrics in {result.run_dir / 'metrics.jsonl'}"
+            )
         return 0
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -40,7 +40,9 @@ class TrainResult:
     losses: list[float]
     """LM loss of every step."""
     model: Transformer
-    """The trained model."""
+    """The trained model (this rank's part of it)."""
+    is_main: bool = True
+    """True on the rank that wrote the files (rank 0)."""
 
 
 def check_supported(config: Config) -> None:
@@ -259,4 +261,4 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
     finally:
         if metrics is not None:
             metrics.close()
-    return TrainResult(run_dir=run_dir, losses=losses, model=model)
+    return TrainResult(run_dir=run_dir, losses=losses, model=model, is_main=runtime.is_main)
