@@ -3,12 +3,15 @@
 Dense gradients are summed over the dp group and expert gradients over the
 expert-data-parallel group only; nothing ever gathers weights. Gradients are packed into
 flat buckets per group and dtype, so a step makes a few large collectives instead of one per
-parameter.
+parameter. During the backward of the step's last micro-batch, a bucket's all-reduce starts
+as soon as all of its gradients are final, overlapping communication with the rest of the
+backward. Buckets are launched strictly in order, so every rank issues the same collectives
+in the same order whatever order its hooks fire in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,8 +23,23 @@ from moe_parallel.expert_params import is_expert_parameter
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 
+@dataclass
+class _Bucket:
+    group: ProcessGroup
+    params: list[nn.Parameter]
+    pending: int = 0
+    flat: torch.Tensor | None = None
+    work: dist.Work | None = None
+    ready_ids: set[int] = field(default_factory=set)
+
+
 class GradientReducer:
-    """Sums `.grad` of every parameter over its replicas (call after the step's backwards)."""
+    """Sums `.grad` of every parameter over its replicas.
+
+    Use: `arm()` before the backward of the step's last micro-batch (reductions then start
+    during that backward), and `finish()` after it; or only `finish()` to reduce everything
+    after the backward.
+    """
 
     def __init__(
         self,
@@ -30,39 +48,79 @@ class GradientReducer:
         expert_group: ProcessGroup | None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        params = [p for p in module.parameters() if p.requires_grad]
-        self._plan = [
+        # Reverse registration order approximates the order in which backward finishes
+        # gradients, so early buckets fill first.
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        self._buckets: list[_Bucket] = []
+        for group, members in (
             (dense_group, [p for p in params if not is_expert_parameter(p)]),
             (expert_group, [p for p in params if is_expert_parameter(p)]),
-        ]
-        self.bucket_bytes = bucket_bytes
-
-    def reduce(self) -> None:
-        """Sum gradients over replicas in place; a missing gradient counts as zeros."""
-        for group, params in self._plan:
-            if group is None or dist.get_world_size(group) == 1 or not params:
+        ):
+            if group is None or dist.get_world_size(group) == 1:
                 continue
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            for bucket in _buckets(params, self.bucket_bytes):
-                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-                dist.all_reduce(flat, group=group)
-                offset = 0
-                for p in bucket:
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                    offset += p.numel()
+            for run in _runs(members, bucket_bytes):
+                self._buckets.append(_Bucket(group=group, params=run))
+        self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
+        self._armed = False
+        self._next_launch = 0
+        for bucket in self._buckets:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def arm(self) -> None:
+        """Start each bucket's reduction as soon as its gradients are final in this backward."""
+        self._armed = True
+        self._next_launch = 0
+        for bucket in self._buckets:
+            bucket.ready_ids.clear()
+            bucket.flat, bucket.work = None, None
+
+    def finish(self) -> None:
+        """Reduce whatever has not been reduced yet and write the sums back to `.grad`."""
+        if not self._armed:
+            self.arm()
+        self._armed = False
+        for bucket in self._buckets[self._next_launch :]:
+            self._launch(bucket)
+        self._next_launch = len(self._buckets)
+        for bucket in self._buckets:
+            bucket.work.wait()
+            offset = 0
+            for p in bucket.params:
+                p.grad.copy_(bucket.flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+            bucket.flat, bucket.work = None, None
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._armed:
+            return
+        bucket = self._buckets[self._bucket_of[id(param)]]
+        bucket.ready_ids.add(id(param))
+        while self._next_launch < len(self._buckets):
+            head = self._buckets[self._next_launch]
+            if len(head.ready_ids) < len(head.params):
+                break
+            self._launch(head)
+            self._next_launch += 1
+
+    @staticmethod
+    def _launch(bucket: _Bucket) -> None:
+        for p in bucket.params:
+            if p.grad is None:  # unused in this step: contributes zeros
+                p.grad = torch.zeros_like(p)
+        bucket.flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])
+        bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
 
-def _buckets(params: Iterable[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Consecutive runs of same-dtype gradients of at most about `bucket_bytes` each."""
-    buckets: list[list[nn.Parameter]] = []
+def _runs(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive runs of same-dtype parameters of at most about `bucket_bytes` each."""
+    runs: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
-        nbytes = p.grad.numel() * p.grad.element_size()
-        if not buckets or size + nbytes > bucket_bytes or buckets[-1][0].grad.dtype != p.grad.dtype:
-            buckets.append([])
+        nbytes = p.numel() * p.element_size()
+        if not runs or size + nbytes > bucket_bytes or runs[-1][0].dtype != p.dtype:
+            runs.append([])
             size = 0
-        buckets[-1].append(p)
+        runs[-1].append(p)
         size += nbytes
-    return buckets
+    return runs

@@ -201,7 +201,10 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
             micro_batches = batch.view(num_micro, data.micro_batch_size, data.seq_len + 1)
             # [lm, lb, z] loss sums over this rank's micro-batches.
             loss_sums = torch.zeros(3, device=device, dtype=torch.float64)
-            for micro in micro_batches[first_micro : first_micro + my_micro].to(device):
+            mine = micro_batches[first_micro : first_micro + my_micro].to(device)
+            for index, micro in enumerate(mine):
+                if index == my_micro - 1:
+                    reducer.arm()  # gradient reductions overlap this last backward
                 with autocast():
                     logits = model(micro[:, :-1])
                 loss = lm_loss(logits, micro[:, 1:])
@@ -211,7 +214,7 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
                 (total / num_micro).backward()
                 loss_sums += torch.stack([loss.detach(), lb.detach(), z.detach()]).double()
 
-            reducer.reduce()
+            reducer.finish()
             grad_norm = clip_grad_norm(model, grad_clip, layout)
             lr = lr_at(step, config.optim, train_cfg.max_steps)
             for group in optimizer.param_groups:
