@@ -95,3 +95,27 @@ def test_torchrun_bad_layout_is_one_line_on_every_rank(token_file, tmp_path):
         * 2
     )
     assert not (tmp_path / "bad").exists()
+
+
+EXPERT_PARALLEL_RUNS = {
+    "all_to_all": {"ep": 2, "dispatcher": "all_to_all"},
+    "rowwise": {"ep": 2, "dispatcher": "rowwise"},
+}
+
+
+def _train_many(rank: int, world_size: int, configs: dict[str, dict]) -> dict[str, list[float]]:
+    return {name: train(config_from_dict(data)).losses for name, data in configs.items()}
+
+
+@pytest.mark.parametrize("world_size", [2, 4], ids=["ep2_dp2", "ep2_dp4"])
+def test_expert_parallel_matches_single_process(token_file, tmp_path, reference_losses, world_size):
+    configs = {}
+    for name, parallel in EXPERT_PARALLEL_RUNS.items():
+        data = _config_data(token_file, tmp_path / name, **parallel)
+        # Rowwise buffers: capacity 4 x the even share is more than any expert can receive.
+        data["model"]["moe"]["capacity_factor"] = 4.0 if name == "rowwise" else None
+        configs[name] = data
+    per_rank = run_distributed(_train_many, world_size=world_size, args=(configs,))
+    for name in configs:
+        assert all(r[name] == per_rank[0][name] for r in per_rank), f"{name}: ranks disagree"
+        _assert_losses_match(per_rank[0][name], reference_losses)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import torch.distributed as dist
 
+from moe_dispatch.all_to_all import AllToAllDispatcher
+from moe_dispatch.deepep import DeepEPDispatcher, deep_ep_module
 from moe_dispatch.local import LocalDispatcher
 from moe_dispatch.protocol import BackendUnavailable, Dispatcher, DispatchHandle
+from moe_dispatch.rowwise import RowwiseDispatcher
+from moe_dispatch.transport_symm import symm_mem_available
 
 __version__ = "0.1.0"
 
@@ -14,30 +18,63 @@ DISPATCHER_NAMES: tuple[str, ...] = ("local", "all_to_all", "rowwise", "deepep")
 
 __all__ = [
     "DISPATCHER_NAMES",
+    "AllToAllDispatcher",
     "BackendUnavailable",
+    "DeepEPDispatcher",
     "DispatchHandle",
     "Dispatcher",
     "LocalDispatcher",
+    "RowwiseDispatcher",
     "__version__",
     "make_dispatcher",
+    "symm_mem_available",
 ]
 
 
 def make_dispatcher(
-    name: str, *, num_experts: int, capacity_factor: float | None = None, **kwargs: Any
+    name: str,
+    *,
+    num_experts: int,
+    capacity_factor: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    group_alignment: int = 1,
+    max_tokens_per_rank: int | None = None,
 ) -> Dispatcher:
     """Build the dispatcher named by ``parallel.dispatcher``.
 
-    ``kwargs`` go to the backend's constructor (``local`` takes ``group_alignment``). Raises
-    ``BackendUnavailable`` for a known backend this version lacks and ``ValueError`` for an
-    unknown name.
+    ``group`` is the expert-parallel process group (``parallel.ep`` ranks): required by
+    all_to_all, rowwise and deepep; local takes none (or one of size 1). Raises ``ValueError``
+    for an unknown name or inconsistent settings and ``BackendUnavailable`` for deepep without
+    the ``deep_ep`` library.
     """
-    if name == "local":
-        return LocalDispatcher(num_experts, capacity_factor=capacity_factor, **kwargs)
-    if name in DISPATCHER_NAMES:
-        raise BackendUnavailable(
-            f"parallel.dispatcher={name} is not implemented yet in this version; use local"
+    if name not in DISPATCHER_NAMES:
+        raise ValueError(
+            f"parallel.dispatcher={name!r} is not a dispatcher; valid: {', '.join(DISPATCHER_NAMES)}"
         )
-    raise ValueError(
-        f"parallel.dispatcher={name!r} is not a dispatcher; valid: {', '.join(DISPATCHER_NAMES)}"
-    )
+    if name == "local":
+        if group is not None and group.size() > 1:
+            raise ValueError(
+                f"parallel.dispatcher=local keeps every expert on each rank, but parallel.ep="
+                f"{group.size()}; use all_to_all, rowwise or deepep for expert parallelism"
+            )
+        return LocalDispatcher(num_experts, capacity_factor, group_alignment)
+    if name == "deepep":
+        deep_ep_module()  # BackendUnavailable first: the library decides whether deepep exists
+    if group is None:
+        raise ValueError(
+            f"parallel.dispatcher={name} needs the expert-parallel process group (the "
+            "parallel.ep ranks) passed as group"
+        )
+    # The constructors check that parallel.ep divides model.moe.num_experts.
+    if name == "all_to_all":
+        return AllToAllDispatcher(num_experts, group, capacity_factor, group_alignment)
+    if name == "rowwise":
+        if capacity_factor is None:
+            raise ValueError(
+                "parallel.dispatcher=rowwise is capacity-bounded: set model.moe.capacity_factor "
+                "(for example 1.25), or use all_to_all for dropless dispatch"
+            )
+        return RowwiseDispatcher(
+            num_experts, group, capacity_factor, max_tokens_per_rank, group_alignment
+        )
+    return DeepEPDispatcher(num_experts, group, max_tokens_per_rank, group_alignment)

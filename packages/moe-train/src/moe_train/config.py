@@ -199,7 +199,7 @@ class ParallelConfig:
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule."""
     dispatcher: Literal["local", "all_to_all", "rowwise", "deepep"] = "local"
-    """Token dispatch backend (local = no expert parallelism)."""
+    """Token dispatch backend between expert-parallel ranks; with ep = 1 every one is local."""
     distributed_optimizer: bool = False
     """Shard optimizer state over each gradient-reduction group."""
     recompute: Literal["none", "selective", "full"] = "none"

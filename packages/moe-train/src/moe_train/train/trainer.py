@@ -102,11 +102,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def dispatcher_factory(config: Config, runtime: Runtime) -> DispatcherFactory:
-    """The token dispatcher of every MoE layer, for this rank's expert-parallel group."""
+    """The token dispatcher of every MoE layer, for this rank's expert-parallel group.
+
+    Without expert parallelism (ep = 1) every backend reduces to `local`.
+    """
     moe, parallel = config.model.moe, config.parallel
-    if parallel.ep == 1 and parallel.dispatcher == "local":
-        kwargs = {}
-    else:
+    name, kwargs = "local", {}
+    if parallel.ep > 1:
+        name = parallel.dispatcher
         kwargs = {
             "group": runtime.layout.ep_group,
             "max_tokens_per_rank": config.data.micro_batch_size * config.data.seq_len,
@@ -115,7 +118,7 @@ def dispatcher_factory(config: Config, runtime: Runtime) -> DispatcherFactory:
     def build(layer: int) -> Dispatcher:
         try:
             return make_dispatcher(
-                parallel.dispatcher,
+                name,
                 num_experts=moe.num_experts,
                 capacity_factor=moe.capacity_factor,
                 group_alignment=moe.group_alignment,

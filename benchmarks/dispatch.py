@@ -1,0 +1,217 @@
+"""Dispatch backends on gloo (CPU): tokens/s of dispatch + combine, forward + backward, and the
+bytes each backend moves per token copy against the minimum.
+
+For each world size (spawned processes, one gloo rank each) and dtype, the backends run
+interleaved in one loop (machines are shared and noisy: compare ratios, not lone times):
+``local`` (each rank keeps all experts: no communication, the limit), ``all_to_all``
+(dropless, uneven splits) and ``rowwise`` (static capacity, even padded splits). Experts are
+the identity, so the time is dispatch + combine alone. Bytes are counted at
+``dist.all_to_all_single`` for one forward dispatch + combine (everything a rank hands to the
+collective, its own block and the count exchange included) and compared with the minimum:
+each token copy sent once each way, ``2 * D * element_size``.
+
+    uv run python benchmarks/dispatch.py --out bench_results/dispatch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor
+
+from moe_dispatch import Dispatcher, make_dispatcher
+
+BACKENDS = ("local", "all_to_all", "rowwise")
+
+
+class _ByteCounter:
+    """Wraps ``dist.all_to_all_single`` to add up the bytes handed to it while enabled."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.bytes = 0
+        self._inner = dist.all_to_all_single
+
+    def __call__(self, output: Tensor, input: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.enabled:
+            self.bytes += input.numel() * input.element_size()
+        return self._inner(output, input, *args, **kwargs)
+
+
+def _dispatch_combine(
+    dispatcher: Dispatcher, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Forward and backward through identity experts; returns (y, dropped copies)."""
+    x_TD = x_TD.detach().requires_grad_()
+    expert_input, _, handle = dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+    y_TD = dispatcher.combine(expert_input, handle)
+    y_TD.backward(torch.ones_like(y_TD))
+    return y_TD, handle.dropped_copies
+
+
+def _dispatch_combine_forward(
+    dispatcher: Dispatcher, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Forward only (for counting bytes); returns (y, dropped copies)."""
+    expert_input, _, handle = dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+    return dispatcher.combine(expert_input, handle), handle.dropped_copies
+
+
+def _timed(step: Callable[..., Any], *inputs: Any) -> float:
+    """Seconds of ``step(*inputs)`` on the slowest rank (every rank starts together)."""
+    dist.barrier()
+    start = time.perf_counter()
+    step(*inputs)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _bench_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=300),
+    )
+    counter = _ByteCounter()
+    dist.all_to_all_single = counter  # the backends call it through the module
+    group = dist.group.WORLD
+    dispatchers = {
+        "local": make_dispatcher("local", num_experts=args.experts),
+        "all_to_all": make_dispatcher("all_to_all", num_experts=args.experts, group=group),
+        "rowwise": make_dispatcher(
+            "rowwise",
+            num_experts=args.experts,
+            capacity_factor=args.capacity_factor,
+            group=group,
+            max_tokens_per_rank=args.tokens,
+        ),
+    }
+    generator = torch.Generator().manual_seed(1000 + rank)
+    scores_TE = torch.rand(args.tokens, args.experts, generator=generator)
+    topk_idx_TK = scores_TE.topk(args.top_k, dim=1).indices
+    topk_weight_TK = torch.softmax(torch.randn(args.tokens, args.top_k, generator=generator), 1)
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        x_TD = torch.randn(args.tokens, args.dim, generator=generator).to(dtype)
+        weight_TK = topk_weight_TK.to(dtype)
+        times: dict[str, list[float]] = {name: [] for name in BACKENDS}
+        for iteration in range(args.warmup + args.iters):
+            for name in BACKENDS:
+                inputs = (dispatchers[name], x_TD, topk_idx_TK, weight_TK)
+                seconds = _timed(_dispatch_combine, *inputs)
+                if iteration >= args.warmup:
+                    times[name].append(seconds)
+        for name in BACKENDS:
+            counter.bytes, counter.enabled = 0, True
+            with torch.no_grad():
+                _, dropped = _dispatch_combine_forward(
+                    dispatchers[name], x_TD, topk_idx_TK, weight_TK
+                )
+            counter.enabled = False
+            stats = torch.tensor([counter.bytes, int(dropped)], dtype=torch.float64)
+            dist.all_reduce(stats)
+            num_copies = args.tokens * args.top_k * world_size
+            seconds = statistics.median(times[name])
+            rows.append(
+                {
+                    "backend": name,
+                    "ep": world_size,
+                    "dtype": dtype_name,
+                    "seconds_per_step": seconds,
+                    "tokens_per_s": args.tokens * world_size / seconds,
+                    "bytes_per_copy": float(stats[0]) / num_copies,
+                    "min_bytes_per_copy": 2 * args.dim * x_TD.element_size(),
+                    "dropped_frac": float(stats[1]) / num_copies,
+                }
+            )
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    context = mp.get_context("spawn")
+    rows: list[dict] = []
+    for world_size in args.world_sizes:
+        queue = context.SimpleQueue()
+        mp.start_processes(
+            _bench_rank,
+            args=(world_size, _free_port(), args, queue),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+        rows += queue.get()
+    local_tokens_per_s = {
+        (row["ep"], row["dtype"]): row["tokens_per_s"] for row in rows if row["backend"] == "local"
+    }
+    for row in rows:
+        row["vs_local"] = row["tokens_per_s"] / local_tokens_per_s[(row["ep"], row["dtype"])]
+        row["bytes_vs_min"] = row["bytes_per_copy"] / row["min_bytes_per_copy"]
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (
+        f"{'backend':<11}{'ep':>3}{'dtype':>10}{'ms/step':>9}{'tokens/s':>11}{'vs local':>9}"
+        f"{'B/copy':>9}{'min B':>7}{'x min':>7}{'dropped':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(
+            f"{row['backend']:<11}{row['ep']:>3}{row['dtype']:>10}"
+            f"{row['seconds_per_step'] * 1e3:>9.1f}{row['tokens_per_s']:>11.0f}"
+            f"{row['vs_local']:>9.2f}{row['bytes_per_copy']:>9.0f}"
+            f"{row['min_bytes_per_copy']:>7}{row['bytes_vs_min']:>7.2f}"
+            f"{row['dropped_frac']:>9.3f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (T)")
+    parser.add_argument("--dim", type=int, default=512, help="model width (D)")
+    parser.add_argument("--experts", type=int, default=16, help="routed experts (E)")
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--capacity-factor", type=float, default=1.25, help="for rowwise")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("bench_results/dispatch.json"))
+    args = parser.parse_args()
+    rows = run(args)
+    print_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    config = {key: value for key, value in vars(args).items() if key != "out"}
+    args.out.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Differentiable all-to-all of rows: uneven splits (all_to_all) and the fixed-size padded
+transport of the rowwise dispatcher (CPU, and the GPU fallback)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["PaddedAllToAllTransport", "exchange_rows"]
+
+
+class _ExchangeRows(torch.autograd.Function):
+    """``all_to_all_single`` of rows; the backward is the reverse exchange of gradients."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        send_SD: Tensor,
+        output_split_sizes: list[int] | None,
+        input_split_sizes: list[int] | None,
+        group: dist.ProcessGroup,
+    ) -> Tensor:
+        ctx.split_sizes = (output_split_sizes, input_split_sizes)
+        ctx.group = group
+        return _all_to_all(send_SD, output_split_sizes, input_split_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad_recv_RD: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        output_split_sizes, input_split_sizes = ctx.split_sizes
+        grad_send_SD = _all_to_all(grad_recv_RD, input_split_sizes, output_split_sizes, ctx.group)
+        return grad_send_SD, None, None, None
+
+
+def _all_to_all(
+    send_SD: Tensor,
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+    group: dist.ProcessGroup,
+) -> Tensor:
+    send_SD = send_SD.contiguous()
+    num_recv = send_SD.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+    recv_RD = send_SD.new_empty((num_recv, *send_SD.shape[1:]))
+    dist.all_to_all_single(recv_RD, send_SD, output_split_sizes, input_split_sizes, group=group)
+    return recv_RD
+
+
+def exchange_rows(
+    send_SD: Tensor,
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+    group: dist.ProcessGroup,
+) -> Tensor:
+    """Send ``input_split_sizes[p]`` consecutive rows to group rank p; receive in rank order.
+
+    Split sizes None means even splits (no host-side sizes needed). Differentiable wrt
+    ``send_SD``: the gradient travels the reverse way.
+    """
+    return _ExchangeRows.apply(send_SD, output_split_sizes, input_split_sizes, group)
+
+
+class PaddedAllToAllTransport:
+    """Fixed-size blocks over ``all_to_all_single`` with even splits: never syncs the host.
+
+    ``exchange(send)`` takes ``[ep * block_rows, D]``: block p goes to group rank p, and the
+    block received from rank s lands at block s of the result (same shape).
+    """
+
+    name = "all_to_all"
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def exchange(self, send_SD: Tensor) -> Tensor:
+        """Differentiable even all-to-all of ``send_SD`` (rows divisible by the group size)."""
+        return exchange_rows(send_SD, None, None, self.group)
