@@ -13,6 +13,7 @@ raises in the test with that rank's traceback; a rank that hangs is killed after
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -53,7 +54,9 @@ def _entry(
         torch.set_num_threads(1)
         value = fn(rank, world_size, *args)
         dist.barrier()
-        results.put((rank, "ok", value))
+        # Plain pickle copies tensor data into the message; the queue's own pickler would
+        # share it through memory that disappears when this process exits.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -96,4 +99,4 @@ def run_distributed(
                 process.join()
     if errors:
         raise AssertionError("\n".join(errors))
-    return [collected[rank][1] for rank in range(world_size)]
+    return [pickle.loads(collected[rank][1]) for rank in range(world_size)]
