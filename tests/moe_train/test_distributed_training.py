@@ -2,12 +2,13 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from distributed import free_port, run_distributed
-from moe_train.config import config_from_dict
+from moe_train.config import config_from_dict, load_config
 from moe_train.train import read_metrics, train
 
 STEPS = 4
@@ -119,3 +120,36 @@ def test_expert_parallel_matches_single_process(token_file, tmp_path, reference_
     for name in configs:
         assert all(r[name] == per_rank[0][name] for r in per_rank), f"{name}: ranks disagree"
         _assert_losses_match(per_rank[0][name], reference_losses)
+
+
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
+# Micro-batches of 4 sequences give the 4 micro-batches per step that dp=4 shares out.
+TINY_FP32 = [
+    "--precision.compute_dtype=float32",
+    "--train.max_steps=20",
+    "--train.peak_flops=1e11",
+    "--data.micro_batch_size=4",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tiny") / "single"
+    config = load_config(TINY, [*TINY_FP32, f"--train.run_dir={run_dir}", "--train.progress=false"])
+    return train(config).losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4], ids=["ep2_dp2", "ep2_dp4"])
+@pytest.mark.parametrize("dispatcher", ["all_to_all", "rowwise"])
+def test_torchrun_tiny_config_expert_parallel(tmp_path, tiny_reference, dispatcher, nproc):
+    """The quickstart config, 20 fp32 steps, under torchrun with ep=2: single-process losses."""
+    run_dir = tmp_path / "run"
+    args = ["train", str(TINY), *TINY_FP32, f"--train.run_dir={run_dir}"]
+    args += ["--parallel.ep=2", f"--parallel.dispatcher={dispatcher}"]
+    if dispatcher == "rowwise":
+        args.append("--model.moe.capacity_factor=4.0")  # more than any expert can receive
+    result = _torchrun(args, nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(run_dir / "metrics.jsonl")
+    _assert_losses_match([r["loss"] for r in records], tiny_reference)
