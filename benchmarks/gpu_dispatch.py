@@ -1,0 +1,109 @@
+"""Rowwise dispatch on one GPU (world size 1): proof of no host sync, latency vs all_to_all.
+
+Runs in a one-rank NCCL group. The rowwise dispatcher is timed over its padded all-to-all
+transport and over symmetric memory; all_to_all is the reference. Every forward + backward
+of the rowwise backends runs under torch.cuda.set_sync_debug_mode("error"), which raises on
+any device-to-host synchronisation.
+
+    PYTHONPATH=packages/moe-kernels/src:packages/moe-dispatch/src python benchmarks/gpu_dispatch.py
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_dispatch import AllToAllDispatcher, RowwiseDispatcher
+
+
+def run_backend(name, dispatcher, x, topk_idx, weight, steps, sync_free):
+    def step():
+        expert_input, _, handle = dispatcher.dispatch(x, topk_idx, weight)
+        out = dispatcher.combine(expert_input * 1.0, handle)
+        out.sum().backward()
+
+    step()
+    torch.cuda.synchronize()
+    error = None
+    if sync_free:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - start) / steps
+    except RuntimeError as e:
+        elapsed, error = float("nan"), str(e).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return {"backend": name, "ms": elapsed * 1e3, "sync_free_checked": sync_free, "error": error}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("bench_results/gpu_dispatch.json"))
+    args = parser.parse_args()
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    group = dist.new_group([0])
+    device = torch.device("cuda", 0)
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(args.tokens, args.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    scores = torch.rand(args.tokens, args.experts, device=device, generator=generator)
+    topk_idx = scores.topk(args.top_k, dim=1).indices
+    weight = torch.rand(args.tokens, args.top_k, device=device, requires_grad=True)
+
+    backends = [
+        ("all_to_all", AllToAllDispatcher(args.experts, group), False),
+        (
+            "rowwise/all_to_all",
+            RowwiseDispatcher(args.experts, group, 1.25, transport="all_to_all"),
+            True,
+        ),
+        (
+            "rowwise/symmetric_memory",
+            RowwiseDispatcher(args.experts, group, 1.25, transport="symmetric_memory"),
+            True,
+        ),
+    ]
+    rows = []
+    for name, dispatcher, sync_free in backends:
+        try:
+            rows.append(run_backend(name, dispatcher, x, topk_idx, weight, args.steps, sync_free))
+        except Exception as e:  # report and go on: one table for the whole check
+            rows.append(
+                {
+                    "backend": name,
+                    "ms": float("nan"),
+                    "sync_free_checked": sync_free,
+                    "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                }
+            )
+    reference = rows[0]["ms"]
+    print(f"{'backend':<26} {'ms/step':>9} {'vs a2a':>7}  sync-free  error")
+    for row in rows:
+        print(
+            f"{row['backend']:<26} {row['ms']:>9.3f} {row['ms'] / reference:>7.2f}  "
+            f"{'checked' if row['sync_free_checked'] else '-':>9}  {row['error'] or ''}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2)
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
