@@ -1,6 +1,8 @@
-"""The `moe-train` command line: train, prepare-data."""
+"""The `moe-train` command line: train, prepare-data, inspect."""
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,7 +37,43 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="'byte' (default) or the path of a tokenizer.json (needs the tokenizers package)",
     )
+    inspect = commands.add_parser(
+        "inspect",
+        help="show a checkpoint's step, topology and tensors, and verify its checksums",
+        description="Print what a checkpoint directory holds and check every file's sha256; "
+        "exit 2 when verification fails.",
+    )
+    inspect.add_argument("checkpoint", type=Path, metavar="CKPT")
+    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser
+
+
+def _inspect(checkpoint: Path, as_json: bool) -> int:
+    from moe_checkpoint import CheckpointError, checkpoint_summary
+
+    try:
+        summary = checkpoint_summary(checkpoint)
+    except CheckpointError as e:
+        raise MoeTrainError(str(e)) from e
+    if as_json:
+        print(json.dumps(summary, indent=2))
+    else:
+        topology = summary["saved_topology"] or {"world_size": summary["saved_world_size"]}
+        print(f"checkpoint {summary['path']}")
+        print(f"step {summary['step']} | saved by {topology} | {summary['total_bytes']:,} bytes")
+        width = max((len(name) for name in summary["tensors"]), default=4)
+        print(f"{'tensor':<{width}}  {'shape':<20} {'dtype':<8} {'bytes':>14}  file")
+        for name, tensor in summary["tensors"].items():
+            shape = "x".join(str(d) for d in tensor["shape"]) or "scalar"
+            print(
+                f"{name:<{width}}  {shape:<20} {tensor['dtype']:<8} {tensor['bytes']:>14,}  "
+                f"{tensor['file']}"
+            )
+        print(f"checksums: {summary['verification']}")
+    if summary["verification"] != "ok":
+        print(f"error: {summary['verification']}", file=sys.stderr)
+        return USAGE_EXIT
+    return 0
 
 
 def run(argv: list[str]) -> int:
@@ -55,6 +93,8 @@ def run(argv: list[str]) -> int:
         return 0
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "inspect":
+        return _inspect(args.checkpoint, args.json)
     from moe_train.data import prepare_data
 
     meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer)
@@ -72,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     except MoeTrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_EXIT
+    except BrokenPipeError:  # output piped into a pager or head that closed early
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

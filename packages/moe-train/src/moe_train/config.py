@@ -231,11 +231,15 @@ class CheckpointConfig:
     keep_last: int = 3
     """Committed checkpoints to keep."""
     resume: str = "never"
-    """auto (newest committed checkpoint), never, or a checkpoint path."""
+    """auto (newest committed checkpoint in dir, if any), never, or a checkpoint path."""
+    async_save: bool = False
+    """Copy the state off the training tensors and write it while training goes on."""
 
     def validate(self, path: str) -> None:
         _non_negative(self, path, "interval")
         _positive(self, path, "keep_last")
+        if not self.resume:
+            raise ConfigError(f"{path}.resume is empty; use auto, never or a checkpoint path")
 
 
 @dataclass(kw_only=True)

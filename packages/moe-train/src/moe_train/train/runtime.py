@@ -7,6 +7,7 @@ environment variables; they are the launcher's contract, read here and nowhere e
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from moe_parallel import Layout, LayoutError, build_layout, check_layout
 from moe_train.config import Config
-from moe_train.errors import ConfigError
+from moe_train.errors import ConfigError, MoeTrainError
 
 DISTRIBUTED_TIMEOUT = timedelta(minutes=10)
 
@@ -66,6 +67,30 @@ class Runtime:
         holder = [value]
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
+
+    def on_main(self, fn: Callable[[], Any]) -> Any:
+        """fn() run on rank 0, its result (or its user error) on every rank."""
+        outcome: tuple[str, Any] | None = None
+        if self.is_main:
+            try:
+                outcome = ("ok", fn())
+            except MoeTrainError as e:
+                outcome = ("error", (type(e), str(e)))
+        status, value = self.broadcast_object(outcome)
+        if status == "error":
+            error_type, message = value
+            raise error_type(message)
+        return value
+
+    def raise_if_any(self, error: str | None) -> None:
+        """Raise on every rank if any rank had `error` (so no rank waits for the others)."""
+        errors = [error]
+        if self.distributed:
+            errors = [None] * self.layout.world_size
+            dist.all_gather_object(errors, error)
+        for message in errors:
+            if message is not None:
+                raise MoeTrainError(message)
 
     def close(self) -> None:
         if self.owns_process_group and dist.is_initialized():

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moe_checkpoint import CheckpointError, read_trainer_state
 from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher
 from moe_parallel import GradientReducer, clip_grad_norm
 from moe_train.config import Config, dump_config
@@ -24,9 +25,21 @@ from moe_train.model import (
     flops_per_token,
     lm_loss,
 )
+from moe_train.train.checkpointing import (
+    load_training_state,
+    restore_rng_state,
+)
 from moe_train.train.host_memory import keep_freed_host_memory
 from moe_train.train.metrics import MetricsLog, Progress
 from moe_train.train.peak import peak_flops
+from moe_train.train.run_files import (
+    PeriodicSaver,
+    check_no_newer_checkpoints,
+    checkpoint_root,
+    find_resume_checkpoint,
+    prepare_run_dir,
+    truncate_metrics,
+)
 from moe_train.train.runtime import Runtime, start_runtime
 from moe_train.train.schedule import lr_at
 
@@ -52,8 +65,6 @@ def check_supported(config: Config) -> None:
         "parallel.distributed_optimizer": (config.parallel.distributed_optimizer, False),
         "parallel.recompute": (config.parallel.recompute, "none"),
         "precision.mxfp8": (config.precision.mxfp8, False),
-        "checkpoint.interval": (config.checkpoint.interval, 0),
-        "checkpoint.resume": (config.checkpoint.resume, "never"),
     }
     for key, (value, supported) in unsupported.items():
         if value != supported:
@@ -61,20 +72,6 @@ def check_supported(config: Config) -> None:
                 f"{key}={value} is not available in this version of moe-train; "
                 f"only {key}={supported} is"
             )
-
-
-def choose_run_dir(requested: str) -> Path:
-    """`requested`, or `requested.N` with the first free N when it already holds a run."""
-    path = Path(requested)
-    candidate, n = path, 1
-    while candidate.exists() and any(candidate.iterdir()):
-        candidate = path.with_name(f"{path.name}.{n}")
-        n += 1
-    try:
-        candidate.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"train.run_dir={requested} cannot be created: {e.strerror}") from e
-    return candidate
 
 
 def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
@@ -160,8 +157,9 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
             f"{dataset.vocab_size}"
         )
 
-    run_dir = runtime.broadcast_object(
-        choose_run_dir(train_cfg.run_dir) if runtime.is_main else None
+    resume_from = runtime.on_main(lambda: find_resume_checkpoint(config))
+    run_dir = runtime.on_main(
+        lambda: prepare_run_dir(train_cfg.run_dir, resuming=resume_from is not None)
     )
     if runtime.is_main:
         dump_config(config, run_dir / "config.yaml")
@@ -193,12 +191,34 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=compute_dtype)
 
+    start_step = 0
+    if resume_from is not None:
+        error = None
+        try:
+            load_training_state(resume_from, model, optimizer, layout)
+            trainer_state = read_trainer_state(resume_from)
+        except CheckpointError as e:
+            error = str(e)
+        runtime.raise_if_any(error)
+        start_step = trainer_state["step"]
+        restore_rng_state(trainer_state["rng"])
+        progress.message(f"resumed from {resume_from} at step {start_step}")
+    runtime.on_main(
+        lambda: check_no_newer_checkpoints(
+            checkpoint_root(config, run_dir), start_step, config.checkpoint.interval
+        )
+    )
+    if runtime.is_main:
+        truncate_metrics(run_dir / "metrics.jsonl", start_step)
     metrics = MetricsLog(run_dir / "metrics.jsonl") if runtime.is_main else None
+    saver = PeriodicSaver(
+        config, checkpoint_root(config, run_dir), model, optimizer, dataset, runtime
+    )
     losses: list[float] = []
     grad_clip = config.optim.grad_clip if config.optim.grad_clip is not None else float("inf")
     model.train()
     try:
-        for step in range(train_cfg.max_steps):
+        for step in range(start_step, train_cfg.max_steps):
             start = time.perf_counter()
             batch = dataset.batch(step, data.global_batch_size, train_cfg.seed)
             micro_batches = batch.view(num_micro, data.micro_batch_size, data.seq_len + 1)
@@ -259,11 +279,14 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
             if metrics is not None and (logged or not math.isfinite(loss_lm)):
                 metrics.write(record)
             progress.update(step, record)
-            if not math.isfinite(loss_lm):
+            if math.isfinite(loss_lm):
+                saver.after_step(step)
+            else:
                 raise MoeTrainError(
                     f"the loss became {loss_lm} at step {step}; lower optim.lr "
                     f"(now {config.optim.lr}) or set optim.grad_clip"
                 )
+        saver.finish()
     finally:
         if metrics is not None:
             metrics.close()
