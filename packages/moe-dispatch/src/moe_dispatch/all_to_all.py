@@ -9,7 +9,6 @@ weights on the source rank.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_dispatch.local import capacity_keep_mask
-from moe_dispatch.protocol import DispatchHandle
+from moe_dispatch.protocol import DispatchHandle, capacity_per_expert, check_routing
 from moe_dispatch.transport_a2a import exchange_rows
 from moe_kernels import Permutation, permute, unpermute
 
@@ -86,20 +85,13 @@ class AllToAllDispatcher:
 
     def capacity(self, num_tokens: int, top_k: int) -> int | None:
         """Copies one source rank may send each expert; None if dropless."""
-        if self.capacity_factor is None:
-            return None
-        return math.ceil(self.capacity_factor * num_tokens * top_k / self.num_experts)
+        return capacity_per_expert(self.capacity_factor, num_tokens, top_k, self.num_experts)
 
     def dispatch(
         self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
     ) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Send each kept copy to its expert's rank; rows grouped by local expert."""
-        if topk_idx_TK.dim() != 2 or topk_weight_TK.shape != topk_idx_TK.shape:
-            raise ValueError(
-                "AllToAllDispatcher.dispatch: topk_idx and topk_weight must both be [T, K], got "
-                f"{tuple(topk_idx_TK.shape)} and {tuple(topk_weight_TK.shape)}"
-            )
-        num_tokens, top_k = topk_idx_TK.shape
+        num_tokens, top_k = check_routing("AllToAllDispatcher", topk_idx_TK, topk_weight_TK)
         ep, num_local = self.ep, self.num_local_experts
         capacity = self.capacity(num_tokens, top_k)
         keep_TK = None

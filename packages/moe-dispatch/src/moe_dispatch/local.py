@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from moe_dispatch.protocol import DispatchHandle
+from moe_dispatch.protocol import DispatchHandle, capacity_per_expert, check_routing
 from moe_kernels import Permutation, permute, unpermute
 
 __all__ = ["LocalDispatcher", "capacity_keep_mask"]
@@ -73,20 +72,13 @@ class LocalDispatcher:
 
     def capacity(self, num_tokens: int, top_k: int) -> int | None:
         """Copies each expert may take for ``num_tokens`` tokens at ``top_k``; None if dropless."""
-        if self.capacity_factor is None:
-            return None
-        return math.ceil(self.capacity_factor * num_tokens * top_k / self.num_experts)
+        return capacity_per_expert(self.capacity_factor, num_tokens, top_k, self.num_experts)
 
     def dispatch(
         self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
     ) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Permute token copies into expert order (T*K rows; dropped copies after the kept ones)."""
-        if topk_idx_TK.dim() != 2 or topk_weight_TK.shape != topk_idx_TK.shape:
-            raise ValueError(
-                "LocalDispatcher.dispatch: topk_idx and topk_weight must both be [T, K], got "
-                f"{tuple(topk_idx_TK.shape)} and {tuple(topk_weight_TK.shape)}"
-            )
-        num_tokens, top_k = topk_idx_TK.shape
+        num_tokens, top_k = check_routing("LocalDispatcher", topk_idx_TK, topk_weight_TK)
         capacity = self.capacity(num_tokens, top_k)
         keep_TK = None
         if capacity is not None:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["BackendUnavailable", "DispatchHandle", "Dispatcher"]
+__all__ = [
+    "BackendUnavailable",
+    "DispatchHandle",
+    "Dispatcher",
+    "capacity_per_expert",
+    "check_routing",
+]
 
 
 class BackendUnavailable(RuntimeError):
@@ -52,3 +59,22 @@ class Dispatcher(Protocol):
     def combine(self, expert_output: Tensor, handle: DispatchHandle) -> Tensor:
         """Bring expert outputs back and sum each token's copies with its routing weights."""
         ...
+
+
+def check_routing(backend: str, topk_idx_TK: Tensor, topk_weight_TK: Tensor) -> tuple[int, int]:
+    """(T, K) of a routing; ValueError naming `backend` unless both tensors are [T, K]."""
+    if topk_idx_TK.dim() != 2 or topk_weight_TK.shape != topk_idx_TK.shape:
+        raise ValueError(
+            f"{backend}.dispatch: topk_idx and topk_weight must both be [T, K], got "
+            f"{tuple(topk_idx_TK.shape)} and {tuple(topk_weight_TK.shape)}"
+        )
+    return topk_idx_TK.shape[0], topk_idx_TK.shape[1]
+
+
+def capacity_per_expert(
+    capacity_factor: float | None, num_tokens: int, top_k: int, num_experts: int
+) -> int | None:
+    """Copies one source may send each expert: ceil(factor x even share); None if dropless."""
+    if capacity_factor is None:
+        return None
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_dispatch.all_to_all import check_expert_parallel_args
-from moe_dispatch.protocol import DispatchHandle
+from moe_dispatch.protocol import DispatchHandle, check_routing
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
 from moe_dispatch.transport_symm import SymmetricMemoryTransport, symm_mem_available
 
@@ -143,12 +143,7 @@ class RowwiseDispatcher:
         self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
     ) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Write each kept copy into its slot of its expert's buffer on the owner rank."""
-        if topk_idx_TK.dim() != 2 or topk_weight_TK.shape != topk_idx_TK.shape:
-            raise ValueError(
-                "RowwiseDispatcher.dispatch: topk_idx and topk_weight must both be [T, K], got "
-                f"{tuple(topk_idx_TK.shape)} and {tuple(topk_weight_TK.shape)}"
-            )
-        num_tokens, top_k = topk_idx_TK.shape
+        num_tokens, top_k = check_routing("RowwiseDispatcher", topk_idx_TK, topk_weight_TK)
         if self.max_tokens_per_rank is not None and num_tokens > self.max_tokens_per_rank:
             raise ValueError(
                 f"RowwiseDispatcher.dispatch: {num_tokens} tokens exceed max_tokens_per_rank="
