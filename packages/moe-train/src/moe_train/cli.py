@@ -71,7 +71,7 @@ def _inspect(checkpoint: Path, as_json: bool) -> int:
             )
         print(f"checksums: {summary['verification']}")
     if summary["verification"] != "ok":
-        print(f"error: {summary['verification']}", file=sys.stderr)
+        _error_line(summary["verification"])
         return USAGE_EXIT
     return 0
 
@@ -105,12 +105,18 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def _error_line(message: str) -> None:
+    # One write call: lines of several ranks sharing a pipe do not interleave.
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors print one line `error: ...` and exit 2."""
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except MoeTrainError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _error_line(str(e))
         return USAGE_EXIT
     except BrokenPipeError:  # output piped into a pager or head that closed early
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
