@@ -94,11 +94,12 @@ def _expert_parallel_steps(rank: int, world_size: int, cases: list[tuple[int, st
     [
         (2, [(2, "all_to_all"), (2, "rowwise")]),
         (4, [(2, "all_to_all"), (2, "rowwise"), (4, "all_to_all"), (4, "rowwise")]),
+        (8, [(4, "all_to_all"), (4, "rowwise")]),
     ],
-    ids=["world2", "world4"],
+    ids=["world2", "world4", "world8"],
 )
 def test_outputs_and_gradients_match_single_process(single_process, world_size, cases):
-    """ep in {2, 4} with dp in {ep, 2 x ep} (within the world sizes), both backends."""
+    """ep in {2, 4} with dp in {ep, 2 x ep}, both backends."""
     reference_logits, reference_grads = single_process
     per_case = run_distributed(_expert_parallel_steps, world_size, args=(cases,))
     per_rank = NUM_MICRO // world_size
@@ -118,3 +119,31 @@ def test_outputs_and_gradients_match_single_process(single_process, world_size, 
                     atol=1e-7,
                     msg=lambda m, n=name, c=case: f"{c} {n}: {m}",
                 )
+
+
+def _deepep_without_library(rank: int, world_size: int, run_dir: str) -> str:
+    from moe_train.errors import ConfigError
+    from moe_train.train import train
+
+    config = _config(2, "deepep")
+    config.data.paths = ["builtin:stdlib"]
+    config.train.run_dir = run_dir
+    config.model.vocab_size = 320  # the byte-level built-in data
+    try:
+        train(config)
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_deepep_without_deepep_is_one_clear_error_on_every_rank(tmp_path):
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("DeepEP is installed here")
+    messages = run_distributed(_deepep_without_library, world_size=2, args=(str(tmp_path / "run"),))
+    assert messages[0] == messages[1]
+    assert not (tmp_path / "run").exists()
+    assert "DeepEP" in messages[0] and "all_to_all or rowwise" in messages[0]

@@ -157,6 +157,17 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
             f"{dataset.vocab_size}"
         )
 
+    # Measured before seeding: the measurement draws random numbers.
+    peak, peak_source = peak_flops(compute_dtype, device, train_cfg.peak_flops)
+    peak = runtime.mean_over_world(peak)
+    torch.manual_seed(train_cfg.seed)
+    # Built before anything is written, so a backend that cannot run leaves no run directory.
+    model = Transformer(
+        config.model, data.seq_len, dispatcher_factory(config, runtime), seed=train_cfg.seed
+    ).to(device)
+    reducer = GradientReducer(model, layout.dp_group, layout.edp_group)
+    optimizer = build_optimizer(model, config)
+
     resume_from = runtime.on_main(lambda: find_resume_checkpoint(config))
     run_dir = runtime.on_main(
         lambda: prepare_run_dir(train_cfg.run_dir, resuming=resume_from is not None)
@@ -164,16 +175,6 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
     if runtime.is_main:
         dump_config(config, run_dir / "config.yaml")
     progress = Progress(train_cfg.max_steps, train_cfg.progress and runtime.is_main)
-    # Measured before seeding: the measurement draws random numbers.
-    peak, peak_source = peak_flops(compute_dtype, device, train_cfg.peak_flops)
-    peak = runtime.mean_over_world(peak)
-
-    torch.manual_seed(train_cfg.seed)
-    model = Transformer(
-        config.model, data.seq_len, dispatcher_factory(config, runtime), seed=train_cfg.seed
-    ).to(device)
-    reducer = GradientReducer(model, layout.dp_group, layout.edp_group)
-    optimizer = build_optimizer(model, config)
     params = count_params(config.model)
     tokens_per_step = data.global_batch_size * data.seq_len
     step_flops = flops_per_token(config.model, data.seq_len) * tokens_per_step
