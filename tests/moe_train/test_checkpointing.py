@@ -107,3 +107,50 @@ def test_checkpoint_saved_by_two_ranks_resumes_in_one_process(tmp_path, make_con
     )
     for a, b in zip(resumed.losses, uninterrupted[3:], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
+
+
+KILLER = """
+import os, signal, sys
+import moe_checkpoint.save as save
+from moe_train.cli import main
+
+phase_to_kill, saves = sys.argv[1], {"n": 0}
+
+def hook(name):
+    if name == "files_created":
+        saves["n"] += 1
+    if saves["n"] == 3 and name == phase_to_kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+save._phase_hook = hook
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("phase", ["files_created", "writing", "written", "renamed"])
+def test_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, make_config, phase):
+    """SIGKILL inside the third save (step 3): auto resume continues from step 2, exactly."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = make_config(
+        tmp_path, train={"max_steps": 5}, checkpoint={"interval": 1, "resume": "auto"}
+    )
+    uninterrupted = train(make_config(tmp_path / "reference", train={"max_steps": 5})).losses
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config.to_dict()))
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLER, phase, "train", str(config_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    committed = sorted(p.name for p in checkpoints.iterdir() if (p / "COMMITTED").exists())
+    assert committed[-1] == "step_00000002"
+    resumed = train(config)
+    assert resumed.losses == uninterrupted[2:]
+    assert [r["loss"] for r in read_metrics(resumed.run_dir / "metrics.jsonl")] == uninterrupted
