@@ -91,6 +91,20 @@ def _save_at_layout(rank: int, world_size: int, data: dict) -> list[float]:
     return train(config_from_dict(data)).losses
 
 
+def test_single_process_checkpoint_resumes_at_dp2_and_ep2(tmp_path, make_config):
+    single = train(
+        make_config(tmp_path / "single", train={"max_steps": 6}, checkpoint={"interval": 3})
+    )
+    step3 = str(single.run_dir / "checkpoints" / "step_00000003")
+    for name, parallel in {"dp2": {}, "ep2": {"ep": 2, "dispatcher": "all_to_all"}}.items():
+        data = make_config(
+            tmp_path / name, train={"max_steps": 6}, checkpoint={"resume": step3}, parallel=parallel
+        ).to_dict()
+        per_rank = run_distributed(_save_at_layout, world_size=2, args=(data,))
+        for a, b in zip(per_rank[0], single.losses[3:], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), name
+
+
 @pytest.mark.parametrize(
     "parallel", [{}, {"ep": 2, "dispatcher": "all_to_all"}], ids=["dp2", "ep2"]
 )
