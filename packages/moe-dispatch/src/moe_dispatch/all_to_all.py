@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_dispatch.local import capacity_keep_mask
-from moe_dispatch.protocol import DispatchHandle, capacity_per_expert, check_routing
+from moe_dispatch.capacity import capacity_keep_mask, capacity_per_expert, check_capacity_factor
+from moe_dispatch.protocol import DispatchHandle, check_routing
 from moe_dispatch.transport_a2a import exchange_rows
 from moe_kernels import Permutation, permute, unpermute
 
@@ -70,11 +70,7 @@ class AllToAllDispatcher:
         group_alignment: int = 1,
     ) -> None:
         ep = check_expert_parallel_args("AllToAllDispatcher", num_experts, group, group_alignment)
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(
-                f"AllToAllDispatcher: capacity_factor={capacity_factor} must be positive, or "
-                "None for dropless"
-            )
+        check_capacity_factor("AllToAllDispatcher", capacity_factor)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
         self.group = group

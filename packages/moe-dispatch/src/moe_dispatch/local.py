@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
-from moe_dispatch.protocol import DispatchHandle, capacity_per_expert, check_routing
+from moe_dispatch.capacity import capacity_keep_mask, capacity_per_expert, check_capacity_factor
+from moe_dispatch.protocol import DispatchHandle, check_routing
 from moe_kernels import Permutation, permute, unpermute
 
 __all__ = ["LocalDispatcher", "capacity_keep_mask"]
@@ -17,27 +17,6 @@ __all__ = ["LocalDispatcher", "capacity_keep_mask"]
 class _LocalState:
     permutation: Permutation
     topk_weight_TK: Tensor
-
-
-def capacity_keep_mask(topk_idx_TK: Tensor, num_experts: int, capacity: int) -> Tensor:
-    """[T, K] bool: keep a copy iff fewer than ``capacity`` earlier copies went to its expert.
-
-    "Earlier" is token order, then k order. Computed on the device, without host sync.
-    """
-    num_copies = topk_idx_TK.numel()
-    expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
-    # Stable sort by expert: within an expert, copies stay in (token, k) order, so a copy's
-    # position in its expert is its sorted row minus the first row of that expert.
-    copy_of_row_F = torch.argsort(expert_of_copy_F, stable=True)
-    tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx_TK.device)
-    tokens_per_expert_E.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
-    first_row_E = torch.cumsum(tokens_per_expert_E, 0) - tokens_per_expert_E
-    rows_F = torch.arange(num_copies, device=topk_idx_TK.device)
-    position_of_row_F = rows_F - first_row_E[expert_of_copy_F[copy_of_row_F]]
-    position_of_copy_F = torch.empty_like(position_of_row_F).scatter_(
-        0, copy_of_row_F, position_of_row_F
-    )
-    return (position_of_copy_F < capacity).view(topk_idx_TK.shape)
 
 
 class LocalDispatcher:
@@ -55,11 +34,7 @@ class LocalDispatcher:
     ) -> None:
         if num_experts < 1:
             raise ValueError(f"LocalDispatcher: num_experts={num_experts} must be at least 1")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(
-                f"LocalDispatcher: capacity_factor={capacity_factor} must be positive, or None "
-                "for dropless"
-            )
+        check_capacity_factor("LocalDispatcher", capacity_factor)
         if group_alignment < 1:
             raise ValueError(
                 f"LocalDispatcher: group_alignment={group_alignment} must be at least 1"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -12,7 +11,6 @@ __all__ = [
     "BackendUnavailable",
     "DispatchHandle",
     "Dispatcher",
-    "capacity_per_expert",
     "check_routing",
 ]
 
@@ -69,12 +67,3 @@ def check_routing(backend: str, topk_idx_TK: Tensor, topk_weight_TK: Tensor) -> 
             f"{tuple(topk_idx_TK.shape)} and {tuple(topk_weight_TK.shape)}"
         )
     return topk_idx_TK.shape[0], topk_idx_TK.shape[1]
-
-
-def capacity_per_expert(
-    capacity_factor: float | None, num_tokens: int, top_k: int, num_experts: int
-) -> int | None:
-    """Copies one source may send each expert: ceil(factor x even share); None if dropless."""
-    if capacity_factor is None:
-        return None
-    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)

@@ -10,7 +10,6 @@ contiguous) and a transport moves the fixed-size blocks. Nothing reads a count o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_dispatch.all_to_all import check_expert_parallel_args
+from moe_dispatch.capacity import capacity_per_expert, position_in_expert
 from moe_dispatch.protocol import DispatchHandle, check_routing
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
 from moe_dispatch.transport_symm import SymmetricMemoryTransport, symm_mem_available
@@ -37,22 +37,6 @@ class RowTransport(Protocol):
     def exchange(self, send_SD: Tensor) -> Tensor:
         """Differentiable; the backward is the same exchange of the gradients."""
         ...
-
-
-def position_in_expert(expert_of_copy_F: Tensor, num_experts: int) -> Tensor:
-    """[F] int64: how many earlier copies (in copy order) went to the same expert. No host sync."""
-    num_copies = expert_of_copy_F.shape[0]
-    copy_of_sorted_F = torch.argsort(expert_of_copy_F, stable=True)
-    copies_per_expert_E = torch.zeros(
-        num_experts, dtype=torch.int64, device=expert_of_copy_F.device
-    )
-    copies_per_expert_E.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
-    first_sorted_E = torch.cumsum(copies_per_expert_E, 0) - copies_per_expert_E
-    sorted_rows_F = torch.arange(num_copies, device=expert_of_copy_F.device)
-    position_of_sorted_F = sorted_rows_F - first_sorted_E[expert_of_copy_F[copy_of_sorted_F]]
-    return torch.empty_like(position_of_sorted_F).scatter_(
-        0, copy_of_sorted_F, position_of_sorted_F
-    )
 
 
 @dataclass(frozen=True)
@@ -120,7 +104,7 @@ class RowwiseDispatcher:
     def capacity(self, num_tokens: int, top_k: int) -> int:
         """Copies one source rank may send each expert (buffer rows per source and expert)."""
         max_tokens = self.max_tokens_per_rank or num_tokens
-        return math.ceil(self.capacity_factor * max_tokens * top_k / self.num_experts)
+        return capacity_per_expert(self.capacity_factor, max_tokens, top_k, self.num_experts)
 
     def rows_per_expert(self, num_tokens: int, top_k: int) -> int:
         """Rows of each local expert's group in expert_input (static)."""

@@ -1,0 +1,59 @@
+"""Capacity: how many copies one source may send each expert, and which copies fit."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "capacity_keep_mask",
+    "capacity_per_expert",
+    "check_capacity_factor",
+    "position_in_expert",
+]
+
+
+def check_capacity_factor(backend: str, capacity_factor: float | None) -> None:
+    """ValueError naming `backend` unless the factor is positive or None (dropless)."""
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(
+            f"{backend}: capacity_factor={capacity_factor} must be positive, or None for dropless"
+        )
+
+
+def capacity_per_expert(
+    capacity_factor: float | None, num_tokens: int, top_k: int, num_experts: int
+) -> int | None:
+    """Copies one source may send each expert: ceil(factor x even share); None if dropless."""
+    if capacity_factor is None:
+        return None
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def position_in_expert(expert_of_copy_F: Tensor, num_experts: int) -> Tensor:
+    """[F] int64: how many earlier copies (in copy order) went to the same expert. No host sync."""
+    num_copies = expert_of_copy_F.shape[0]
+    # Stable sort by expert: within an expert, copies stay in copy order, so a copy's position
+    # in its expert is its sorted row minus the first sorted row of that expert.
+    copy_of_sorted_F = torch.argsort(expert_of_copy_F, stable=True)
+    copies_per_expert_E = torch.zeros(
+        num_experts, dtype=torch.int64, device=expert_of_copy_F.device
+    )
+    copies_per_expert_E.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
+    first_sorted_E = torch.cumsum(copies_per_expert_E, 0) - copies_per_expert_E
+    sorted_rows_F = torch.arange(num_copies, device=expert_of_copy_F.device)
+    position_of_sorted_F = sorted_rows_F - first_sorted_E[expert_of_copy_F[copy_of_sorted_F]]
+    return torch.empty_like(position_of_sorted_F).scatter_(
+        0, copy_of_sorted_F, position_of_sorted_F
+    )
+
+
+def capacity_keep_mask(topk_idx_TK: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """[T, K] bool: keep a copy iff fewer than ``capacity`` earlier copies went to its expert.
+
+    "Earlier" is token order, then k order. Computed on the device, without host sync.
+    """
+    expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
+    return (position_in_expert(expert_of_copy_F, num_experts) < capacity).view(topk_idx_TK.shape)
