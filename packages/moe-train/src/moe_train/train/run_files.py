@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -90,8 +91,6 @@ def truncate_metrics(path: Path, start_step: int) -> None:
 
 
 def _step_of(line: str) -> int:
-    import json
-
     try:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):

@@ -46,12 +46,13 @@ class Runtime:
             dist.all_reduce(tensor, group=self.layout.dp_group)
         return tensor
 
-    def max_over_world(self, value: float) -> float:
+    def max_over_world(self, values: list[float]) -> list[float]:
+        """Each value's maximum over all ranks (one collective for all of them)."""
         if not self.distributed:
-            return value
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return float(tensor)
+        return tensor.tolist()
 
     def mean_over_world(self, value: float) -> float:
         if not self.distributed:

@@ -246,22 +246,29 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-            layer_stats = [layer.take_stats() for layer in model.moe_layers()]
-            load_ratios, dropped, routed = [], 0.0, 0.0
-            if layer_stats:
-                copies = runtime.sum_over_world(torch.stack([s[0] for s in layer_stats]))
-                counts = runtime.sum_over_world(
-                    torch.stack([torch.stack([s[1], s[2]]) for s in layer_stats]).sum(0)
-                )
-                for layer, copies_per_expert in zip(model.moe_layers(), copies, strict=True):
-                    layer.router.update_bias(copies_per_expert)
-                load_ratios = (copies.max(dim=1).values / copies.mean(dim=1)).tolist()
-                dropped, routed = counts.tolist()
-            loss_lm, loss_lb, loss_z = (runtime.sum_over_world(loss_sums) / num_micro).tolist()
+            # One reduction of everything ranks sum per step: [lm, lb, z, dropped, routed,
+            # copies per expert of every MoE layer].
+            layers = model.moe_layers()
+            stats = [layer.take_stats() for layer in layers]
+            copies = torch.stack([s[0] for s in stats]).double() if stats else loss_sums[:0]
+            dropped_routed = loss_sums.new_zeros(2)
+            for _, layer_dropped, layer_routed in stats:
+                dropped_routed += torch.stack([layer_dropped, layer_routed])
+            totals = runtime.sum_over_world(
+                torch.cat([loss_sums, dropped_routed, copies.flatten()])
+            )
+            loss_lm, loss_lb, loss_z = (totals[:3] / num_micro).tolist()
+            dropped, routed = totals[3:5].tolist()
+            copies = totals[5:].view_as(copies)
+            for layer, copies_per_expert in zip(layers, copies, strict=True):
+                layer.router.update_bias(copies_per_expert)
+            load_ratios = (copies.max(dim=1).values / copies.mean(dim=1)).tolist() if stats else []
             losses.append(loss_lm)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            step_time = runtime.max_over_world(time.perf_counter() - start)
+            step_time, peak_mem = runtime.max_over_world(
+                [time.perf_counter() - start, float(peak_memory_bytes(device))]
+            )
             record = {
                 "step": step,
                 "loss": loss_lm,
@@ -273,7 +280,7 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
                 "mfu": step_flops / step_time / (peak * layout.world_size),
                 "expert_load_max_over_mean": max(load_ratios, default=1.0),
                 "dropped_token_frac": dropped / routed if routed else 0.0,
-                "peak_mem_bytes": int(runtime.max_over_world(peak_memory_bytes(device))),
+                "peak_mem_bytes": int(peak_mem),
                 "step_time_s": step_time,
             }
             logged = step % train_cfg.log_interval == 0 or step == train_cfg.max_steps - 1
