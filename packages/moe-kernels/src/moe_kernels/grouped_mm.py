@@ -1,19 +1,29 @@
-"""Grouped GEMM over expert-contiguous rows: ``torch._grouped_mm`` with alignment and dtype fallbacks.
+"""Grouped GEMM over expert-contiguous rows, on ``torch._grouped_mm`` or Triton kernels.
 
 Rows ``offsets[g-1]:offsets[g]`` of ``x`` are multiplied by ``w[g]``. Rows at or past
 ``offsets[-1]`` are padding: their output is exactly zero and their input gradient is zero.
+The torch backend adds alignment and dtype fallbacks; the Triton backend is in
+``triton_grouped_mm`` (imported only when used).
 """
 
 from __future__ import annotations
+
+from types import ModuleType
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["GROUPED_MM_DTYPES", "grouped_mm"]
+__all__ = ["GROUPED_MM_BACKENDS", "GROUPED_MM_DTYPES", "GroupedMmBackend", "grouped_mm"]
 
 GROUPED_MM_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 """Dtypes that ``torch._grouped_mm`` accepts; other dtypes take a per-expert loop."""
+
+GroupedMmBackend = Literal["torch", "triton", "auto"]
+"""``torch``: ``torch._grouped_mm``; ``triton``: the Triton kernels; ``auto``: the faster one."""
+
+GROUPED_MM_BACKENDS: tuple[str, ...] = get_args(GroupedMmBackend)
 
 _ALIGNMENT_BYTES = 16
 
@@ -98,26 +108,141 @@ def _grouped_mm_loop(x_TK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
     return torch.cat(pieces, dim=0)
 
 
-def grouped_mm(x_TK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
+def _triton_module() -> ModuleType:
+    """``moe_kernels.triton_grouped_mm``, imported on first use (it needs triton)."""
+    try:
+        from moe_kernels import triton_grouped_mm
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("triton"):
+            raise
+        raise ImportError(
+            "grouped_mm backend='triton' needs the triton package (installed with moe-kernels on "
+            "Linux; otherwise `pip install triton`); use backend='torch' instead"
+        ) from e
+    return triton_grouped_mm
+
+
+_AUTO_TIMING_REPS = 5
+_auto_choices: dict[tuple, str] = {}
+"""Backend that ``auto`` measured faster, per (device, dtype, shape class, with backward)."""
+
+
+def _time_backend_ms(
+    backend: str,
+    x_TK: Tensor,
+    w_EKN: Tensor,
+    offsets_E: Tensor,
+    grad_out_TN: Tensor | None,
+) -> float:
+    """Milliseconds per call (after one warm-up call that compiles and autotunes), on CUDA."""
+
+    def step() -> None:
+        out_TN = grouped_mm(x_TK, w_EKN, offsets_E, backend=backend)
+        if grad_out_TN is not None:
+            out_TN.backward(grad_out_TN)
+
+    step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(_AUTO_TIMING_REPS):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / _AUTO_TIMING_REPS
+
+
+def _auto_backend(x_TK: Tensor, w_EKN: Tensor, with_backward: bool) -> str:
+    """The backend measured faster for this shape class on this CUDA device; torch elsewhere.
+
+    The first call per shape class times both backends on balanced synthetic groups of the
+    same shape (this syncs the host once); later calls read the cached choice. T is rounded up
+    to a power of two for the shape class.
+    """
+    if x_TK.device.type != "cuda":
+        return "torch"  # On CPU Triton runs only under its interpreter, a test vehicle.
+    try:
+        _triton_module()
+    except ImportError:
+        return "torch"
+    num_rows, size_k = x_TK.shape
+    num_experts, _, size_n = w_EKN.shape
+    w_transposed = w_EKN.stride(1) == 1 and w_EKN.stride(2) != 1
+    shape_class = (
+        x_TK.device,
+        x_TK.dtype,
+        1 << max(num_rows - 1, 0).bit_length(),
+        size_k,
+        size_n,
+        num_experts,
+        w_transposed,
+        with_backward,
+    )
+    choice = _auto_choices.get(shape_class)
+    if choice is not None:
+        return choice
+    if torch.cuda.is_current_stream_capturing():
+        return "torch"  # Timing needs a host sync, impossible while a CUDA graph is captured.
+    # Synthetic inputs from a private generator, so the caller's random stream is untouched.
+    generator = torch.Generator(device=x_TK.device).manual_seed(0)
+    options = {"device": x_TK.device, "dtype": x_TK.dtype, "generator": generator}
+    x_probe = torch.randn(num_rows, size_k, **options)
+    if w_transposed:
+        w_probe = torch.randn(num_experts, size_n, size_k, **options).transpose(1, 2)
+    else:
+        w_probe = torch.randn(num_experts, size_k, size_n, **options)
+    offsets_probe = (
+        torch.arange(1, num_experts + 1, device=x_TK.device) * num_rows // num_experts
+    ).to(torch.int32)
+    grad_out_probe = torch.randn(num_rows, size_n, **options) if with_backward else None
+    with torch.enable_grad() if with_backward else torch.no_grad():
+        x_probe.requires_grad_(with_backward)
+        w_probe.requires_grad_(with_backward)
+        times_ms = {
+            backend: _time_backend_ms(backend, x_probe, w_probe, offsets_probe, grad_out_probe)
+            for backend in ("torch", "triton")
+        }
+    choice = min(times_ms, key=times_ms.__getitem__)
+    _auto_choices[shape_class] = choice
+    return choice
+
+
+def grouped_mm(
+    x_TK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, backend: GroupedMmBackend = "torch"
+) -> Tensor:
     """Multiply row group g of ``x`` by ``w[g]``; rows past ``offsets[-1]`` give exact zeros.
 
     Args:
         x_TK: [T, K] rows, grouped by expert.
-        w_EKN: [E, K, N] one weight matrix per expert.
+        w_EKN: [E, K, N] one weight matrix per expert (a transposed view is used as is).
         offsets_E: [E] cumulative row ends (int32; int64 is converted); group g holds rows
             ``offsets[g-1]:offsets[g]``. Must be non-decreasing with ``offsets[-1] <= T``
             (not checked: that would need a host sync).
+        backend: ``"torch"`` (default): ``torch._grouped_mm`` for fp32/bf16/fp16 (zero-padding
+            K and N to 16-byte multiples when needed, without host sync) and a per-expert loop
+            for other dtypes such as float64. ``"triton"``: the Triton kernels of
+            ``moe_kernels.triton_grouped_mm`` (fp32/bf16/fp16, any K and N, no host sync); on
+            CPU tensors only under the Triton interpreter. ``"auto"``: on CUDA, whichever of the
+            two was measured faster for the shape class (timed once per class, which syncs the
+            host that once); torch elsewhere and for other dtypes.
 
     Returns:
         [T, N] in the dtype of ``x``, differentiable wrt ``x`` and ``w``. The gradient wrt the
         padding rows of ``x`` is zero, as is the weight gradient of empty groups.
-
-    Uses ``torch._grouped_mm`` for fp32/bf16/fp16 (zero-padding K and N to 16-byte multiples
-    when needed, without host sync) and a per-expert loop for other dtypes such as float64.
     """
     _check_inputs(x_TK, w_EKN, offsets_E)
+    if backend not in GROUPED_MM_BACKENDS:
+        raise ValueError(
+            f"grouped_mm: backend={backend!r} is not one of {', '.join(GROUPED_MM_BACKENDS)}"
+        )
     if offsets_E.dtype != torch.int32:
         offsets_E = offsets_E.to(torch.int32)
+    if backend == "auto":
+        backend = "torch"
+        if x_TK.dtype in GROUPED_MM_DTYPES:
+            with_backward = torch.is_grad_enabled() and (x_TK.requires_grad or w_EKN.requires_grad)
+            backend = _auto_backend(x_TK, w_EKN, with_backward)
+    if backend == "triton":
+        return _triton_module().triton_grouped_mm(x_TK, w_EKN, offsets_E)
     if x_TK.dtype not in GROUPED_MM_DTYPES:
         return _grouped_mm_loop(x_TK, w_EKN, offsets_E)
 
