@@ -5,6 +5,7 @@ Without CUDA the kernels run under the Triton interpreter (see conftest.py), so 
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import zlib
@@ -17,6 +18,9 @@ import moe_kernels
 from assertions import assert_close_report
 from moe_kernels import grouped_mm
 from moe_kernels import triton_grouped_mm as tgm
+
+# The module, not the function of the same name that moe_kernels exports.
+grouped_mm_module = importlib.import_module("moe_kernels.grouped_mm")
 
 # (rtol, atol as a fraction of the reference's largest magnitude)
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1e-2)}
@@ -190,6 +194,33 @@ def test_auto_backend_on_cpu_is_the_torch_backend() -> None:
     assert torch.equal(
         grouped_mm(x, w, offsets, backend="auto"), grouped_mm(x, w, offsets, backend="torch")
     )
+
+
+@pytest.mark.parametrize("with_backward", [False, True], ids=["forward", "forward_backward"])
+def test_auto_measurement_runs_both_backends_and_picks_the_faster(
+    monkeypatch: pytest.MonkeyPatch, with_backward: bool
+) -> None:
+    """The timing itself needs CUDA; here each backend runs once on the probe and a time is faked."""
+    faked_ms = {"torch": 2.0, "triton": 1.0}
+    probes = []
+
+    def run_once_and_fake_time(
+        backend: str, x: Tensor, w: Tensor, offsets: Tensor, grad_out: Tensor | None
+    ) -> float:
+        out = grouped_mm(x, w, offsets, backend=backend)  # type: ignore[arg-type]
+        if grad_out is not None:
+            out.backward(grad_out)
+            assert x.grad is not None and w.grad is not None
+        probes.append((backend, tuple(x.shape), w.stride(), offsets.tolist()))
+        return faked_ms[backend]
+
+    monkeypatch.setattr(grouped_mm_module, "_time_backend_ms", run_once_and_fake_time)
+    x, w, _, _ = make_inputs([3, 5], 20, 16, 24, torch.float32, 6, transposed_w=True)
+    assert grouped_mm_module._measure_faster_backend(x, w, True, with_backward) == "triton"
+    faked_ms["torch"] = 0.5
+    assert grouped_mm_module._measure_faster_backend(x, w, True, with_backward) == "torch"
+    assert [probe[0] for probe in probes] == ["torch", "triton"] * 2
+    assert all(probe[1:] == ((20, 16), w.stride(), [10, 20]) for probe in probes), probes
 
 
 def test_bad_backend_and_dtype_raise_value_error() -> None:

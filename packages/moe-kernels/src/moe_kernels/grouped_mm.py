@@ -151,38 +151,13 @@ def _time_backend_ms(
     return start.elapsed_time(end) / _AUTO_TIMING_REPS
 
 
-def _auto_backend(x_TK: Tensor, w_EKN: Tensor, with_backward: bool) -> str:
-    """The backend measured faster for this shape class on this CUDA device; torch elsewhere.
-
-    The first call per shape class times both backends on balanced synthetic groups of the
-    same shape (this syncs the host once); later calls read the cached choice. T is rounded up
-    to a power of two for the shape class.
-    """
-    if x_TK.device.type != "cuda":
-        return "torch"  # On CPU Triton runs only under its interpreter, a test vehicle.
-    try:
-        _triton_module()
-    except ImportError:
-        return "torch"
+def _measure_faster_backend(
+    x_TK: Tensor, w_EKN: Tensor, w_transposed: bool, with_backward: bool
+) -> str:
+    """Time both backends on synthetic inputs shaped like ``x`` and ``w`` with balanced groups."""
     num_rows, size_k = x_TK.shape
     num_experts, _, size_n = w_EKN.shape
-    w_transposed = w_EKN.stride(1) == 1 and w_EKN.stride(2) != 1
-    shape_class = (
-        x_TK.device,
-        x_TK.dtype,
-        1 << max(num_rows - 1, 0).bit_length(),
-        size_k,
-        size_n,
-        num_experts,
-        w_transposed,
-        with_backward,
-    )
-    choice = _auto_choices.get(shape_class)
-    if choice is not None:
-        return choice
-    if torch.cuda.is_current_stream_capturing():
-        return "torch"  # Timing needs a host sync, impossible while a CUDA graph is captured.
-    # Synthetic inputs from a private generator, so the caller's random stream is untouched.
+    # A private generator, so the caller's random stream is untouched.
     generator = torch.Generator(device=x_TK.device).manual_seed(0)
     options = {"device": x_TK.device, "dtype": x_TK.dtype, "generator": generator}
     x_probe = torch.randn(num_rows, size_k, **options)
@@ -201,8 +176,37 @@ def _auto_backend(x_TK: Tensor, w_EKN: Tensor, with_backward: bool) -> str:
             backend: _time_backend_ms(backend, x_probe, w_probe, offsets_probe, grad_out_probe)
             for backend in ("torch", "triton")
         }
-    choice = min(times_ms, key=times_ms.__getitem__)
-    _auto_choices[shape_class] = choice
+    return min(times_ms, key=times_ms.__getitem__)
+
+
+def _auto_backend(x_TK: Tensor, w_EKN: Tensor, with_backward: bool) -> str:
+    """The backend measured faster for this shape class on this CUDA device; torch elsewhere.
+
+    The first call per shape class times both backends on balanced synthetic groups of the
+    same shape (this syncs the host once); later calls read the cached choice. T is rounded up
+    to a power of two for the shape class.
+    """
+    if x_TK.device.type != "cuda":
+        return "torch"  # On CPU Triton runs only under its interpreter, a test vehicle.
+    try:
+        _triton_module()
+    except ImportError:
+        return "torch"
+    w_transposed = w_EKN.stride(1) == 1 and w_EKN.stride(2) != 1
+    shape_class = (
+        x_TK.device,
+        x_TK.dtype,
+        1 << max(x_TK.shape[0] - 1, 0).bit_length(),
+        *w_EKN.shape,
+        w_transposed,
+        with_backward,
+    )
+    choice = _auto_choices.get(shape_class)
+    if choice is None:
+        if torch.cuda.is_current_stream_capturing():
+            return "torch"  # Timing needs a host sync, impossible while a CUDA graph is captured.
+        choice = _measure_faster_backend(x_TK, w_EKN, w_transposed, with_backward)
+        _auto_choices[shape_class] = choice
     return choice
 
 
