@@ -4,6 +4,12 @@ A model opts in through the expert-parameter protocol (`mark_expert_parameter`);
 else here works on any `nn.Module`.
 """
 
+from moe_parallel.distributed_optimizer import (
+    DistributedAdamW,
+    StatePiece,
+    StateRequest,
+    decay_matrices,
+)
 from moe_parallel.expert_params import (
     dense_parameters,
     expert_parameters,
@@ -23,12 +29,16 @@ from moe_parallel.layout import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DistributedAdamW",
     "GradientReducer",
     "Layout",
     "LayoutError",
+    "StatePiece",
+    "StateRequest",
     "build_layout",
     "check_layout",
     "clip_grad_norm",
+    "decay_matrices",
     "dense_parameters",
     "expert_parameters",
     "is_expert_parameter",

@@ -1,0 +1,352 @@
+"""ZeRO-style AdamW: FP32 master weights and Adam moments sharded over each reduction group.
+
+Parameters are packed, in a fixed order, into flat buckets per reduction group (dense
+weights: the dp group; expert weights: the expert-data-parallel group) and dtype, each padded
+to a multiple of the group size (see `flat_shards`). Rank i of a group owns the i-th
+contiguous shard of every bucket and keeps master weights and moments for it alone. A step:
+
+1. `arm()` before the last micro-batch's backward, `finish()` after it (the `GradientReducer`
+   protocol): each bucket's gradients are reduce-scattered as soon as they are final, so a rank
+   receives the summed gradient of its shard; the full `.grad` tensors are released.
+2. `clip_grad_norm_(max_norm)`: the global norm from the shards, each element counted once.
+3. `step(lr)`: AdamW on the FP32 shards, then an all-gather writes the updated shards into the
+   module's parameters, in their dtype.
+4. `zero_grad()`.
+
+The module's parameters stay whole on every rank (expert weights: this rank's experts), so
+forward and backward are those of plain data parallelism; nothing gathers weights per
+micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from moe_parallel.expert_params import is_expert_parameter
+from moe_parallel.flat_shards import ShardedBucket
+from moe_parallel.grad_sync import DEFAULT_BUCKET_BYTES, _runs
+from moe_parallel.layout import Layout
+
+STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
+"""What `StatePiece` holds for a range of a parameter, and what `load_state` asks for."""
+
+
+class StatePiece(NamedTuple):
+    """Optimizer state this rank owns for elements ``[flat_start, flat_start + numel)`` of
+    the row-major flattening of the local parameter `name` (expert parameters: this rank's
+    experts only). The tensors are 1-D FP32 views of the live state: writing them changes it."""
+
+    name: str
+    flat_start: int
+    param: Tensor
+    """FP32 master weights (what a checkpoint stores as the model tensor)."""
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+
+
+class StateRequest(NamedTuple):
+    """Elements ``[flat_start, flat_start + numel)`` of state `kind` (one of `STATE_KINDS`)
+    of the local parameter `name`, in the same coordinates as `StatePiece`."""
+
+    kind: str
+    name: str
+    flat_start: int
+    numel: int
+
+
+def decay_matrices(name: str, param: nn.Parameter) -> bool:
+    """Weight decay on matrices and higher (dim >= 2), not on norms and biases."""
+    return param.dim() >= 2
+
+
+class DistributedAdamW:
+    """AdamW with state sharded over the reduction groups of `layout`.
+
+    The math is torch.optim.AdamW's (decoupled weight decay, bias correction); weight decay
+    applies where `decays(name, param)` is true. Parameters without a gradient in a step
+    count as zero gradients (all replicas must take the same step). Every rank of the layout
+    must construct it for the same model structure at the same point (it checks that with a
+    collective).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        layout: Layout,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decays: Callable[[str, nn.Parameter], bool] = decay_matrices,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        _check_hyperparameters(lr, betas, eps, weight_decay, bucket_bytes)
+        dense_group, expert_group = _reduction_groups(layout)
+        self.layout = layout
+        self.lr = lr
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self.step_count = 0
+        """Optimizer steps taken (AdamW's `step`, the same for every parameter)."""
+
+        # Reverse registration order approximates the order in which backward finishes
+        # gradients, so early buckets fill first.
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad][::-1]
+        if not named:
+            raise ValueError(
+                f"module {type(module).__name__} has no parameters that require grad; "
+                "DistributedAdamW needs at least one"
+            )
+        devices = {p.device for _, p in named}
+        if len(devices) > 1:
+            raise ValueError(
+                f"module parameters lie on several devices {sorted(map(str, devices))}; "
+                "DistributedAdamW needs them on one"
+            )
+        self.device = devices.pop()
+        position = {id(p): i for i, (_, p) in enumerate(named)}
+        name_of = {id(p): n for n, p in named}
+        buckets: list[ShardedBucket] = []
+        for group, expert in ((dense_group, False), (expert_group, True)):
+            members = [p for _, p in named if is_expert_parameter(p) == expert]
+            for run in _runs(members, bucket_bytes):
+                buckets.append(ShardedBucket(group, [(name_of[id(p)], p) for p in run], decays))
+        # One launch order on every rank: by when a bucket's last gradient is expected.
+        buckets.sort(key=lambda b: max(position[id(p)] for p in b.params))
+        self._buckets = buckets
+        self._check_same_structure(dense_group, expert_group)
+        self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b.params}
+        self._armed = False
+        self._reduced = False
+        self._next_launch = 0
+        for bucket in buckets:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # Gradient reduction (the GradientReducer protocol).
+
+    def arm(self) -> None:
+        """Start each bucket's reduce-scatter as soon as its gradients are final in the next
+        backward (call before the step's last backward)."""
+        self._armed = True
+        self._reduced = False
+        self._next_launch = 0
+        for bucket in self._buckets:
+            bucket.ready_ids.clear()
+
+    def finish(self) -> None:
+        """Reduce whatever has not been reduced yet; afterwards each rank holds the summed
+        gradient of its shards and the parameters' `.grad` are None. Does nothing if the
+        gradients are already reduced (until `zero_grad` or `arm`)."""
+        if self._reduced:
+            return
+        for bucket in self._buckets[self._next_launch if self._armed else 0 :]:
+            bucket.launch_reduction()
+        for bucket in self._buckets:
+            bucket.wait_reduction()
+        self._armed = False
+        self._reduced = True
+        self._next_launch = len(self._buckets)
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._armed:
+            return
+        self._buckets[self._bucket_of[id(param)]].ready_ids.add(id(param))
+        while self._next_launch < len(self._buckets):
+            head = self._buckets[self._next_launch]
+            if len(head.ready_ids) < len(head.params):
+                break
+            head.launch_reduction()
+            self._next_launch += 1
+
+    # Clipping, the step, and gradients.
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Scale the gradients so their global L2 norm is at most `max_norm` (inf: only
+        measure); returns the norm before clipping (float64, the same on every rank).
+
+        The shards partition each bucket over its group, ep ranks hold distinct experts and
+        pipeline stages distinct layers, so the sum of squares over the dp group and then the
+        pp group counts every gradient element exactly once."""
+        if not max_norm > 0:
+            raise ValueError(f"max_norm={max_norm} must be positive (inf: no clipping)")
+        self.finish()
+        total_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for bucket in self._buckets:
+            total_sq += torch.linalg.vector_norm(bucket.grad_shard, dtype=torch.float64).square()
+        layout = self.layout
+        if layout.dp > 1:
+            dist.all_reduce(total_sq, group=layout.dp_group)
+        if layout.pp > 1:
+            dist.all_reduce(total_sq, group=layout.pp_group)
+        total = total_sq.sqrt()
+        if max_norm != float("inf"):
+            scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for bucket in self._buckets:
+                bucket.grad_shard.mul_(scale.to(bucket.dtype))
+        return total
+
+    @torch.no_grad()
+    def step(self, lr: float | None = None) -> None:
+        """One AdamW step on this rank's FP32 shards (with learning rate `lr` from now on, if
+        given), then write the updated weights into every rank's parameters. Reduces the
+        gradients first if `finish` has not run."""
+        if lr is not None:
+            if not lr >= 0:
+                raise ValueError(f"lr={lr} must be non-negative")
+            self.lr = lr
+        self.finish()
+        self.step_count += 1
+        beta1, beta2 = self.betas
+        step_size = self.lr / (1 - beta1**self.step_count)
+        bias_correction2_sqrt = (1 - beta2**self.step_count) ** 0.5
+        decay_factor = 1 - self.lr * self.weight_decay
+        for bucket in self._buckets:
+            grad = bucket.grad_shard.float()
+            if self.weight_decay != 0:
+                for start, stop in bucket.decay_runs:
+                    bucket.master[start:stop].mul_(decay_factor)
+            bucket.exp_avg.lerp_(grad, 1 - beta1)
+            bucket.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (bucket.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            bucket.master.addcdiv_(bucket.exp_avg, denom, value=-step_size)
+        self._write_params()
+
+    def zero_grad(self) -> None:
+        """Drop the reduced gradient shards and any `.grad` of the parameters."""
+        for bucket in self._buckets:
+            bucket.grad_shard = None
+            for p in bucket.params:
+                p.grad = None
+        self._reduced = False
+        self._armed = False
+
+    def _write_params(self) -> None:
+        gathers = [bucket.start_gather() for bucket in self._buckets]
+        for bucket, (full, work) in zip(self._buckets, gathers, strict=True):
+            if work is not None:
+                work.wait()
+            bucket.write_params(full)
+
+    # State: size and checkpoints.
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank (FP32 master weights and moments)."""
+        return sum(3 * 4 * bucket.shard_numel for bucket in self._buckets)
+
+    def state_pieces(self) -> list[StatePiece]:
+        """The state this rank owns, piece by piece. Over the ranks of a reduction group the
+        pieces of a parameter partition it exactly (every element in one piece)."""
+        pieces = []
+        for bucket in self._buckets:
+            for s in bucket.segments:
+                part = slice(s.shard_start, s.shard_start + s.numel)
+                pieces.append(
+                    StatePiece(
+                        s.name,
+                        s.param_start,
+                        bucket.master[part],
+                        bucket.exp_avg[part],
+                        bucket.exp_avg_sq[part],
+                    )
+                )
+        return pieces
+
+    @torch.no_grad()
+    def load_state(self, step: int, read: Callable[[list[StateRequest]], Sequence[Tensor]]) -> None:
+        """Fill this rank's state from any source of whole-parameter values (e.g. a checkpoint
+        written by another layout): `read(requests)` returns one tensor per request, with
+        `request.numel` elements. Then sets the step count and writes the loaded master
+        weights into the module's parameters, so parameters and masters agree. Collective:
+        every rank calls it."""
+        if step < 0:
+            raise ValueError(f"step={step} must be non-negative")
+        pieces = self.state_pieces()
+        requests = [
+            StateRequest(kind, piece.name, piece.flat_start, piece.param.numel())
+            for piece in pieces
+            for kind in STATE_KINDS
+        ]
+        values = read(requests)
+        if len(values) != len(requests):
+            raise ValueError(
+                f"read returned {len(values)} tensors for {len(requests)} requests; "
+                "it must return one per request"
+            )
+        targets = [getattr(piece, kind) for piece in pieces for kind in STATE_KINDS]
+        for request, value, target in zip(requests, values, targets, strict=True):
+            if value.numel() != request.numel:
+                raise ValueError(
+                    f"read returned {value.numel()} elements for {request}; "
+                    f"expected {request.numel}"
+                )
+            target.copy_(value.reshape(-1))
+        self.step_count = step
+        self._write_params()
+
+    def _check_same_structure(
+        self, dense_group: ProcessGroup | None, expert_group: ProcessGroup | None
+    ) -> None:
+        """Raise on every rank if the ranks of a group packed different buckets."""
+        for group, expert in ((dense_group, False), (expert_group, True)):
+            if group is None or dist.get_world_size(group) == 1:
+                continue
+            sizes = [b.numel for b in self._buckets if is_expert_parameter(b.params[0]) == expert]
+            weighted = sum((i + 1) * n for i, n in enumerate(sizes))
+            mine = torch.tensor([len(sizes), sum(sizes), weighted], device=self.device)
+            highest, lowest = mine.clone(), mine.clone()
+            dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+            if not torch.equal(highest, lowest):
+                kind = "expert" if expert else "dense"
+                raise ValueError(
+                    f"the {kind} parameters differ between the ranks of their reduction group "
+                    f"(ranks {dist.get_process_group_ranks(group)}); every replica must hold "
+                    "parameters of the same shapes and dtypes"
+                )
+
+
+def _check_hyperparameters(
+    lr: float, betas: tuple[float, float], eps: float, weight_decay: float, bucket_bytes: int
+) -> None:
+    if not lr >= 0:
+        raise ValueError(f"lr={lr} must be non-negative")
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"betas={betas} must be two numbers in [0, 1)")
+    if not eps > 0:
+        raise ValueError(f"eps={eps} must be positive")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay={weight_decay} must be non-negative")
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be at least 1")
+
+
+def _reduction_groups(layout: Layout) -> tuple[ProcessGroup | None, ProcessGroup | None]:
+    """The dense (dp) and expert (edp) groups of `layout`, checked against its sizes."""
+    for kind, size, group in (
+        ("dp", layout.dp, layout.dp_group),
+        ("edp", layout.edp, layout.edp_group),
+        ("pp", layout.pp, layout.pp_group),
+    ):
+        if size == 1:
+            continue
+        if group is None or not dist.is_initialized():
+            raise ValueError(
+                f"layout.{kind}={size} but layout.{kind}_group is None; build the layout "
+                "with build_layout() after torch.distributed.init_process_group()"
+            )
+        if dist.get_world_size(group) != size:
+            raise ValueError(
+                f"layout.{kind}_group has {dist.get_world_size(group)} ranks but "
+                f"layout.{kind}={size}; build the layout with build_layout()"
+            )
+    return layout.dp_group, layout.edp_group
