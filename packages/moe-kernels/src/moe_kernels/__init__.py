@@ -1,10 +1,19 @@
-"""moe-kernels: grouped GEMM and token permutation for Mixture-of-Experts training."""
+"""moe-kernels: grouped GEMM, token permutation and MXFP8 for Mixture-of-Experts training."""
 
 from moe_kernels.grouped_mm import (
     GROUPED_MM_BACKENDS,
     GROUPED_MM_DTYPES,
     GroupedMmBackend,
     grouped_mm,
+)
+from moe_kernels.mxfp8 import (
+    MXFP8_KERNELS,
+    MXFP8_SCALE_MODES,
+    Mxfp8Kernel,
+    Mxfp8ScaleMode,
+    dequantize_mxfp8,
+    mxfp8_grouped_mm,
+    to_mxfp8,
 )
 from moe_kernels.permute import Permutation, permute, unpermute
 
@@ -13,10 +22,17 @@ __version__ = "0.1.0"
 __all__ = [
     "GROUPED_MM_BACKENDS",
     "GROUPED_MM_DTYPES",
+    "MXFP8_KERNELS",
+    "MXFP8_SCALE_MODES",
     "GroupedMmBackend",
+    "Mxfp8Kernel",
+    "Mxfp8ScaleMode",
     "Permutation",
     "__version__",
+    "dequantize_mxfp8",
     "grouped_mm",
+    "mxfp8_grouped_mm",
     "permute",
+    "to_mxfp8",
     "unpermute",
 ]
