@@ -23,7 +23,11 @@ from moe_kernels import triton_grouped_mm as tgm
 grouped_mm_module = importlib.import_module("moe_kernels.grouped_mm")
 
 # (rtol, atol as a fraction of the reference's largest magnitude)
-TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1e-2)}
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (2e-2, 1e-2),
+    torch.float16: (4e-3, 2e-3),
+}
 
 
 def reference_products(
@@ -170,7 +174,7 @@ def test_launchers_write_every_owned_element_into_poisoned_buffers(
     assert_matches_reference((out[:used], grad_x[:used], grad_w), expected, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_triton_backend_equals_torch_backend(dtype: torch.dtype) -> None:
     tokens_per_expert = [7, 0, 25, 16]
     x, w, offsets, grad_out = make_inputs(tokens_per_expert, 56, 32, 48, dtype, 21)
@@ -182,11 +186,14 @@ def test_triton_backend_equals_torch_backend(dtype: torch.dtype) -> None:
     assert_matches_reference(run_triton_backend(x, w, offsets, grad_out), expected, dtype)
 
 
-def test_int64_offsets_are_accepted() -> None:
+def test_int64_and_strided_offsets_give_the_same_result() -> None:
     x, w, offsets, _ = make_inputs([4, 9], 16, 16, 16, torch.float32, 2)
     out_int32 = grouped_mm(x, w, offsets, backend="triton")
     out_int64 = grouped_mm(x, w, offsets.to(torch.int64), backend="triton")
+    strided = torch.stack([offsets, torch.zeros_like(offsets)], dim=1)[:, 0]
+    out_strided = grouped_mm(x, w, strided, backend="triton")
     assert torch.equal(out_int32, out_int64)
+    assert torch.equal(out_int32, out_strided)
 
 
 def test_auto_backend_on_cpu_is_the_torch_backend() -> None:

@@ -301,6 +301,7 @@ def grouped_mm_into(a_TK: Tensor, b_EKN: Tensor, offsets_E: Tensor, out_TN: Tens
         )
     if offsets_E.dtype != torch.int32:
         raise ValueError(f"grouped_mm_into: offsets must be int32, got {offsets_E.dtype}")
+    offsets_E = offsets_E.contiguous()  # E entries: the kernel reads them densely
     _check_out(out_TN, (num_rows, size_n), a_TK, "grouped_mm_into")
     if out_TN.numel() == 0:
         return out_TN
@@ -353,6 +354,7 @@ def grouped_mm_weight_grad_into(
             f"{tuple(offsets_E.shape)} {offsets_E.dtype}"
         )
     _check_out(out_EKN, (num_groups, size_k, size_n), x_TK, "grouped_mm_weight_grad_into")
+    offsets_E = offsets_E.contiguous()
     if out_EKN.numel() == 0:
         return out_EKN
     blocks = _INTERPRETER_WEIGHT_GRAD_BLOCKS if INTERPRETED else {}
