@@ -2,8 +2,10 @@
 clips by the global norm, holds 1/group of the state, and its state round-trips between
 layouts (gloo on the CPU).
 
-Gradients are multiples of 1/8 with small numerators, so their sums are exact in any order
-and every layout must reproduce the single-process reference bit for bit.
+Gradients are multiples of 1/8 with small numerators, so their sums (and the norm) are exact
+in any order. Both sides run the fused AdamW kernel, whose vector and scalar paths may round
+differently where a shard cuts a tensor: updates agree to float32 rounding (`UPDATE_TOL`);
+state that is only moved (saved, loaded) must be equal bit for bit.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ HYPER = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 LRS = (1e-2, 2e-2, 5e-3)
 CLIPS = (float("inf"), 1e-3, float("inf"))  # the middle step is clipped hard
 KINDS = ("param", "exp_avg", "exp_avg_sq")
+UPDATE_TOL = {"rtol": 1e-6, "atol": 1e-7}
 
 
 class _Model(nn.Module):
@@ -115,7 +118,7 @@ class _Reference:
             lr=LRS[0],
             betas=HYPER["betas"],
             eps=HYPER["eps"],
-            foreach=False,
+            fused=True,
         )
 
     def step(self, step: int, lr: float, max_norm: float) -> float:
@@ -178,6 +181,8 @@ def _run(rank: int, pp: int, ep: int, bucket_bytes: int) -> dict:
         if step > 0:  # step 0 reduces after the backward (inside clip_grad_norm_)
             optimizer.arm()
         _backward(model, _coefficients(rank, step, 1, model))
+        if step > 0 and rank == 0:  # every gradient arrived: all reductions started in backward
+            assert all(p.grad is None for p in model.parameters()), "a bucket waited for finish"
         if step > 0:
             optimizer.finish()
             assert all(p.grad is None for p in model.parameters()), "finish keeps .grad"
@@ -213,7 +218,7 @@ def _compare_with_reference(results: list[dict]) -> None:
                 want = reference.state(stage, name, "param")
                 want = want[_rows(ep_rank, ep)] if name.startswith("experts") else want
                 label = f"rank {rank} step {step} {name}"
-                assert_close_report(weight, want, rtol=0, atol=0, name=label)
+                assert_close_report(weight, want, **UPDATE_TOL, name=label)
     for rank, result in enumerate(results):
         stage = result["layout"][3]
         for name, start, values in result["pieces"]:
@@ -221,7 +226,7 @@ def _compare_with_reference(results: list[dict]) -> None:
                 want = reference.state(stage, name.split(".", 1)[-1] if pp > 1 else name, kind)
                 want = want.reshape(-1)[start : start + value.numel()]
                 label = f"rank {rank} {kind} {name}"
-                assert_close_report(value, want, rtol=0, atol=0, name=label)
+                assert_close_report(value, want, **UPDATE_TOL, name=label)
 
 
 def _reader(state: dict[str, dict[str, Tensor]], model: nn.Module, ep_rank: int):
@@ -352,7 +357,7 @@ def test_state_saved_at_dp4_loads_in_one_process_and_steps_like_torch_adamw(worl
     reference.step(step, lr, float("inf"))
     for name, p in model.named_parameters():
         if p.requires_grad:
-            assert_close_report(p, reference.state(0, name, "param"), rtol=0, atol=0, name=name)
+            assert_close_report(p, reference.state(0, name, "param"), **UPDATE_TOL, name=name)
 
 
 def test_low_precision_parameters_keep_fp32_masters():
@@ -401,3 +406,9 @@ def test_bad_input_is_refused_clearly():
         optimizer.load_state(1, lambda requests: [torch.zeros(1) for _ in requests])
     with pytest.raises(ValueError, match="read returned 0 tensors for"):
         optimizer.load_state(1, lambda requests: [])
+    # A backward after the step's reduction, without zero_grad, would be lost: refused.
+    _backward(model, _coefficients(0, 0, 0, model))
+    optimizer.step()
+    _backward(model, _coefficients(0, 1, 0, model))
+    with pytest.raises(ValueError, match=re.escape("call zero_grad() after each step")):
+        optimizer.step()

@@ -112,6 +112,7 @@ class DistributedAdamW:
                 "DistributedAdamW needs them on one"
             )
         self.device = devices.pop()
+        self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.device)
         position = {id(p): i for i, (_, p) in enumerate(named)}
         name_of = {id(p): n for n, p in named}
         buckets: list[ShardedBucket] = []
@@ -147,6 +148,11 @@ class DistributedAdamW:
         gradient of its shards and the parameters' `.grad` are None. Does nothing if the
         gradients are already reduced (until `zero_grad` or `arm`)."""
         if self._reduced:
+            if any(p.grad is not None for bucket in self._buckets for p in bucket.params):
+                raise ValueError(
+                    "gradients were accumulated after the last reduction; call zero_grad() "
+                    "after each step (or arm() before the step's last backward)"
+                )
             return
         for bucket in self._buckets[self._next_launch if self._armed else 0 :]:
             bucket.launch_reduction()
@@ -206,19 +212,38 @@ class DistributedAdamW:
             self.lr = lr
         self.finish()
         self.step_count += 1
-        beta1, beta2 = self.betas
-        step_size = self.lr / (1 - beta1**self.step_count)
-        bias_correction2_sqrt = (1 - beta2**self.step_count) ** 0.5
-        decay_factor = 1 - self.lr * self.weight_decay
+        self._step_tensor.fill_(self.step_count)
+        # Shard ranges with and without weight decay, each run through one fused kernel call.
+        groups: dict[bool, tuple[list[Tensor], ...]] = {d: ([], [], [], []) for d in (True, False)}
         for bucket in self._buckets:
             grad = bucket.grad_shard.float()
-            if self.weight_decay != 0:
-                for start, stop in bucket.decay_runs:
-                    bucket.master[start:stop].mul_(decay_factor)
-            bucket.exp_avg.lerp_(grad, 1 - beta1)
-            bucket.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (bucket.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
-            bucket.master.addcdiv_(bucket.exp_avg, denom, value=-step_size)
+            for start, stop, decays in bucket.runs:
+                lists = groups[decays and self.weight_decay != 0]
+                for tensors, full in zip(
+                    lists, (bucket.master, grad, bucket.exp_avg, bucket.exp_avg_sq), strict=True
+                ):
+                    tensors.append(full[start:stop])
+        for decays, (masters, grads, exp_avgs, exp_avg_sqs) in groups.items():
+            if not masters:
+                continue
+            # The kernel of torch.optim.AdamW(fused=True): the same update to the bit.
+            torch._fused_adamw_(
+                masters,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                [self._step_tensor] * len(masters),
+                amsgrad=False,
+                lr=self.lr,
+                beta1=self.betas[0],
+                beta2=self.betas[1],
+                weight_decay=self.weight_decay if decays else 0.0,
+                eps=self.eps,
+                maximize=False,
+                grad_scale=None,
+                found_inf=None,
+            )
         self._write_params()
 
     def zero_grad(self) -> None:

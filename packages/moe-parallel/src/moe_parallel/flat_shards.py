@@ -64,7 +64,8 @@ class ShardedBucket:
                 self.segments.append(
                     Segment(name, p, start - offset, start - low, stop - start, decays(name, p))
                 )
-        self.decay_runs = _decay_runs(self.segments)
+        self.runs = _decay_runs(self.segments, self.shard_numel)
+        """[start, stop, decays] ranges that cover the shard, by whether weight decay applies."""
 
         zeros = {"dtype": torch.float32, "device": self.device}
         self.master = torch.zeros(self.shard_numel, **zeros)
@@ -129,15 +130,22 @@ class ShardedBucket:
             p.copy_(full[offset : offset + p.numel()].view_as(p))
 
 
-def _decay_runs(segments: list[Segment]) -> list[tuple[int, int]]:
-    """Maximal [start, stop) ranges of the shard whose parameters take weight decay."""
-    runs: list[tuple[int, int]] = []
+def _decay_runs(segments: list[Segment], shard_numel: int) -> list[tuple[int, int, bool]]:
+    """Maximal [start, stop) ranges of the shard with and without weight decay, covering it
+    (padding counts as without)."""
+    runs: list[tuple[int, int, bool]] = []
+    position = 0
     for s in segments:
-        if not s.decays:
-            continue
-        stop = s.shard_start + s.numel
-        if runs and runs[-1][1] == s.shard_start:
-            runs[-1] = (runs[-1][0], stop)
+        if s.shard_start > position:
+            runs.append((position, s.shard_start, False))
+        runs.append((s.shard_start, s.shard_start + s.numel, s.decays))
+        position = s.shard_start + s.numel
+    if position < shard_numel:
+        runs.append((position, shard_numel, False))
+    merged: list[tuple[int, int, bool]] = []
+    for start, stop, decays in runs:
+        if merged and merged[-1][2] == decays and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], stop, decays)
         else:
-            runs.append((s.shard_start, stop))
-    return runs
+            merged.append((start, stop, decays))
+    return merged
