@@ -211,9 +211,10 @@ def test_triton_kernel_odd_shapes_and_block_sizes() -> None:
         assert actual[1].shape == (3, 96 // block_size, 37)
         for name, got, want in zip(("data", "scales"), actual, expected, strict=True):
             assert_bytes_equal(bytes_of(got), bytes_of(want), f"{name} bs={block_size}", x)
-    empty = torch.zeros(0, 64)
-    data, scales = to_mxfp8(empty, backend="triton")
-    assert data.shape == (0, 64) and scales.shape == (0, 2)
+    for backend in ("torch", "triton"):
+        data, scales = to_mxfp8(torch.zeros(0, 64), backend=backend)
+        assert data.shape == (0, 64) and scales.shape == (0, 2)
+        assert dequantize_mxfp8(data, scales).shape == (0, 64)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -475,6 +476,27 @@ def test_auto_kernel_on_cpu_is_the_emulation() -> None:
     auto = mxfp8_grouped_mm(x, w, offsets)
     emulated = mxfp8_grouped_mm(x, w, offsets, kernel="emulated")
     assert torch.equal(auto, emulated)
+
+
+def test_mxfp8_grouped_mm_takes_any_layout_and_int64_offsets() -> None:
+    """A transposed weight view ([E, N, K] storage) and a strided x give the same numbers."""
+    x, w, grad_out, offsets = make_grouped_inputs([20, 0, 31], 60, 64, 96, torch.float32, seed=6)
+    results = []
+    for x_layout, w_layout, offsets_layout in [
+        (x, w, offsets),
+        (
+            torch.cat([x, x], dim=1)[:, 64:],
+            w.transpose(1, 2).contiguous().transpose(1, 2),
+            offsets.long(),
+        ),
+    ]:
+        x_run = x_layout.detach().requires_grad_()
+        w_run = w_layout.detach().requires_grad_()
+        out = mxfp8_grouped_mm(x_run, w_run, offsets_layout)
+        out.backward(grad_out)
+        results.append((out, x_run.grad, w_run.grad))
+    for name, first, second in zip(("out", "grad_x", "grad_w"), *results, strict=True):
+        assert torch.equal(first, second), name
 
 
 def test_torchao_kernel_needs_sm100() -> None:

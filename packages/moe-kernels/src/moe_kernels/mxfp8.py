@@ -113,12 +113,13 @@ def _to_mxfp8_rows_torch(x_RL: Tensor, block_size: int, rceil: bool) -> tuple[Te
     blocks = x_RL.reshape(num_rows, row_length // block_size, block_size)
     amax = blocks.abs().amax(dim=-1, keepdim=True).float()  # amax propagates NaN
     code, multiplier = _rceil_scale(amax) if rceil else _floor_scale(amax)
-    scaled = (blocks.float() * multiplier).clamp(-_E4M3_MAX, _E4M3_MAX)  # clamp keeps NaN
+    scaled = blocks.float() * multiplier
+    scaled.clamp_(-_E4M3_MAX, _E4M3_MAX)  # keeps NaN
     data = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
-    data = torch.where(scaled.isnan(), _E4M3_NAN_BYTE, data)
+    data.masked_fill_(data == 0xFF, _E4M3_NAN_BYTE)  # 0xFF is e4m3fn's other NaN (sign set)
     return (
         data.reshape(num_rows, row_length).view(torch.float8_e4m3fn),
-        code.reshape(num_rows, -1).to(torch.uint8).view(torch.float8_e8m0fnu),
+        code.reshape(num_rows, row_length // block_size).to(torch.uint8).view(torch.float8_e8m0fnu),
     )
 
 
@@ -210,14 +211,17 @@ def to_mxfp8(
 
 
 def _scale_values(scales: Tensor, work_dtype: torch.dtype) -> Tensor:
-    """The powers of two that e8m0 codes stand for, exactly, in fp32 or fp64 (255 gives NaN)."""
+    """The powers of two that e8m0 codes stand for, exactly, in ``work_dtype`` (255 gives NaN).
+
+    ``work_dtype`` is fp64, fp32 or bf16 (which holds every e8m0 power of two, 2^-127 included).
+    """
     code = scales.view(torch.uint8)
     if work_dtype == torch.float64:
         values = ((code.long() - _E8M0_BIAS + 1023) << 52).view(torch.float64)
     else:
         bits = code.int() << 23
         values = torch.where(code == 0, 0x00400000, bits).view(torch.float32)  # 2^-127
-    return torch.where(code == _E8M0_NAN, float("nan"), values)
+    return torch.where(code == _E8M0_NAN, float("nan"), values).to(work_dtype)
 
 
 def dequantize_mxfp8(
@@ -253,9 +257,13 @@ def dequantize_mxfp8(
             f"{tuple(data.shape)} with block_size={block_size} along axis={axis} (expected "
             f"{tuple(expected_scale_shape)})"
         )
-    work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    # Products of e4m3 values and powers of two are exact in fp32 down to its subnormals, so one
+    # rounding happens, in the cast to ``dtype``; bf16 shares fp32's exponent range, so its own
+    # multiply rounds the same way. fp64 is computed as such (fp32 would overflow first).
+    work_dtype = dtype if dtype in (torch.float64, torch.bfloat16) else torch.float32
     data_moved = data.movedim(axis, -1)
-    blocks = data_moved.reshape(*data_moved.shape[:-1], -1, block_size).to(work_dtype)
+    block_shape = (*data_moved.shape[:-1], data_moved.shape[-1] // block_size, block_size)
+    blocks = data_moved.reshape(block_shape).to(work_dtype)
     scale_values = _scale_values(scales.movedim(axis, -1), work_dtype).unsqueeze(-1)
     values = (blocks * scale_values).reshape(data_moved.shape).movedim(-1, axis)
     return values.to(dtype).contiguous()
@@ -272,10 +280,13 @@ def _quantize_backend(x: Tensor) -> Mxfp8Backend:
 
 
 def _fake_quantize(x: Tensor, axis: int, scale_mode: Mxfp8ScaleMode) -> Tensor:
-    """``x`` quantized to MXFP8 along ``axis`` and dequantized again, in the dtype of ``x``."""
-    backend = _quantize_backend(x)
-    data, scales = to_mxfp8(x, MXFP8_BLOCK_SIZE, scale_mode, axis, backend=backend)
-    return dequantize_mxfp8(data, scales, MXFP8_BLOCK_SIZE, axis, dtype=x.dtype)
+    """``x`` quantized to MXFP8 along ``axis`` and dequantized again, in the dtype of ``x``.
+
+    Works in the layout with ``axis`` last and returns a view back (no copy back).
+    """
+    x_moved = x.movedim(axis, -1)
+    data, scales = to_mxfp8(x_moved, MXFP8_BLOCK_SIZE, scale_mode, backend=_quantize_backend(x))
+    return dequantize_mxfp8(data, scales, MXFP8_BLOCK_SIZE, dtype=x.dtype).movedim(-1, axis)
 
 
 def _fake_quantize_token_groups(
