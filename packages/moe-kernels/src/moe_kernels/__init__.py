@@ -15,7 +15,13 @@ from moe_kernels.mxfp8 import (
     mxfp8_grouped_mm,
     to_mxfp8,
 )
-from moe_kernels.permute import Permutation, permute, unpermute
+from moe_kernels.permute import (
+    PERMUTE_BACKENDS,
+    Permutation,
+    PermuteBackend,
+    permute,
+    unpermute,
+)
 
 __version__ = "0.1.0"
 
@@ -24,10 +30,12 @@ __all__ = [
     "GROUPED_MM_DTYPES",
     "MXFP8_KERNELS",
     "MXFP8_SCALE_MODES",
+    "PERMUTE_BACKENDS",
     "GroupedMmBackend",
     "Mxfp8Kernel",
     "Mxfp8ScaleMode",
     "Permutation",
+    "PermuteBackend",
     "__version__",
     "dequantize_mxfp8",
     "grouped_mm",

@@ -13,11 +13,20 @@ sizes from a small set and reuse their kernels (on CPU, oneDNN compiles one per 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-__all__ = ["Permutation", "permute", "unpermute"]
+__all__ = ["PERMUTE_BACKENDS", "Permutation", "PermuteBackend", "permute", "unpermute"]
+
+PermuteBackend = Literal["torch", "triton"]
+"""How ``permute``/``unpermute`` move the rows: torch indexing ops (the reference, any
+device) or the Triton kernels of ``moe_kernels.triton_permute`` (GPU, or CPU under the Triton
+interpreter). The layout and the index computation are the same."""
+
+PERMUTE_BACKENDS: tuple[str, ...] = get_args(PermuteBackend)
 
 
 @dataclass(frozen=True)
@@ -48,12 +57,127 @@ class Permutation:
         return self.tokens_per_expert.shape[0]
 
 
+def _sum_over_copies(rows_TKD: Tensor) -> Tensor:
+    """[T, K, D] -> [T, D] sum over k (elementwise adds: faster on CPU than a strided sum)."""
+    top_k = rows_TKD.shape[1]
+    if top_k == 1:
+        return rows_TKD[:, 0]
+    total_TD = torch.add(rows_TKD[:, 0], rows_TKD[:, 1])
+    for k in range(2, top_k):
+        total_TD.add_(rows_TKD[:, k])
+    return total_TD
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x_perm[r] = x[source_token[r]]`` (zero where the source is T); backward gathers too.
+
+    The backward sums each token's copies by gathering them (``row_of_copy``) instead of
+    ``index_add``, which runs as a slow scatter on CPU.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x_TD: Tensor, source_token_P: Tensor, row_of_copy_F: Tensor, top_k: int
+    ) -> Tensor:
+        num_tokens, dim = x_TD.shape
+        ctx.save_for_backward(row_of_copy_F)
+        ctx.num_tokens, ctx.top_k = num_tokens, top_k
+        if source_token_P.shape[0] == row_of_copy_F.shape[0]:
+            return x_TD.index_select(0, source_token_P)
+        # Padding rows read an appended zero row (index T), so the gather stays one op.
+        return torch.cat([x_TD, x_TD.new_zeros(1, dim)]).index_select(0, source_token_P)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_PD: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        (row_of_copy_F,) = ctx.saved_tensors
+        grad_TKD = grad_PD.index_select(0, row_of_copy_F).view(
+            ctx.num_tokens, ctx.top_k, grad_PD.shape[1]
+        )
+        return _sum_over_copies(grad_TKD), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """``y[t] = sum_k w[t, k] * rows[row_of_copy[t, k]]`` over kept copies, in the rows' dtype.
+
+    The backward writes each row's gradient by a gather over tokens (``source_token``) times
+    the row's weight, instead of ``index_add`` (a slow scatter on CPU); padding rows and
+    dropped copies get weight zero.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        rows_PD: Tensor,
+        source_token_P: Tensor,
+        row_of_copy_F: Tensor,
+        weight_TK: Tensor,
+        kept_F: Tensor | None,
+    ) -> Tensor:
+        num_tokens, top_k = weight_TK.shape
+        rows_TKD = rows_PD.index_select(0, row_of_copy_F).view(num_tokens, top_k, rows_PD.shape[1])
+        if kept_F is not None:
+            # A select, not a multiply: dropped rows may hold anything, NaN included.
+            rows_TKD.masked_fill_(~kept_F.view(num_tokens, top_k, 1), 0)
+        ctx.save_for_backward(rows_TKD, source_token_P, row_of_copy_F, weight_TK, kept_F)
+        # [T, 1, K] @ [T, K, D]: the weighted sum over k, accumulated by the matmul kernel.
+        return torch.bmm(weight_TK.unsqueeze(1), rows_TKD).squeeze(1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(  # type: ignore[override]
+        ctx, grad_TD: Tensor
+    ) -> tuple[Tensor | None, None, None, Tensor | None, None]:
+        rows_TKD, source_token_P, row_of_copy_F, weight_TK, kept_F = ctx.saved_tensors
+        num_tokens = weight_TK.shape[0]
+        grad_rows_PD = grad_weight_TK = None
+        if ctx.needs_input_grad[3]:
+            # Dropped copies' rows were zeroed, so their weight gradient is zero.
+            grad_weight_TK = torch.bmm(rows_TKD, grad_TD.unsqueeze(2)).squeeze(2)
+        if ctx.needs_input_grad[0]:
+            num_rows, dim = source_token_P.shape[0], grad_TD.shape[1]
+            weight_F = weight_TK.reshape(-1)
+            if kept_F is not None:
+                weight_F = weight_F.masked_fill(~kept_F, 0)
+            weight_of_row_P = weight_F.new_zeros(num_rows).index_copy_(0, row_of_copy_F, weight_F)
+            if num_tokens == 0:
+                grad_rows_PD = grad_TD.new_zeros(num_rows, dim)
+            else:
+                # Padding rows (source T) read token T-1 and are multiplied by weight zero.
+                source_in_range_P = source_token_P.clamp(max=num_tokens - 1)
+                grad_rows_PD = grad_TD.index_select(0, source_in_range_P).mul_(
+                    weight_of_row_P.unsqueeze(1)
+                )
+        return grad_rows_PD, None, None, grad_weight_TK, None
+
+
+def _check_backend(caller: str, backend: str) -> None:
+    if backend not in PERMUTE_BACKENDS:
+        raise ValueError(
+            f"{caller}: backend={backend!r} is not a permute backend; valid: "
+            f"{', '.join(PERMUTE_BACKENDS)}"
+        )
+
+
+def _triton_kernels() -> ModuleType:
+    """``moe_kernels.triton_permute``, imported on first use (it imports triton)."""
+    try:
+        from moe_kernels import triton_permute
+    except ImportError as e:
+        raise ImportError(
+            "backend='triton' needs the triton package (installed with moe-kernels on Linux; "
+            "elsewhere `pip install triton`), or use backend='torch'"
+        ) from e
+    return triton_permute
+
+
 def permute(
     x_TD: Tensor,
     topk_idx_TK: Tensor,
     num_experts: int,
     keep_TK: Tensor | None = None,
     group_alignment: int = 1,
+    backend: PermuteBackend = "torch",
 ) -> tuple[Tensor, Permutation]:
     """Copy each token once per chosen expert, grouped by expert (stable within an expert).
 
@@ -64,6 +188,7 @@ def permute(
         keep_TK: optional [T, K] bool; copies with False are dropped: placed after every
             expert's rows (past ``offsets[-1]``) and not counted in ``tokens_per_expert``.
         group_alignment: pad each expert's group with zero rows to a multiple of this.
+        backend: how rows are moved, one of ``PERMUTE_BACKENDS`` (the layout is the same).
 
     Returns:
         ``(x_perm_PD, permutation)`` with always P = T*K + E*(group_alignment-1) rows,
@@ -85,6 +210,7 @@ def permute(
         raise ValueError(f"permute: num_experts={num_experts} must be at least 1")
     if group_alignment < 1:
         raise ValueError(f"permute: group_alignment={group_alignment} must be at least 1")
+    _check_backend("permute", backend)
 
     num_tokens, top_k = topk_idx_TK.shape
     num_copies = num_tokens * top_k
@@ -109,7 +235,6 @@ def permute(
         )
         rows_per_expert_E = tokens_per_expert_E
         source_token_P = copy_of_row_P // top_k
-        x_perm_PD = x_TD.index_select(0, source_token_P)
     else:
         rows_per_bucket = copies_per_bucket.clone()
         rows_per_bucket[:num_experts] = (
@@ -119,18 +244,22 @@ def permute(
         # A copy's row: the start of its bucket's (padded) group plus its rank in the bucket.
         first_sorted_B = torch.cumsum(copies_per_bucket, 0) - copies_per_bucket
         group_start_B = torch.cumsum(rows_per_bucket, 0) - rows_per_bucket
-        bucket_of_sorted_S = expert_of_copy_F[copy_of_sorted_S]
-        rank_S = torch.arange(num_copies, device=device) - first_sorted_B[bucket_of_sorted_S]
-        row_of_sorted_S = group_start_B[bucket_of_sorted_S] + rank_S
+        bucket_of_sorted_S = expert_of_copy_F.index_select(0, copy_of_sorted_S)
+        rank_S = torch.arange(num_copies, device=device) - first_sorted_B.index_select(
+            0, bucket_of_sorted_S
+        )
+        row_of_sorted_S = group_start_B.index_select(0, bucket_of_sorted_S) + rank_S
         row_of_copy_F = torch.empty_like(row_of_sorted_S).scatter_(
             0, copy_of_sorted_S, row_of_sorted_S
         )
         num_rows = num_copies + num_experts * (group_alignment - 1)
-        # Padding rows read an appended zero row (index T), so the gather stays one op.
         source_token_P = torch.full((num_rows,), num_tokens, dtype=torch.int64, device=device)
         source_token_P.scatter_(0, row_of_sorted_S, copy_of_sorted_S // top_k)
-        x_padded_TD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
-        x_perm_PD = x_padded_TD.index_select(0, source_token_P)
+
+    if backend == "triton":
+        x_perm_PD = _triton_kernels().gather_rows(x_TD, source_token_P, row_of_copy_F, top_k)
+    else:
+        x_perm_PD = _GatherRows.apply(x_TD, source_token_P, row_of_copy_F, top_k)
 
     permutation = Permutation(
         source_token=source_token_P,
@@ -145,7 +274,12 @@ def permute(
     return x_perm_PD, permutation
 
 
-def unpermute(y_PD: Tensor, permutation: Permutation, topk_weight_TK: Tensor) -> Tensor:
+def unpermute(
+    y_PD: Tensor,
+    permutation: Permutation,
+    topk_weight_TK: Tensor,
+    backend: PermuteBackend = "torch",
+) -> Tensor:
     """Sum each token's kept copies back: ``y[t] = sum_k w[t, k] * y_perm[row of (t, k)]``.
 
     Dropped copies contribute exactly zero (even if their rows hold NaN) and get zero gradient.
@@ -156,10 +290,12 @@ def unpermute(y_PD: Tensor, permutation: Permutation, topk_weight_TK: Tensor) ->
         y_PD: [P, D] expert outputs in permuted order (P rows as ``permute`` gave).
         permutation: what ``permute`` returned.
         topk_weight_TK: [T, K] routing weights.
+        backend: how rows are moved, one of ``PERMUTE_BACKENDS``.
 
     Returns:
         [T, D].
     """
+    _check_backend("unpermute", backend)
     num_tokens, top_k = permutation.num_tokens, permutation.top_k
     num_rows = permutation.source_token.shape[0]
     if y_PD.dim() != 2 or y_PD.shape[0] != num_rows:
@@ -172,12 +308,11 @@ def unpermute(y_PD: Tensor, permutation: Permutation, topk_weight_TK: Tensor) ->
             f"unpermute: topk_weight must be [T, K]=[{num_tokens}, {top_k}], got shape "
             f"{tuple(topk_weight_TK.shape)}"
         )
-    y_TKD = y_PD.index_select(0, permutation.row_of_copy).view(num_tokens, top_k, y_PD.shape[1])
-    if permutation.kept_copies is not None:
-        # A select, not a multiply: dropped rows may hold anything, NaN included. This also
-        # zeroes the gradient wrt y and wrt the weights of dropped copies.
-        kept_TK1 = permutation.kept_copies.view(num_tokens, top_k, 1)
-        y_TKD = torch.where(kept_TK1, y_TKD, 0)
     weight_TK = topk_weight_TK.to(y_PD.dtype)
-    # [T, 1, K] @ [T, K, D]: the weighted sum over k, accumulated by the matmul kernel.
-    return torch.bmm(weight_TK.unsqueeze(1), y_TKD).squeeze(1)
+    if backend == "triton":
+        return _triton_kernels().combine_rows(
+            y_PD, permutation.row_of_copy, weight_TK, permutation.kept_copies
+        )
+    return _CombineRows.apply(
+        y_PD, permutation.source_token, permutation.row_of_copy, weight_TK, permutation.kept_copies
+    )
