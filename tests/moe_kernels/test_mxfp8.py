@@ -94,6 +94,7 @@ def special_blocks(dtype: torch.dtype, generator: torch.Generator) -> Tensor:
     for infinity in (float("inf"), -float("inf")):
         inf_block = torch.randn(32, generator=generator)
         inf_block[3] = infinity
+        inf_block[4:6] = torch.tensor([3.0e38, -1.0e38])  # rceil: times 2^-127, not flushed
         blocks.append(inf_block)
     return torch.stack(blocks)
 

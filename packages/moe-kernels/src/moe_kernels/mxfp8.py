@@ -18,7 +18,8 @@ Scale rules (``scale_mode``), both bit-exact with torchao 0.18's ``to_mx``:
 
 Special values follow torchao: a block holding a NaN gets the NaN scale (0xFF); a block holding
 an inf (and no NaN) saturates it to +-448 with scale 2^120 (floor) or 2^127 (rceil). NaN
-elements are stored as 0x7F. Zero blocks get the smallest scale, 2^-127, and zero data.
+elements are stored as 0x7F. Zero blocks get the smallest scale, 2^-127, and zero data; so do
+rceil blocks with ``amax / 448 <= 2^-127`` (amax below about 2^-118: torchao then scales by 1).
 """
 
 from __future__ import annotations

@@ -54,9 +54,10 @@ def _rceil_scale(amax):
     )
     code = tl.minimum(tl.maximum(ceil_log2, -127), 127) + 127  # inf gives 254
     code = tl.where(descale != descale, 255, code)
-    # 2^(127 - code); code 254 (inf blocks) gives the subnormal 2^-127; code 0 multiplies by 1.
+    # 2^(127 - code); code 0 multiplies by 1. Code 254 (inf blocks) stands for 2^-127, which is
+    # subnormal (a GPU may flush it to zero): it is returned as 2^-64, the caller applies 2^-63.
     multiplier_bits = (254 - tl.minimum(tl.maximum(code, 1), 253)) << 23
-    multiplier_bits = tl.where(code == 254, 0x00400000, multiplier_bits)
+    multiplier_bits = tl.where(code == 254, (127 - 64) << 23, multiplier_bits)
     multiplier = multiplier_bits.to(tl.float32, bitcast=True)
     multiplier = tl.where(code == 0, 1.0, multiplier)
     multiplier = tl.where(code == 255, float("nan"), multiplier)
@@ -122,7 +123,10 @@ def _to_mxfp8_rows_kernel(
     # inf * 0 (floor's NaN blocks) is NaN; spelled out so the interpreter does not warn.
     infinite_times_zero = (multiplier == 0.0) & (tl.abs(x_blocks) == float("inf"))
     x_blocks = tl.where(infinite_times_zero, float("nan"), x_blocks)
-    data = _encode_e4m3(x_blocks * multiplier)
+    scaled = x_blocks * multiplier
+    if RCEIL:
+        scaled = tl.where(code[:, :, None] == 254, scaled * 1.0842021724855044e-19, scaled)  # 2^-63
+    data = _encode_e4m3(scaled)
     data = tl.reshape(data, (ROWS_PER_TILE, TILE_COLUMNS))
     tl.store(data_ptr + offsets, data.to(tl.uint8), mask=mask)
 
