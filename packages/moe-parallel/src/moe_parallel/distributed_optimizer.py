@@ -68,11 +68,14 @@ def decay_matrices(name: str, param: nn.Parameter) -> bool:
 class DistributedAdamW:
     """AdamW with state sharded over the reduction groups of `layout`.
 
-    The math is torch.optim.AdamW's (decoupled weight decay, bias correction); weight decay
-    applies where `decays(name, param)` is true. Parameters without a gradient in a step
-    count as zero gradients (all replicas must take the same step). Every rank of the layout
-    must construct it for the same model structure at the same point (it checks that with a
-    collective).
+    The update is torch.optim.AdamW(fused=True)'s (its kernel runs on the shards: decoupled
+    weight decay, bias correction); weight decay applies where `decays(name, param)` is true.
+    Parameters without a gradient in a step count as zero gradients (all replicas must take
+    the same step). Every rank of the layout must construct it for the same model structure
+    at the same point (it checks that with a collective). Per step: `arm()` before the last
+    backward, `finish()` after it, `clip_grad_norm_`, `step(lr)`, `zero_grad()`; the
+    parameters' `.grad` are released as their buckets are reduced, so clip with
+    `clip_grad_norm_`, not with `moe_parallel.clip_grad_norm`.
     """
 
     def __init__(
