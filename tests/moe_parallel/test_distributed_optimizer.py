@@ -203,7 +203,8 @@ def _run(rank: int, pp: int, ep: int, bucket_bytes: int) -> dict:
 
 
 def _compare_with_reference(results: list[dict]) -> None:
-    """Every rank's norms, weights and state equal the single-process reference exactly."""
+    """Every rank's norms, weights and state equal the single-process reference (norms
+    exactly, updates to float32 rounding)."""
     pp, dp, ep, *_ = results[0]["layout"]
     reference = _Reference(pp, dp, ep)
     for step, (lr, max_norm) in enumerate(zip(LRS, CLIPS, strict=True)):
