@@ -52,7 +52,8 @@ def test_ample_capacity_equals_dropless_and_tight_capacity_drops():
     tight.load_state_dict(dropless.state_dict())
     out = tight(tokens)
     assert torch.isfinite(out).all()
-    _, dropped, routed = tight.moe_layers()[0].take_stats()
+    stats = next(iter(tight.moe_layers().values())).take_stats()
+    dropped, routed = stats.dropped_copies, stats.routed_copies
     # 32 tokens x 2 copies over 4 experts, capacity ceil(0.25 * 64 / 4) = 4 per expert.
     assert routed.item() == 64
     assert dropped.item() >= 64 - 4 * 4

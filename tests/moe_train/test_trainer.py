@@ -68,7 +68,7 @@ def test_loss_falls_with_bias_balancing_and_sigmoid_router(tmp_path, make_config
     )
     result = train(config)
     assert sum(result.losses[-5:]) / 5 < 0.8 * sum(result.losses[:5]) / 5
-    biases = [layer.router.expert_bias for layer in result.model.moe_layers()]
+    biases = [layer.router.expert_bias for layer in result.model.moe_layers().values()]
     assert any(b.abs().sum() > 0 for b in biases)
 
 

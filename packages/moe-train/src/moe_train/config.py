@@ -198,6 +198,8 @@ class ParallelConfig:
     """Pipeline stages."""
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule."""
+    virtual_stages: int = 1
+    """Pipeline stages per pp rank; more than 1 only with pp_schedule=interleaved_1f1b."""
     dispatcher: Literal["local", "all_to_all", "rowwise", "deepep"] = "local"
     """Token dispatch backend between expert-parallel ranks; with ep = 1 every one is local."""
     distributed_optimizer: bool = False
@@ -206,7 +208,7 @@ class ParallelConfig:
     """Activation recompute in backward."""
 
     def validate(self, path: str) -> None:
-        _positive(self, path, "ep", "pp")
+        _positive(self, path, "ep", "pp", "virtual_stages")
 
 
 @dataclass(kw_only=True)

@@ -10,6 +10,7 @@ from moe_dispatch import Dispatcher
 from moe_kernels import grouped_mm
 from moe_parallel import mark_expert_parameter
 from moe_train.config import MoEConfig
+from moe_train.model.recompute import recording_side_effects
 
 
 def compute_dtype_of(x: Tensor) -> torch.dtype:
@@ -150,12 +151,57 @@ class Experts(nn.Module):
         return grouped_mm(F.silu(gate) * up, w_down, offsets)
 
 
+class AttachAuxLoss(torch.autograd.Function):
+    """Returns `y` unchanged; in backward, also sends gradient `scale` into `aux_loss`.
+
+    The auxiliary losses of every MoE layer then reach their gradients through the ordinary
+    backward of the model output, wherever the layer runs (any pipeline stage, inside a
+    recomputed block), with no loss term the trainer has to gather from the layers.
+    """
+
+    @staticmethod
+    def forward(ctx, y: Tensor, aux_loss: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        grad_aux = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_y.device)
+        return grad_y, grad_aux, None
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """What an MoE layer observed over the training forwards since the last `take_stats`."""
+
+    copies_per_expert: Tensor
+    """[E] token copies routed to each expert (before capacity drops)."""
+    dropped_copies: Tensor
+    """Copies dropped by the capacity limit (float64 scalar)."""
+    routed_copies: Tensor
+    """Copies routed (float64 scalar)."""
+    lb_loss_sum: Tensor
+    """Sum of the unweighted load-balancing loss over the forwards (float64 scalar)."""
+    z_loss_sum: Tensor
+    """Sum of the unweighted router z-loss over the forwards (float64 scalar)."""
+
+    def flat(self) -> Tensor:
+        """[E + 4] float64: copies per expert, dropped, routed, lb sum, z sum."""
+        scalars = torch.stack(
+            [self.dropped_copies, self.routed_copies, self.lb_loss_sum, self.z_loss_sum]
+        )
+        return torch.cat([self.copies_per_expert.double(), scalars.double()])
+
+
 class MoEFeedForward(nn.Module):
     """Routed experts (plus optional shared experts) replacing the dense feed-forward.
 
-    The auxiliary losses of the latest forward are left in `last_lb_loss` and `last_z_loss`.
-    Routing statistics of every training forward are summed into buffers that the trainer
-    reads and clears once per optimizer step (`take_stats`).
+    The weighted auxiliary losses (`moe.lb_loss_weight * lb + moe.z_loss_weight * z`) join
+    the backward through `AttachAuxLoss` with gradient `aux_loss_scale`; the latest values are
+    left, detached, in `last_lb_loss` and `last_z_loss`. Routing statistics of every training
+    forward (not of recomputed ones) are summed into buffers that the trainer reads and
+    clears once per optimizer step (`take_stats`).
     """
 
     def __init__(self, d_model: int, config: MoEConfig, dispatcher: Dispatcher) -> None:
@@ -174,15 +220,16 @@ class MoEFeedForward(nn.Module):
             if config.shared_experts
             else None
         )
-        self.register_buffer(
-            "step_copies_per_expert", torch.zeros(config.num_experts), persistent=False
-        )
-        self.register_buffer(
-            "step_dropped_copies", torch.zeros((), dtype=torch.float64), persistent=False
-        )
-        self.register_buffer(
-            "step_routed_copies", torch.zeros((), dtype=torch.float64), persistent=False
-        )
+        self.aux_loss_scale = 1.0
+        """Gradient of the training objective with respect to this layer's weighted aux loss."""
+        for name, shape, dtype in (
+            ("step_copies_per_expert", (config.num_experts,), torch.float32),
+            ("step_dropped_copies", (), torch.float64),
+            ("step_routed_copies", (), torch.float64),
+            ("step_lb_loss", (), torch.float64),
+            ("step_z_loss", (), torch.float64),
+        ):
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype), persistent=False)
         self.last_lb_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
 
@@ -196,23 +243,32 @@ class MoEFeedForward(nn.Module):
         y_TD = self.dispatcher.combine(expert_output, handle).to(x_TD.dtype)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
-        self.last_lb_loss, self.last_z_loss = routed.lb_loss, routed.z_loss
-        if self.training:
+        aux_loss = (
+            self.config.lb_loss_weight * routed.lb_loss + self.config.z_loss_weight * routed.z_loss
+        )
+        if aux_loss.requires_grad:
+            y_TD = AttachAuxLoss.apply(y_TD, aux_loss, self.aux_loss_scale)
+        self.last_lb_loss, self.last_z_loss = routed.lb_loss.detach(), routed.z_loss.detach()
+        if self.training and recording_side_effects():
             with torch.no_grad():
                 self.step_copies_per_expert += routed.copies_per_expert
                 self.step_dropped_copies += handle.dropped_copies
                 self.step_routed_copies += handle.num_copies
+                self.step_lb_loss += routed.lb_loss.detach().double()
+                self.step_z_loss += routed.z_loss.detach().double()
         return y_TD.view_as(x_BSD)
 
     @torch.no_grad()
-    def take_stats(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(copies per expert, dropped copies, routed copies) since the last call; clears them."""
-        stats = (
-            self.step_copies_per_expert.clone(),
-            self.step_dropped_copies.clone(),
-            self.step_routed_copies.clone(),
+    def take_stats(self) -> RoutingStats:
+        """The statistics since the last call; clears them."""
+        buffers = (
+            self.step_copies_per_expert,
+            self.step_dropped_copies,
+            self.step_routed_copies,
+            self.step_lb_loss,
+            self.step_z_loss,
         )
-        self.step_copies_per_expert.zero_()
-        self.step_dropped_copies.zero_()
-        self.step_routed_copies.zero_()
+        stats = RoutingStats(*(b.clone() for b in buffers))
+        for b in buffers:
+            b.zero_()
         return stats

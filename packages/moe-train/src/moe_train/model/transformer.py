@@ -2,7 +2,7 @@
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,7 @@ from moe_dispatch import Dispatcher, make_dispatcher
 from moe_train.config import ModelConfig
 from moe_train.model.attention import Attention, RMSNorm, rope_tables
 from moe_train.model.moe import Experts, MoEFeedForward, SwiGLU
+from moe_train.model.recompute import RecomputeMode, run_with_recompute
 
 DispatcherFactory = Callable[[int], Dispatcher]
 """Builds the dispatcher of the MoE block at a given layer index."""
@@ -31,8 +32,15 @@ def local_dispatcher_factory(config: ModelConfig) -> DispatcherFactory:
 class Block(nn.Module):
     """Pre-norm transformer block: attention then a dense or MoE feed-forward."""
 
-    def __init__(self, config: ModelConfig, layer: int, dispatcher_factory: DispatcherFactory):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        dispatcher_factory: DispatcherFactory,
+        recompute: RecomputeMode = "none",
+    ):
         super().__init__()
+        self.recompute: RecomputeMode = recompute
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(
             config.d_model,
@@ -49,12 +57,20 @@ class Block(nn.Module):
             self.ffn = MoEFeedForward(config.d_model, config.moe, dispatcher_factory(layer))
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return run_with_recompute(self._forward, self.recompute, x_BSD, cos, sin)
+
+    def _forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos, sin)
         return x_BSD + self.ffn(self.ffn_norm(x_BSD))
 
 
 class Transformer(nn.Module):
-    """The language model. `forward(tokens)` gives logits; aux losses come from `aux_losses`."""
+    """The language model, or the part of it one pipeline rank holds.
+
+    `forward(tokens)` gives logits (whole model only); `run_layers` runs any part. The MoE
+    auxiliary losses join the backward through the MoE blocks themselves (see
+    `set_aux_loss_scale`), so the training objective is the LM loss alone.
+    """
 
     def __init__(
         self,
@@ -62,19 +78,28 @@ class Transformer(nn.Module):
         max_seq_len: int,
         dispatcher_factory: DispatcherFactory | None = None,
         seed: int = 0,
+        *,
+        layers: Sequence[int] | None = None,
+        with_embedding: bool = True,
+        with_head: bool = True,
+        recompute: RecomputeMode = "none",
     ) -> None:
         super().__init__()
         self.config = config
         factory = dispatcher_factory or local_dispatcher_factory(config)
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        layers = range(config.n_layers) if layers is None else sorted(layers)
+        if config.tie_embeddings and with_embedding != with_head:
+            raise ValueError(
+                "model.tie_embeddings=true needs the embedding and the head in the same "
+                "module (pipeline stages split them); set model.tie_embeddings=false"
+            )
+        self.embed = nn.Embedding(config.vocab_size, config.d_model) if with_embedding else None
         # A dict keyed by the global layer index keeps parameter names stable when a pipeline
         # stage holds only some of the layers.
-        self.blocks = nn.ModuleDict(
-            {str(i): Block(config, i, factory) for i in range(config.n_layers)}
-        )
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
+        self.blocks = nn.ModuleDict({str(i): Block(config, i, factory, recompute) for i in layers})
+        self.norm = RMSNorm(config.d_model, config.norm_eps) if with_head else None
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False) if with_head else None
+        if config.tie_embeddings and self.head is not None:
             self.head.weight = self.embed.weight
         cos, sin = rope_tables(config.d_model // config.n_heads, max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -112,25 +137,52 @@ class Transformer(nn.Module):
                     )
 
     def forward(self, tokens_BS: Tensor) -> Tensor:
-        if tokens_BS.shape[1] > self.max_seq_len:
-            raise ValueError(
-                f"sequence of {tokens_BS.shape[1]} tokens is longer than the model's "
-                f"max_seq_len={self.max_seq_len}"
-            )
-        x_BSD = self.embed(tokens_BS)
-        for block in self.blocks.values():
-            x_BSD = block(x_BSD, self.rope_cos, self.rope_sin)
-        return self.head(self.norm(x_BSD))
+        if self.embed is None or self.head is None or len(self.blocks) != self.config.n_layers:
+            raise ValueError("forward needs the whole model; use run_layers on a part of it")
+        return self.run_layers(tokens_BS, list(self.blocks), embed=True, head=True)
 
-    def moe_layers(self) -> list[MoEFeedForward]:
-        """The MoE feed-forward modules, in layer order."""
-        return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
+    def run_layers(
+        self, x: Tensor, layers: Sequence[str], *, embed: bool = False, head: bool = False
+    ) -> Tensor:
+        """Embed tokens (if `embed`), run the named blocks in order, apply the head (if `head`)."""
+        if embed:
+            if x.shape[1] > self.max_seq_len:
+                raise ValueError(
+                    f"sequence of {x.shape[1]} tokens is longer than the model's "
+                    f"max_seq_len={self.max_seq_len}"
+                )
+            x = self.embed(x)
+        for layer in layers:
+            x = self.blocks[layer](x, self.rope_cos, self.rope_sin)
+        return self.head(self.norm(x)) if head else x
+
+    def moe_layers(self) -> dict[int, MoEFeedForward]:
+        """The MoE feed-forward modules this module holds, by global layer index."""
+        return {
+            int(index): block.ffn
+            for index, block in self.blocks.items()
+            if isinstance(block.ffn, MoEFeedForward)
+        }
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Make the MoE auxiliary losses contribute `scale` times their mean over MoE layers.
+
+        With the default 1.0, backward of the LM loss of one forward is backward of
+        `lm + lb_loss_weight * mean(lb) + z_loss_weight * mean(z)`; under gradient
+        accumulation over n micro-batches pass 1/n, as for the LM loss.
+        """
+        num_moe_layers = self.config.n_layers - self.config.dense_layers
+        for layer in self.moe_layers().values():
+            layer.aux_loss_scale = scale / num_moe_layers
 
     def aux_losses(self) -> tuple[Tensor, Tensor]:
-        """Load-balancing and z-loss of the latest forward, averaged over MoE layers."""
-        layers = self.moe_layers()
+        """Unweighted load-balancing and z-loss of the latest forward, mean over MoE layers.
+
+        Detached values for inspection; their gradients flow through the forward itself.
+        """
+        layers = list(self.moe_layers().values())
         if not layers or layers[0].last_lb_loss is None:
-            zero = torch.zeros((), device=self.embed.weight.device)
+            zero = torch.zeros((), device=self.rope_cos.device)
             return zero, zero
         lb = torch.stack([m.last_lb_loss for m in layers]).mean()
         z = torch.stack([m.last_z_loss for m in layers]).mean()

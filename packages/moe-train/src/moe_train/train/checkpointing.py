@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from moe_checkpoint import OwnedSlice, load_into
-from moe_parallel import Layout, is_expert_parameter
+from moe_checkpoint import OwnedSlice, SliceRequest, load_into, load_slices
+from moe_parallel import DistributedAdamW, Layout, StateRequest, is_expert_parameter
 from moe_train.model import Transformer
 
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
@@ -51,18 +51,61 @@ def _slice(
     return OwnedSlice.whole(name, tensor.detach())
 
 
-def training_slices(
-    model: Transformer, optimizer: torch.optim.Optimizer, layout: Layout, *, owned_only: bool
-) -> list[OwnedSlice]:
-    """The pieces of model and optimizer state this rank holds (`owned_only`: writes)."""
+Optimizer = torch.optim.Optimizer | DistributedAdamW
+
+
+def _global_placement(model: Transformer, name: str) -> tuple[tuple[int, ...], int]:
+    """Global shape of parameter `name` and the global flat offset of this rank's part."""
+    param = model.get_parameter(name)
+    if not is_expert_parameter(param):
+        return tuple(param.shape), 0
     num_experts = model.config.moe.num_experts
+    return (num_experts, *param.shape[1:]), _first_expert(model, name) * param[0].numel()
+
+
+def _sharded_optimizer_slices(
+    model: Transformer, optimizer: DistributedAdamW, layout: Layout
+) -> list[OwnedSlice]:
+    """The moments of this rank's optimizer shards (each element has exactly one owner)."""
     slices = []
+    for piece in optimizer.state_pieces():
+        global_shape, offset = _global_placement(model, piece.name)
+        for key in OPTIM_STATES:
+            slices.append(
+                OwnedSlice(
+                    f"optim.{key}.{piece.name}",
+                    global_shape,
+                    offset + piece.flat_start,
+                    getattr(piece, key),
+                )
+            )
+    if layout.dp_rank == 0:  # one scalar per parameter: written once
+        step = torch.tensor(float(optimizer.step_count))
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                slices.append(OwnedSlice.whole(f"optim.step.{name}", step))
+    return slices
+
+
+def training_slices(
+    model: Transformer, optimizer: Optimizer, layout: Layout, *, owned_only: bool
+) -> list[OwnedSlice]:
+    """The pieces of model and optimizer state this rank holds (`owned_only`: writes).
+
+    With the distributed optimizer the moments come from its shards (for saving only:
+    `load_training_state` fills them through the optimizer).
+    """
+    num_experts = model.config.moe.num_experts
+    sharded = isinstance(optimizer, DistributedAdamW)
+    slices = _sharded_optimizer_slices(model, optimizer, layout) if sharded else []
     for name, tensor in _named_state(model):
         expert = isinstance(tensor, nn.Parameter) and is_expert_parameter(tensor)
         owner = layout.edp_rank == 0 if expert else layout.dp_rank == 0
         if owned_only and not owner:
             continue
         slices.append(_slice(model, name, tensor, num_experts, expert))
+        if sharded:
+            continue
         state = optimizer.state.get(tensor) if isinstance(tensor, nn.Parameter) else None
         if state is None:
             continue
@@ -89,11 +132,34 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def load_training_state(
-    ckpt_dir: Path, model: Transformer, optimizer: torch.optim.Optimizer, layout: Layout
+    ckpt_dir: Path, model: Transformer, optimizer: Optimizer, layout: Layout
 ) -> None:
-    """Fill this rank's model and optimizer tensors from `ckpt_dir` (any saving layout)."""
-    init_optimizer_state(optimizer)
-    load_into(ckpt_dir, training_slices(model, optimizer, layout, owned_only=False))
+    """Fill this rank's model and optimizer tensors from `ckpt_dir` (any saving layout).
+
+    Collective with the distributed optimizer (it gathers the loaded shards).
+    """
+    if not isinstance(optimizer, DistributedAdamW):
+        init_optimizer_state(optimizer)
+        load_into(ckpt_dir, training_slices(model, optimizer, layout, owned_only=False))
+        return
+    model_slices = training_slices(model, optimizer, layout, owned_only=False)
+    load_into(ckpt_dir, [s for s in model_slices if category_of(s.name) == "model"])
+    first_param = next(name for name, p in model.named_parameters() if p.requires_grad)
+    (step,) = load_slices(ckpt_dir, [SliceRequest.whole(f"optim.step.{first_param}", ())])
+
+    def read(requests: list[StateRequest]) -> list[Tensor]:
+        slice_requests = []
+        for request in requests:
+            global_shape, offset = _global_placement(model, request.name)
+            name = (
+                request.name if request.kind == "param" else f"optim.{request.kind}.{request.name}"
+            )
+            slice_requests.append(
+                SliceRequest(name, global_shape, offset + request.flat_start, request.numel)
+            )
+        return load_slices(ckpt_dir, slice_requests)
+
+    optimizer.load_state(int(step.item()), read)
 
 
 def encode_rng_state() -> dict[str, Any]:

@@ -30,3 +30,39 @@ def keep_freed_host_memory() -> bool:
     trimmed = mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
     unmapped = mallopt(_M_MMAP_MAX, 0)
     return bool(trimmed and unmapped)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def allocated_host_bytes() -> int | None:
+    """Bytes the process has allocated through malloc and not freed (glibc), else None.
+
+    CPU tensors are malloc'd, so the difference of two readings is the tensor memory that
+    came into being in between: the activation memory of a forward, for instance.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)

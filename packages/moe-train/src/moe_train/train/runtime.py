@@ -41,9 +41,9 @@ class Runtime:
         return self.layout.world_size > 1
 
     def sum_over_world(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over all ranks of one pipeline stage's data-parallel group (in place)."""
-        if self.distributed and self.layout.dp > 1:
-            dist.all_reduce(tensor, group=self.layout.dp_group)
+        """Sum over all ranks, every pipeline stage included (in place)."""
+        if self.distributed and self.layout.world_size > 1:
+            dist.all_reduce(tensor)
         return tensor
 
     def max_over_world(self, values: list[float]) -> list[float]:

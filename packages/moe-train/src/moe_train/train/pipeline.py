@@ -1,0 +1,215 @@
+"""Pipeline parallelism: the layers split into stages over the pp ranks.
+
+Built on `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1F1B). Stage `s` of
+`pp * virtual_stages` holds an equal run of consecutive layers and lives on pp rank
+`s % pp` (the loop placement interleaved schedules expect); the embedding belongs to stage 0
+and the final norm and head to the last stage. Each pp rank builds one `Transformer` holding
+only its stages' layers (parameter names stay global), and one `StageModule` per stage runs
+its part. The MoE auxiliary losses need nothing from the schedule: they enter the backward
+inside their own stage (see `Transformer.set_aux_loss_scale`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from moe_parallel import Layout
+from moe_train.config import Config
+from moe_train.errors import ConfigError
+from moe_train.model import Transformer, lm_loss
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which stages, layers and ends of the model one pp rank holds."""
+
+    num_stages: int
+    stages: tuple[int, ...]
+    """Global indices of this rank's stages, in order."""
+    layers_of_stage: dict[int, tuple[int, ...]]
+    """Global layer indices of each of this rank's stages."""
+
+    @property
+    def layers(self) -> list[int]:
+        return [layer for stage in self.stages for layer in self.layers_of_stage[stage]]
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stages
+
+
+def check_pipeline(config: Config, dp: int) -> None:
+    """Reject pipeline settings the model, the batch or the schedule cannot use."""
+    parallel, model = config.parallel, config.model
+    pp, virtual = parallel.pp, parallel.virtual_stages
+    interleaved = parallel.pp_schedule == "interleaved_1f1b"
+    if interleaved and virtual < 2:
+        raise ConfigError(
+            f"parallel.pp_schedule=interleaved_1f1b needs parallel.virtual_stages >= 2 "
+            f"(got {virtual}); use pp_schedule=1f1b for one stage per rank"
+        )
+    if not interleaved and virtual != 1:
+        raise ConfigError(
+            f"parallel.virtual_stages={virtual} needs parallel.pp_schedule=interleaved_1f1b "
+            f"(got {parallel.pp_schedule}); set virtual_stages=1"
+        )
+    if pp == 1:
+        return
+    num_stages = pp * virtual
+    if model.n_layers % num_stages:
+        raise ConfigError(
+            f"model.n_layers={model.n_layers} must be a multiple of the number of pipeline "
+            f"stages parallel.pp * parallel.virtual_stages = {num_stages}"
+        )
+    if model.tie_embeddings:
+        raise ConfigError(
+            "model.tie_embeddings=true cannot be split over pipeline stages (the embedding is "
+            "on the first, the head on the last); set it to false or parallel.pp=1"
+        )
+    micro_batches = config.data.global_batch_size // config.data.micro_batch_size // dp
+    needed = 1 if parallel.pp_schedule == "gpipe" else pp
+    if micro_batches < needed or (interleaved and micro_batches % pp):
+        rule = f"a multiple of parallel.pp={pp}" if interleaved else f"at least parallel.pp={pp}"
+        raise ConfigError(
+            f"parallel.pp_schedule={parallel.pp_schedule} needs micro-batches per pipeline "
+            f"(data.global_batch_size / data.micro_batch_size / dp = {micro_batches}) to be "
+            f"{rule}; raise data.global_batch_size or lower data.micro_batch_size"
+        )
+
+
+def plan_stages(n_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1) -> StagePlan:
+    """The stages of pp rank `pp_rank` when `n_layers` split evenly into pp x virtual stages."""
+    num_stages = pp * virtual_stages
+    per_stage = n_layers // num_stages
+    stages = tuple(pp_rank + v * pp for v in range(virtual_stages))
+    return StagePlan(
+        num_stages=num_stages,
+        stages=stages,
+        layers_of_stage={s: tuple(range(s * per_stage, (s + 1) * per_stage)) for s in stages},
+    )
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: runs its layers (and the embedding / head at the ends)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        layers: tuple[int, ...],
+        *,
+        first: bool,
+        last: bool,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+    ) -> None:
+        super().__init__()
+        # The stage shares the rank's Transformer; registering its parts keeps
+        # `parameters()` of the stage to exactly what the stage computes with.
+        self.blocks = nn.ModuleList(model.blocks[str(i)] for i in layers)
+        self.embed = model.embed if first else None
+        self.head = nn.ModuleList([model.norm, model.head]) if last else None
+        self._run = model.run_layers
+        self._layer_names = [str(i) for i in layers]
+        self._first, self._last = first, last
+        self._autocast = autocast
+
+    def forward(self, x: Tensor) -> Tensor:
+        with self._autocast():
+            return self._run(x, self._layer_names, embed=self._first, head=self._last)
+
+
+class PipelineRunner:
+    """Runs one optimizer step's forward and backward through this rank's stages."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        plan: StagePlan,
+        config: Config,
+        layout: Layout,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+        micro_batches: int,
+        num_micro_total: int,
+    ) -> None:
+        self.plan = plan
+        self.num_micro_total = num_micro_total
+        self.step_losses: list[Tensor] = []
+        data, model_config = config.data, config.model
+        micro_shape = (data.micro_batch_size, data.seq_len)
+        # Shapes and dtypes of what stages exchange (static: no shape-inference pass). Hidden
+        # states need gradients, so the stages also exchange their gradients in backward.
+        hidden = torch.empty(*micro_shape, model_config.d_model, device=device, requires_grad=True)
+        tokens = torch.empty(micro_shape, dtype=torch.long, device=device)
+        logits = torch.empty(
+            *micro_shape, model_config.vocab_size, dtype=compute_dtype, device=device
+        )
+        self.stages = []
+        for stage in plan.stages:
+            first, last = stage == 0, stage == plan.num_stages - 1
+            module = StageModule(
+                model, plan.layers_of_stage[stage], first=first, last=last, autocast=autocast
+            )
+            self.stages.append(
+                PipelineStage(
+                    module,
+                    stage,
+                    plan.num_stages,
+                    device,
+                    input_args=tokens if first else hidden,
+                    output_args=logits if last else hidden,
+                    group=layout.pp_group,
+                )
+            )
+        schedule_class = SCHEDULES[config.parallel.pp_schedule]
+        interleaved = config.parallel.pp_schedule == "interleaved_1f1b"
+        # Gradients are scaled by the loss itself (1 / micro-batches of the whole step, over
+        # every dp rank), as in the non-pipelined loop, so the schedule must not rescale.
+        self.schedule = schedule_class(
+            self.stages if interleaved else self.stages[0],
+            n_microbatches=micro_batches,
+            loss_fn=self._loss,
+            scale_grads=False,
+        )
+
+    def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        loss = lm_loss(logits, targets)
+        self.step_losses.append(loss.detach())
+        return loss / self.num_micro_total
+
+    def forward_backward(self, micro_batches: Tensor) -> Tensor:
+        """Forward and backward of this pipeline's micro-batches [n, mbs, seq+1].
+
+        Returns the sum of their LM losses on the rank holding the last stage, else 0.
+        """
+        self.step_losses = []
+        inputs = micro_batches[:, :, :-1].flatten(0, 1)
+        targets = micro_batches[:, :, 1:].flatten(0, 1)
+        args = (inputs,) if self.plan.has_first else ()
+        kwargs = {"target": targets} if self.plan.has_last else {}
+        self.schedule.step(*args, **kwargs)
+        total = torch.zeros((), dtype=torch.float64, device=micro_batches.device)
+        for loss in self.step_losses:
+            total += loss.double()
+        return total

@@ -1,0 +1,129 @@
+"""Pipeline parallelism reproduces the single-process losses; bad pipeline settings fail clearly."""
+
+import pytest
+
+from distributed import run_distributed
+from moe_train.config import config_from_dict
+from moe_train.errors import ConfigError
+from moe_train.train import train
+from moe_train.train.pipeline import check_pipeline, plan_stages
+
+STEPS = 10
+
+
+def _config_data(token_file, run_dir, **parallel) -> dict:
+    return {
+        "model": {
+            "vocab_size": 256,
+            "d_model": 32,
+            "n_layers": 4,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "dense_layers": 1,
+            "dense_hidden": 64,
+            "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "bias_update_rate": 0.01},
+        },
+        "data": {
+            "paths": [str(token_file)],
+            "seq_len": 32,
+            "global_batch_size": 8,
+            "micro_batch_size": 2,
+        },
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0},
+        "train": {
+            "max_steps": STEPS,
+            "run_dir": str(run_dir),
+            "progress": False,
+            "peak_flops": 1e11,
+        },
+        "precision": {"compute_dtype": "float32"},
+        "parallel": parallel,
+    }
+
+
+def _train_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, list[float]]:
+    return {name: train(config_from_dict(data)).losses for name, data in cases.items()}
+
+
+def _assert_losses_match(name, losses, reference):
+    assert len(losses) == len(reference), name
+    for step, (a, b) in enumerate(zip(losses, reference, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs single-process {b}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return tmp_path_factory.mktemp("pp")
+
+
+def test_stage_plan_places_stages_in_a_loop():
+    plan = plan_stages(8, pp=2, pp_rank=1, virtual_stages=2)
+    assert plan.stages == (1, 3)
+    assert plan.layers == [2, 3, 6, 7]
+    assert not plan.has_first and plan.has_last
+    plan = plan_stages(4, pp=2, pp_rank=0)
+    assert plan.layers == [0, 1] and plan.has_first and not plan.has_last
+
+
+def test_pipeline_schedules_match_single_process(token_file, tmp_path):
+    single = train(config_from_dict(_config_data(token_file, tmp_path / "single"))).losses
+    cases = {
+        "1f1b": _config_data(token_file, tmp_path / "1f1b", pp=2),
+        "gpipe": _config_data(token_file, tmp_path / "gpipe", pp=2, pp_schedule="gpipe"),
+        "interleaved": _config_data(
+            token_file,
+            tmp_path / "interleaved",
+            pp=2,
+            pp_schedule="interleaved_1f1b",
+            virtual_stages=2,
+        ),
+        "1f1b_recompute": _config_data(
+            token_file, tmp_path / "recompute", pp=2, recompute="selective"
+        ),
+    }
+    per_rank = run_distributed(_train_cases, world_size=2, args=(cases,))
+    for name in cases:
+        assert per_rank[0][name] == per_rank[1][name], f"{name}: ranks disagree: {per_rank}"
+        _assert_losses_match(name, per_rank[0][name], single)
+
+
+def test_pipeline_with_expert_and_data_parallel_matches_single_process(token_file, tmp_path):
+    single = train(config_from_dict(_config_data(token_file, tmp_path / "single"))).losses
+    cases = {
+        "pp2_ep2_dp2": _config_data(
+            token_file, tmp_path / "pp2ep2", pp=2, ep=2, dispatcher="all_to_all"
+        ),
+    }
+    per_rank = run_distributed(_train_cases, world_size=4, args=(cases,))
+    for losses in per_rank:
+        _assert_losses_match("pp2_ep2_dp2", losses["pp2_ep2_dp2"], single)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "data", "message"),
+    [
+        ({"pp": 3}, {}, "model.n_layers=4 must be a multiple of the number of pipeline stages"),
+        (
+            {"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 3},
+            {},
+            "model.n_layers=4 must be a multiple",
+        ),
+        ({"pp": 2, "pp_schedule": "interleaved_1f1b"}, {}, "needs parallel.virtual_stages >= 2"),
+        ({"pp": 2, "virtual_stages": 2}, {}, "needs parallel.pp_schedule=interleaved_1f1b"),
+        (
+            {"pp": 4},
+            {"global_batch_size": 6, "micro_batch_size": 2},
+            "needs micro-batches per pipeline",
+        ),
+    ],
+)
+def test_bad_pipeline_settings_are_one_clear_error(token_file, tmp_path, parallel, data, message):
+    config_data = _config_data(token_file, tmp_path, **parallel)
+    config_data["data"].update(data)
+    with pytest.raises(ConfigError, match=message):
+        check_pipeline(config_from_dict(config_data), dp=1)
+
+
+def test_unknown_schedule_is_rejected_by_the_config(token_file, tmp_path):
+    with pytest.raises(ConfigError, match="parallel.pp_schedule"):
+        config_from_dict(_config_data(token_file, tmp_path, pp=2, pp_schedule="zigzag"))
