@@ -7,10 +7,13 @@ before each call so a row the kernels fail to write shows up.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import Tensor
 
+import moe_kernels
 from assertions import assert_close_report
 from moe_kernels import PERMUTE_BACKENDS, permute, unpermute
 
@@ -215,6 +218,14 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.Mon
     x_perm, permutation = permute(torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int64), 3)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         unpermute(x_perm, permutation, torch.ones(4, 2), backend="triton")
+
+
+def test_missing_triton_is_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.delitem(sys.modules, "moe_kernels.triton_permute", raising=False)
+    monkeypatch.delattr(moe_kernels, "triton_permute", raising=False)
+    with pytest.raises(ImportError, match="backend='triton' needs the triton package"):
+        permute(torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int64), 3, backend="triton")
 
 
 @pytest.mark.gpu

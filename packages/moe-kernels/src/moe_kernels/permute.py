@@ -163,7 +163,9 @@ def _triton_kernels() -> ModuleType:
     """``moe_kernels.triton_permute``, imported on first use (it imports triton)."""
     try:
         from moe_kernels import triton_permute
-    except ImportError as e:
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("triton"):
+            raise
         raise ImportError(
             "backend='triton' needs the triton package (installed with moe-kernels on Linux; "
             "elsewhere `pip install triton`), or use backend='torch'"
