@@ -68,6 +68,16 @@ def _sum_over_copies(rows_TKD: Tensor) -> Tensor:
     return total_TD
 
 
+def _padding_rows(source_token_P: Tensor, num_tokens: int, num_padding: int) -> Tensor:
+    """[num_padding] int64 indices of the rows whose source is T, found on the device."""
+    is_padding_P = source_token_P == num_tokens
+    # The j-th padding row goes to slot j; every other row to a spare slot past the end.
+    slot_P = torch.where(is_padding_P, torch.cumsum(is_padding_P, 0) - 1, num_padding)
+    rows = torch.empty(num_padding + 1, dtype=torch.int64, device=source_token_P.device)
+    rows.scatter_(0, slot_P, torch.arange(source_token_P.shape[0], device=source_token_P.device))
+    return rows[:num_padding]
+
+
 class _GatherRows(torch.autograd.Function):
     """``x_perm[r] = x[source_token[r]]`` (zero where the source is T); backward gathers too.
 
@@ -80,12 +90,18 @@ class _GatherRows(torch.autograd.Function):
         ctx, x_TD: Tensor, source_token_P: Tensor, row_of_copy_F: Tensor, top_k: int
     ) -> Tensor:
         num_tokens, dim = x_TD.shape
+        num_rows, num_copies = source_token_P.shape[0], row_of_copy_F.shape[0]
         ctx.save_for_backward(row_of_copy_F)
         ctx.num_tokens, ctx.top_k = num_tokens, top_k
-        if source_token_P.shape[0] == row_of_copy_F.shape[0]:
+        if num_rows == num_copies:
             return x_TD.index_select(0, source_token_P)
-        # Padding rows read an appended zero row (index T), so the gather stays one op.
-        return torch.cat([x_TD, x_TD.new_zeros(1, dim)]).index_select(0, source_token_P)
+        if num_tokens == 0:
+            return x_TD.new_zeros(num_rows, dim)
+        # Padding rows read token T-1 and are then zeroed: cheaper than appending a zero row
+        # to x, which copies all of x.
+        x_perm_PD = x_TD.index_select(0, source_token_P.clamp(max=num_tokens - 1))
+        padding_rows = _padding_rows(source_token_P, num_tokens, num_rows - num_copies)
+        return x_perm_PD.index_fill_(0, padding_rows, 0)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -145,8 +161,9 @@ class _CombineRows(torch.autograd.Function):
             else:
                 # Padding rows (source T) read token T-1 and are multiplied by weight zero.
                 source_in_range_P = source_token_P.clamp(max=num_tokens - 1)
-                grad_rows_PD = grad_TD.index_select(0, source_in_range_P).mul_(
-                    weight_of_row_P.unsqueeze(1)
+                # Out of place: an in-place broadcast multiply is much slower in bf16 on CPU.
+                grad_rows_PD = torch.mul(
+                    grad_TD.index_select(0, source_in_range_P), weight_of_row_P.unsqueeze(1)
                 )
         return grad_rows_PD, None, None, grad_weight_TK, None
 

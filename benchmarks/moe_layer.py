@@ -1,0 +1,293 @@
+"""MoE layer forward + backward on CPU against a dense SwiGLU doing the same FLOPs, and the cost
+of growing the expert pool at a fixed active size.
+
+The MoE layer is moe-train's own ``MoEFeedForward`` (router, local dispatcher, grouped-GEMM
+SwiGLU experts, combine), built as the trainer builds it (``local_dispatcher_factory``, the
+config's ``group_alignment``), with fp32 parameters and bf16 compute under autocast like the
+trainer (or fp32 throughout). Its limit is a dense SwiGLU of hidden ``top_k * expert_hidden``:
+the same matmul FLOPs per token. Variants run interleaved in one loop and only ratios are
+reported (the machines are shared and noisy). glibc's heap is set to keep freed memory, as the
+trainer does, so allocation costs match training.
+
+Two tables:
+- layer: time of the MoE layer over the dense layer (target <= 1.15 at E=8 top-2), with a
+  breakdown of the MoE time into router, permute (dispatch), grouped GEMMs (experts) and
+  unpermute (combine), each timed alone forward + backward.
+- scaling: top-4, fixed expert hidden, E in 8..128: tokens/s relative to E=8 (target at E=64:
+  >= 0.95).
+
+    uv run python benchmarks/moe_layer.py [--out bench_results/moe_layer.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from moe_train.config import ModelConfig, MoEConfig
+from moe_train.model.moe import MoEFeedForward, SwiGLU
+from moe_train.model.transformer import local_dispatcher_factory
+from moe_train.train.host_memory import keep_freed_host_memory
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _init_normal(module: nn.Module, seed: int, std: float = 0.02) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+
+
+def build_moe(d_model: int, num_experts: int, top_k: int, expert_hidden: int) -> MoEFeedForward:
+    """moe-train's MoE block as the trainer builds it (local dispatch, default alignment)."""
+    config = ModelConfig(
+        d_model=d_model,
+        moe=MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden=expert_hidden),
+    )
+    config.validate("model")
+    dispatcher = local_dispatcher_factory(config)(0)
+    moe = MoEFeedForward(config.d_model, config.moe, dispatcher)
+    _init_normal(moe, seed=num_experts * 100 + top_k)
+    return moe.train()
+
+
+def _autocast(dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=dtype)
+
+
+def _fwd_bwd_seconds(step: Callable[[], Tensor], grad_out: Tensor, dtype: torch.dtype) -> float:
+    start = time.perf_counter()
+    with _autocast(dtype):
+        out = step()
+    out.backward(grad_out)
+    return time.perf_counter() - start
+
+
+def _clear_grads(*modules: nn.Module) -> None:
+    for module in modules:
+        for parameter in module.parameters():
+            parameter.grad = None
+
+
+def _moe_stage_steps(
+    moe: MoEFeedForward, x_TD: Tensor, dtype: torch.dtype
+) -> Iterator[tuple[str, Callable[[], Tensor], Tensor]]:
+    """(stage, forward of that stage alone on detached inputs, gradient of its output)."""
+    with _autocast(dtype), torch.no_grad():
+        routed = moe.router(x_TD)
+        expert_input, rows_per_expert, handle = moe.dispatcher.dispatch(
+            x_TD, routed.topk_idx_TK, routed.topk_weight_TK
+        )
+        expert_output = moe.experts(expert_input, rows_per_expert)
+    generator = torch.Generator().manual_seed(1)
+
+    def randn_like(t: Tensor) -> Tensor:
+        return torch.randn(t.shape, generator=generator).to(t.dtype)
+
+    x_leaf = x_TD.detach().requires_grad_()
+    expert_input_leaf = expert_input.detach().requires_grad_()
+    expert_output_leaf = expert_output.detach().requires_grad_()
+    weight_leaf = routed.topk_weight_TK.detach().requires_grad_()
+    state = handle.state
+
+    def clear_leaf_grads() -> None:
+        # Each stage starts from fresh leaves, so no stage pays for accumulating into a grad.
+        for leaf in (x_leaf, expert_input_leaf, expert_output_leaf, weight_leaf):
+            leaf.grad = None
+
+    def router() -> Tensor:
+        clear_leaf_grads()
+        out = moe.router(x_leaf)
+        # One scalar that reaches every differentiable router output.
+        return (out.topk_weight_TK * 0.5).sum() + out.lb_loss + out.z_loss
+
+    def permute() -> Tensor:
+        clear_leaf_grads()
+        return moe.dispatcher.dispatch(x_leaf, routed.topk_idx_TK, routed.topk_weight_TK)[0]
+
+    def experts() -> Tensor:
+        clear_leaf_grads()
+        return moe.experts(expert_input_leaf, rows_per_expert)
+
+    def unpermute() -> Tensor:
+        clear_leaf_grads()
+        handle_with_leaf = type(handle)(
+            state=type(state)(permutation=state.permutation, topk_weight_TK=weight_leaf),
+            dropped_copies=handle.dropped_copies,
+            num_copies=handle.num_copies,
+        )
+        return moe.dispatcher.combine(expert_output_leaf, handle_with_leaf)
+
+    yield "router", router, torch.ones(())
+    yield "permute", permute, randn_like(expert_input)
+    yield "grouped GEMMs", experts, randn_like(expert_output)
+    yield "unpermute", unpermute, randn_like(x_TD).to(expert_output.dtype)
+
+
+def _median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def run_layer(args: argparse.Namespace) -> list[dict]:
+    """MoE (E=args.experts, top_k) over dense SwiGLU with the same FLOPs, per dtype."""
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        moe = build_moe(args.d_model, args.experts, args.top_k, args.expert_hidden)
+        dense = SwiGLU(args.d_model, args.top_k * args.expert_hidden)
+        _init_normal(dense, seed=7)
+        generator = torch.Generator().manual_seed(0)
+        x_TD = torch.randn(args.tokens, args.d_model, generator=generator)
+        grad_TD = torch.randn(args.tokens, args.d_model, generator=generator)
+        x_leaf = x_TD.clone().requires_grad_()
+        variants: dict[str, Callable[[], Tensor]] = {
+            "moe": lambda moe=moe, x_leaf=x_leaf: moe(x_leaf),
+            "dense": lambda dense=dense, x_leaf=x_leaf: dense(x_leaf),
+        }
+        stages = list(_moe_stage_steps(moe, x_TD, dtype))
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        times.update({name: [] for name, _, _ in stages})
+        steps = [(name, step, grad_TD) for name, step in variants.items()] + stages
+        for rep in range(args.warmup + args.reps):
+            for name, step, grad in steps:
+                seconds = _fwd_bwd_seconds(step, grad, dtype)
+                _clear_grads(moe, dense)
+                x_leaf.grad = None
+                if rep >= args.warmup:
+                    times[name].append(seconds)
+        dense_ms = _median_ms(times["dense"])
+        row = {
+            "dtype": dtype_name,
+            "tokens": args.tokens,
+            "d_model": args.d_model,
+            "experts": args.experts,
+            "top_k": args.top_k,
+            "expert_hidden": args.expert_hidden,
+            "group_alignment": moe.config.group_alignment,
+            "threads": torch.get_num_threads(),
+            "dense_ms": dense_ms,
+            "moe_ms": _median_ms(times["moe"]),
+            "moe_over_dense": _median_ms(times["moe"]) / dense_ms,
+            "stages_ms": {name: _median_ms(times[name]) for name, _, _ in stages},
+        }
+        row["stages_over_dense"] = {name: ms / dense_ms for name, ms in row["stages_ms"].items()}
+        rows.append(row)
+    return rows
+
+
+def run_scaling(args: argparse.Namespace) -> list[dict]:
+    """Tokens/s of the MoE layer at each expert count relative to the first, interleaved."""
+    dtype = DTYPES[args.scaling_dtype]
+    generator = torch.Generator().manual_seed(0)
+    x_TD = torch.randn(args.tokens, args.d_model, generator=generator)
+    grad_TD = torch.randn(args.tokens, args.d_model, generator=generator)
+    x_leaf = x_TD.clone().requires_grad_()
+    layers = {
+        experts: build_moe(args.d_model, experts, args.scaling_top_k, args.scaling_expert_hidden)
+        for experts in args.scaling_experts
+    }
+    times: dict[int, list[float]] = {experts: [] for experts in layers}
+    for rep in range(args.warmup + args.reps):
+        for experts, moe in layers.items():
+            seconds = _fwd_bwd_seconds(lambda moe=moe: moe(x_leaf), grad_TD, dtype)
+            _clear_grads(moe)
+            x_leaf.grad = None
+            if rep >= args.warmup:
+                times[experts].append(seconds)
+    base = statistics.median(times[args.scaling_experts[0]])
+    rows = []
+    for experts, samples in times.items():
+        median = statistics.median(samples)
+        rows.append(
+            {
+                "dtype": args.scaling_dtype,
+                "tokens": args.tokens,
+                "d_model": args.d_model,
+                "experts": experts,
+                "top_k": args.scaling_top_k,
+                "expert_hidden": args.scaling_expert_hidden,
+                "ms": median * 1e3,
+                "tokens_per_s": args.tokens / median,
+                "throughput_vs_first": base / median,
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--expert-hidden", type=int, default=1024)
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=DTYPES)
+    parser.add_argument("--scaling-experts", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    parser.add_argument("--scaling-top-k", type=int, default=4)
+    parser.add_argument("--scaling-expert-hidden", type=int, default=512)
+    parser.add_argument("--scaling-dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--no-scaling", action="store_true", help="skip the expert-scaling table")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's, as training)"
+    )
+    parser.add_argument("--out", default="bench_results/moe_layer.json")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    heap_kept = keep_freed_host_memory()
+    layer_rows = run_layer(args)
+    print(
+        f"MoE layer fwd+bwd over dense SwiGLU with the same FLOPs (CPU, {args.tokens} tokens, "
+        f"d_model {args.d_model}, threads {torch.get_num_threads()}, heap kept {heap_kept})"
+    )
+    stage_names = list(layer_rows[0]["stages_ms"])
+    header = (
+        f"{'dtype':>9} {'E':>4} {'k':>2} {'H':>5} {'dense ms':>9} {'moe ms':>8} {'moe/dense':>9}"
+    )
+    print(header + "".join(f" {name:>14}" for name in stage_names))
+    for row in layer_rows:
+        line = (
+            f"{row['dtype']:>9} {row['experts']:>4} {row['top_k']:>2} {row['expert_hidden']:>5} "
+            f"{row['dense_ms']:>9.1f} {row['moe_ms']:>8.1f} {row['moe_over_dense']:>9.3f}"
+        )
+        print(line + "".join(f" {row['stages_over_dense'][n]:>14.3f}" for n in stage_names))
+    print("(stage columns: that stage alone, fwd+bwd, as a fraction of the dense time)")
+
+    scaling_rows = [] if args.no_scaling else run_scaling(args)
+    if scaling_rows:
+        print(
+            f"\nexpert scaling ({args.scaling_dtype}, top-{args.scaling_top_k}, expert hidden "
+            f"{args.scaling_expert_hidden}): throughput relative to E={args.scaling_experts[0]}"
+        )
+        print(f"{'E':>5} {'ms':>8} {'tokens/s':>10} {'relative':>9}")
+        for row in scaling_rows:
+            print(
+                f"{row['experts']:>5} {row['ms']:>8.1f} {row['tokens_per_s']:>10.0f} "
+                f"{row['throughput_vs_first']:>9.3f}"
+            )
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps({"heap_kept": heap_kept, "layer": layer_rows, "scaling": scaling_rows}, indent=2)
+        + "\n"
+    )
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
