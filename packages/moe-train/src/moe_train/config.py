@@ -42,9 +42,21 @@ class MoEConfig:
     group_alignment: int = 32
     """Pad each expert's group of rows with zero rows to a multiple of this, so grouped GEMM
     shapes repeat and libraries reuse their compiled kernels; 1 turns padding off."""
+    grouped_mm_backend: Literal["torch", "triton", "auto"] = "torch"
+    """Kernels of the experts' grouped GEMMs: torch (torch._grouped_mm, everywhere), triton
+    (moe-kernels' Triton kernels; for GPUs: on CPU they run only under the Triton interpreter,
+    TRITON_INTERPRET=1, a slow test vehicle) or auto (on a GPU, whichever of the two was measured
+    faster per shape, timed once; torch on CPU). Unused with precision.mxfp8=true, whose
+    grouped GEMMs are moe-kernels' mxfp8_grouped_mm."""
 
     def validate(self, path: str) -> None:
         _positive(self, path, "num_experts", "expert_hidden", "group_alignment")
+        backends = typing.get_args(typing.get_type_hints(MoEConfig)["grouped_mm_backend"])
+        if self.grouped_mm_backend not in backends:
+            raise ConfigError(
+                f"{path}.grouped_mm_backend={self.grouped_mm_backend!r} must be one of "
+                f"{', '.join(repr(b) for b in backends)}"
+            )
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(
                 f"{path}.top_k={self.top_k} must be between 1 and "
@@ -218,10 +230,21 @@ class PrecisionConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Dtype of matmuls (bfloat16 runs under autocast; router logits and losses stay fp32)."""
     mxfp8: bool = False
-    """Run the expert GEMMs in MXFP8."""
+    """Run the routed experts' grouped GEMMs (gate_up and down; forward, input and weight
+    gradients) in MXFP8 with moe-kernels' mxfp8_grouped_mm, the MX training recipe: each GEMM
+    quantizes its bf16 operands along its reduction dimension (blocks of 32, e4m3 values,
+    power-of-two scales), from the FP32 master weights' bf16 copies. torchao's kernels run on
+    SM100 GPUs (the moe-kernels[mxfp8] extra); elsewhere an exact emulation gives the same
+    numbers, slower than bf16 (it adds the quantization). Only the expert GEMMs: attention,
+    router, shared experts, dense feed-forwards and the head stay in compute_dtype. Needs
+    compute_dtype=bfloat16."""
 
     def validate(self, path: str) -> None:
-        pass
+        if self.mxfp8 and self.compute_dtype != "bfloat16":
+            raise ConfigError(
+                f"{path}.mxfp8=true needs {path}.compute_dtype=bfloat16 (MXFP8 is a bf16 "
+                f"training recipe), got {path}.compute_dtype={self.compute_dtype}"
+            )
 
 
 @dataclass(kw_only=True)

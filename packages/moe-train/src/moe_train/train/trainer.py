@@ -68,9 +68,7 @@ class TrainResult:
 
 def check_supported(config: Config) -> None:
     """Reject settings whose features this version of the trainer does not have yet."""
-    unsupported = {
-        "precision.mxfp8": (config.precision.mxfp8, False),
-    }
+    unsupported: dict[str, tuple[object, object]] = {}
     for key, (value, supported) in unsupported.items():
         if value != supported:
             raise ConfigError(
@@ -280,6 +278,7 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
         with_embedding=plan.has_first if plan else True,
         with_head=plan.has_last if plan else True,
         recompute=config.parallel.recompute,
+        mxfp8=config.precision.mxfp8,
     ).to(device)
     model.set_aux_loss_scale(1.0 / num_micro)
     optimizer = build_optimizer(model, config, layout)

@@ -1,0 +1,189 @@
+"""precision.mxfp8 and model.moe.grouped_mm_backend in the trainer and the MoE layer."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton reads this when a kernel is decorated: it must be set before the first use of
+    # grouped_mm(backend="triton") imports moe_kernels.triton_grouped_mm.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from moe_dispatch import make_dispatcher
+from moe_train.config import MoEConfig, PrecisionConfig, config_from_dict
+from moe_train.errors import ConfigError
+from moe_train.model.moe import MoEFeedForward
+from moe_train.train import train
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread while the test runs.
+
+    The tiny matmuls of these tests are latency bound; on a loaded 2-core machine two
+    OpenMP threads made them ~500x slower than one (a 50-step run: 52 s against 3 s).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _mean_last(losses: list[float], n: int) -> float:
+    return sum(losses[-n:]) / n
+
+
+def test_mxfp8_training_tracks_bf16_loss(make_config, tmp_path, one_thread):
+    """50 steps with MXFP8 expert GEMMs end within 3% of the bf16 run with the same seed."""
+    runs = {}
+    for mxfp8 in (False, True):
+        config = make_config(
+            tmp_path / f"mxfp8-{mxfp8}",
+            train={"max_steps": 50, "seed": 3},
+            precision={"compute_dtype": "bfloat16", "mxfp8": mxfp8},
+        )
+        runs[mxfp8] = train(config).losses
+    bf16_loss, mxfp8_loss = _mean_last(runs[False], 5), _mean_last(runs[True], 5)
+    assert runs[True] != runs[False], "precision.mxfp8=true gave the bf16 losses bit for bit"
+    assert mxfp8_loss < 0.8 * runs[True][0], f"MXFP8 run did not learn: {runs[True]}"
+    gap = abs(mxfp8_loss - bf16_loss) / bf16_loss
+    assert gap <= 0.03, (
+        f"final loss (mean of last 5 steps): mxfp8 {mxfp8_loss:.4f}, bf16 {bf16_loss:.4f}, "
+        f"relative gap {gap:.2%} > 3%"
+    )
+
+
+def _moe_layer(seed: int, mxfp8: bool = False, **moe_overrides) -> MoEFeedForward:
+    config = MoEConfig(num_experts=4, top_k=2, expert_hidden=64, **moe_overrides)
+    dispatcher = make_dispatcher(
+        "local", num_experts=config.num_experts, group_alignment=config.group_alignment
+    )
+    layer = MoEFeedForward(64, config, dispatcher, mxfp8=mxfp8)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return layer
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+def _output_and_expert_grads(
+    layer: MoEFeedForward, x_BSD: torch.Tensor, grad_BSD: torch.Tensor, autocast: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y_BSD = layer(x_BSD)
+    y_BSD.backward(grad_BSD)
+    experts = layer.experts
+    return y_BSD.detach(), experts.w_gate_up_EDO.grad, experts.w_down_EHD.grad
+
+
+def test_mxfp8_moe_layer_is_close_to_float64_and_grads_reach_both_expert_weights(one_thread):
+    """Output and expert weight gradients of the MXFP8 layer against a float64 reference.
+
+    e4m3 keeps 3 mantissa bits, so each quantized operand is within 2^-4 relative of its
+    value (normal range) and a product of two within ~2^-3; summed over a GEMM, the normwise
+    relative error stays below that. bf16 (2^-8 per operand) must be far closer, which also
+    shows that the MXFP8 path really quantizes.
+    """
+    torch.manual_seed(0)
+    x_BSD = torch.randn(2, 40, 64)
+    grad_BSD = torch.randn(2, 40, 64)
+    reference = copy.deepcopy(_moe_layer(seed=1)).double()
+    y64, gate_up64, down64 = _output_and_expert_grads(
+        reference, x_BSD.double(), grad_BSD.double(), autocast=False
+    )
+    errors = {}
+    for mxfp8 in (False, True):
+        layer = _moe_layer(seed=1, mxfp8=mxfp8)
+        y, gate_up_grad, down_grad = _output_and_expert_grads(layer, x_BSD, grad_BSD, True)
+        assert layer.experts.w_gate_up_EDO.dtype == torch.float32  # FP32 master weights
+        for name, grad in (("w_gate_up_EDO", gate_up_grad), ("w_down_EHD", down_grad)):
+            assert grad is not None and grad.dtype == torch.float32, name
+            assert torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+        errors[mxfp8] = {
+            "output": _relative_error(y, y64),
+            "w_gate_up_EDO.grad": _relative_error(gate_up_grad, gate_up64),
+            "w_down_EHD.grad": _relative_error(down_grad, down64),
+        }
+    for name, mxfp8_error in errors[True].items():
+        bf16_error = errors[False][name]
+        assert mxfp8_error <= 2**-3, f"{name}: MXFP8 relative error {mxfp8_error:.4f} > 2^-3"
+        assert bf16_error <= 2**-6, f"{name}: bf16 relative error {bf16_error:.4f} > 2^-6"
+        assert mxfp8_error > 2 * bf16_error, (
+            f"{name}: MXFP8 error {mxfp8_error:.2e} is not above bf16's {bf16_error:.2e}: "
+            "is the MXFP8 path quantizing?"
+        )
+
+
+def test_triton_grouped_mm_backend_gives_the_torch_moe_layer():
+    """grouped_mm_backend=triton (interpreted on CPU) matches torch, forward and backward."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        from moe_kernels import triton_grouped_mm
+
+        if not triton_grouped_mm.INTERPRETED:
+            pytest.skip("triton kernels were built before TRITON_INTERPRET=1 was set")
+    torch.manual_seed(0)
+    # 24 tokens x top 2 = 48 rows (no group padding), d_model 32: a few interpreter tiles.
+    x_BSD = torch.randn(2, 12, 32, device=device)
+    grad_BSD = torch.randn(2, 12, 32, device=device)
+    results = {}
+    for backend in ("torch", "triton"):
+        config = MoEConfig(
+            num_experts=4, top_k=2, expert_hidden=32, group_alignment=1, grouped_mm_backend=backend
+        )
+        dispatcher = make_dispatcher("local", num_experts=4, group_alignment=1)
+        layer = MoEFeedForward(32, config, dispatcher).to(device)
+        assert layer.experts.grouped_mm_backend == backend
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for parameter in layer.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+        x = x_BSD.clone().requires_grad_()
+        y = layer(x)
+        y.backward(grad_BSD)
+        results[backend] = {
+            "output": y.detach(),
+            "input grad": x.grad,
+            "w_gate_up_EDO.grad": layer.experts.w_gate_up_EDO.grad,
+            "w_down_EHD.grad": layer.experts.w_down_EHD.grad,
+        }
+    for name, expected in results["torch"].items():
+        torch.testing.assert_close(
+            results["triton"][name], expected, rtol=1e-4, atol=1e-5, msg=name
+        )
+
+
+def _config_data(**precision) -> dict:
+    return {"precision": precision}
+
+
+def test_mxfp8_needs_bfloat16_compute_dtype():
+    with pytest.raises(ConfigError) as error:
+        config_from_dict(_config_data(mxfp8=True, compute_dtype="float32"))
+    assert str(error.value) == (
+        "precision.mxfp8=true needs precision.compute_dtype=bfloat16 (MXFP8 is a bf16 training "
+        "recipe), got precision.compute_dtype=float32"
+    )
+    assert config_from_dict(_config_data(mxfp8=True)).precision.mxfp8
+    PrecisionConfig(mxfp8=True, compute_dtype="bfloat16").validate("precision")
+
+
+def test_grouped_mm_backend_is_validated():
+    config = config_from_dict({"model": {"moe": {"grouped_mm_backend": "auto"}}})
+    assert config.model.moe.grouped_mm_backend == "auto"
+    assert config_from_dict({}).model.moe.grouped_mm_backend == "torch"
+    with pytest.raises(
+        ConfigError, match=r"^model\.moe\.grouped_mm_backend='cuda' must be one of "
+    ):
+        config_from_dict({"model": {"moe": {"grouped_mm_backend": "cuda"}}})
+    with pytest.raises(ConfigError) as error:
+        MoEConfig(grouped_mm_backend="cutlass").validate("model.moe")  # type: ignore[arg-type]
+    assert str(error.value) == (
+        "model.moe.grouped_mm_backend='cutlass' must be one of 'torch', 'triton', 'auto'"
+    )
