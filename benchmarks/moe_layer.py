@@ -17,6 +17,9 @@ Two tables:
   >= 0.95).
 
     uv run python benchmarks/moe_layer.py [--out bench_results/moe_layer.json]
+
+On a machine shared with other jobs, wall times of multi-threaded runs swing with the load;
+``--threads 1 --clock cpu`` (this process's CPU time) gives ratios that hold still.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ from moe_train.model.transformer import local_dispatcher_factory
 from moe_train.train.host_memory import keep_freed_host_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+"""wall: elapsed time. cpu: this process's CPU time, which on a shared machine leaves out the
+time other processes held the cores (meaningful with --threads 1; with more threads it also
+counts threads spinning at barriers)."""
 
 
 def _init_normal(module: nn.Module, seed: int, std: float = 0.02) -> None:
@@ -66,12 +73,14 @@ def _autocast(dtype: torch.dtype) -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", dtype=dtype)
 
 
-def _fwd_bwd_seconds(step: Callable[[], Tensor], grad_out: Tensor, dtype: torch.dtype) -> float:
-    start = time.perf_counter()
+def _fwd_bwd_seconds(
+    step: Callable[[], Tensor], grad_out: Tensor, dtype: torch.dtype, clock: Callable[[], float]
+) -> float:
+    start = clock()
     with _autocast(dtype):
         out = step()
     out.backward(grad_out)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _clear_grads(*modules: nn.Module) -> None:
@@ -161,7 +170,7 @@ def run_layer(args: argparse.Namespace) -> list[dict]:
         steps = [(name, step, grad_TD) for name, step in variants.items()] + stages
         for rep in range(args.warmup + args.reps):
             for name, step, grad in steps:
-                seconds = _fwd_bwd_seconds(step, grad, dtype)
+                seconds = _fwd_bwd_seconds(step, grad, dtype, CLOCKS[args.clock])
                 _clear_grads(moe, dense)
                 x_leaf.grad = None
                 if rep >= args.warmup:
@@ -176,6 +185,7 @@ def run_layer(args: argparse.Namespace) -> list[dict]:
             "expert_hidden": args.expert_hidden,
             "group_alignment": moe.config.group_alignment,
             "threads": torch.get_num_threads(),
+            "clock": args.clock,
             "dense_ms": dense_ms,
             "moe_ms": _median_ms(times["moe"]),
             "moe_over_dense": _median_ms(times["moe"]) / dense_ms,
@@ -200,7 +210,9 @@ def run_scaling(args: argparse.Namespace) -> list[dict]:
     times: dict[int, list[float]] = {experts: [] for experts in layers}
     for rep in range(args.warmup + args.reps):
         for experts, moe in layers.items():
-            seconds = _fwd_bwd_seconds(lambda moe=moe: moe(x_leaf), grad_TD, dtype)
+            seconds = _fwd_bwd_seconds(
+                lambda moe=moe: moe(x_leaf), grad_TD, dtype, CLOCKS[args.clock]
+            )
             _clear_grads(moe)
             x_leaf.grad = None
             if rep >= args.warmup:
@@ -243,6 +255,9 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's, as training)"
     )
+    parser.add_argument(
+        "--clock", default="wall", choices=CLOCKS, help="wall time, or process CPU time (cpu)"
+    )
     parser.add_argument("--out", default="bench_results/moe_layer.json")
     args = parser.parse_args()
     if args.threads is not None:
@@ -252,7 +267,8 @@ def main() -> None:
     layer_rows = run_layer(args)
     print(
         f"MoE layer fwd+bwd over dense SwiGLU with the same FLOPs (CPU, {args.tokens} tokens, "
-        f"d_model {args.d_model}, threads {torch.get_num_threads()}, heap kept {heap_kept})"
+        f"d_model {args.d_model}, threads {torch.get_num_threads()}, {args.clock} clock, "
+        f"heap kept {heap_kept})"
     )
     stage_names = list(layer_rows[0]["stages_ms"])
     header = (
@@ -283,7 +299,16 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
-        json.dumps({"heap_kept": heap_kept, "layer": layer_rows, "scaling": scaling_rows}, indent=2)
+        json.dumps(
+            {
+                "heap_kept": heap_kept,
+                "threads": torch.get_num_threads(),
+                "clock": args.clock,
+                "layer": layer_rows,
+                "scaling": scaling_rows,
+            },
+            indent=2,
+        )
         + "\n"
     )
     print(f"\nwrote {out}")

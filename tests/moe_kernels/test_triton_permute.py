@@ -161,6 +161,20 @@ def test_triton_round_trip_matches_token_loop_and_torch_backend(
     assert not ours["grad_y_perm"][not_copies].any(), "padding/dropped rows need zero gradient"
 
 
+@pytest.mark.parametrize("case_name", ["ragged", "aligned_groups", "aligned_with_drops"])
+def test_torch_backend_fused_and_gathered_sums_agree(
+    case_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU the torch backend sums copies with embedding_bag; elsewhere by gather + sum."""
+    permute_module = sys.modules["moe_kernels.permute"]
+    case = make_case(case_name, torch.float32)
+    fused = round_trip(case, "torch")
+    monkeypatch.setattr(permute_module, "_fused_gather_sum_applies", lambda rows: False)
+    gathered = round_trip(case, "torch")
+    for name in ("out", "grad_x", "grad_weight", "grad_y_perm"):
+        assert_close_report(fused[name], gathered[name], rtol=1e-6, atol=1e-6, name=name)
+
+
 @pytest.mark.usefixtures("poisoned_outputs")
 def test_triton_combine_ignores_dropped_rows_holding_nan() -> None:
     case = make_case("dropped_copies", torch.float32)

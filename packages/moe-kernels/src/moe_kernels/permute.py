@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Literal, get_args
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["PERMUTE_BACKENDS", "Permutation", "PermuteBackend", "permute", "unpermute"]
@@ -57,6 +58,15 @@ class Permutation:
         return self.tokens_per_expert.shape[0]
 
 
+def _fused_gather_sum_applies(rows_PD: Tensor) -> bool:
+    """Whether ``embedding_bag`` (a fused gather and sum over each token's copies) is used.
+
+    On CPU it is 2-3x faster than gathering [T, K, D] and then summing, measured at
+    T=8192, K=2, D=512 in fp32 and bf16. Elsewhere the plain gather (sync-free) is kept.
+    """
+    return rows_PD.device.type == "cpu" and rows_PD.shape[1] > 0
+
+
 def _sum_over_copies(rows_TKD: Tensor) -> Tensor:
     """[T, K, D] -> [T, D] sum over k (elementwise adds: faster on CPU than a strided sum)."""
     top_k = rows_TKD.shape[1]
@@ -81,8 +91,8 @@ def _padding_rows(source_token_P: Tensor, num_tokens: int, num_padding: int) -> 
 class _GatherRows(torch.autograd.Function):
     """``x_perm[r] = x[source_token[r]]`` (zero where the source is T); backward gathers too.
 
-    The backward sums each token's copies by gathering them (``row_of_copy``) instead of
-    ``index_add``, which runs as a slow scatter on CPU.
+    The backward sums each token's copies by gathering them (``row_of_copy``; fused into one
+    ``embedding_bag`` on CPU) instead of ``index_add``, which runs as a slow scatter on CPU.
     """
 
     @staticmethod
@@ -107,18 +117,26 @@ class _GatherRows(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_PD: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
         (row_of_copy_F,) = ctx.saved_tensors
-        grad_TKD = grad_PD.index_select(0, row_of_copy_F).view(
-            ctx.num_tokens, ctx.top_k, grad_PD.shape[1]
-        )
+        num_tokens, top_k = ctx.num_tokens, ctx.top_k
+        if _fused_gather_sum_applies(grad_PD):
+            row_of_copy_TK = row_of_copy_F.view(num_tokens, top_k)
+            return (
+                F.embedding_bag(row_of_copy_TK, grad_PD.contiguous(), mode="sum"),
+                None,
+                None,
+                None,
+            )
+        grad_TKD = grad_PD.index_select(0, row_of_copy_F).view(num_tokens, top_k, grad_PD.shape[1])
         return _sum_over_copies(grad_TKD), None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
     """``y[t] = sum_k w[t, k] * rows[row_of_copy[t, k]]`` over kept copies, in the rows' dtype.
 
-    The backward writes each row's gradient by a gather over tokens (``source_token``) times
-    the row's weight, instead of ``index_add`` (a slow scatter on CPU); padding rows and
-    dropped copies get weight zero.
+    On CPU the forward is one fused ``embedding_bag``; elsewhere the copies are gathered into
+    [T, K, D] and summed by a batched matmul (sync-free). The backward writes each row's
+    gradient by a gather over tokens (``source_token``) times the row's weight, instead of
+    ``index_add`` (a slow scatter on CPU); padding rows and dropped copies get weight zero.
     """
 
     @staticmethod
@@ -131,6 +149,28 @@ class _CombineRows(torch.autograd.Function):
         kept_F: Tensor | None,
     ) -> Tensor:
         num_tokens, top_k = weight_TK.shape
+        ctx.fused = _fused_gather_sum_applies(rows_PD)
+        if ctx.fused:
+            # The backward gathers the rows again for the weight gradient.
+            ctx.save_for_backward(rows_PD, source_token_P, row_of_copy_F, weight_TK, kept_F)
+            if kept_F is None:
+                return F.embedding_bag(
+                    row_of_copy_F.view(num_tokens, top_k),
+                    rows_PD.contiguous(),
+                    mode="sum",
+                    per_sample_weights=weight_TK,
+                )
+            # One bag of kept copies per token, so dropped rows are never read (they may hold
+            # NaN). The boolean selects read the kept count on the host: free on CPU. With
+            # every copy kept this sums exactly as the dropless call above.
+            kept_per_token_T = kept_F.view(num_tokens, top_k).sum(1)
+            return F.embedding_bag(
+                row_of_copy_F[kept_F],
+                rows_PD.contiguous(),
+                torch.cumsum(kept_per_token_T, 0) - kept_per_token_T,
+                mode="sum",
+                per_sample_weights=weight_TK.reshape(-1)[kept_F],
+            )
         rows_TKD = rows_PD.index_select(0, row_of_copy_F).view(num_tokens, top_k, rows_PD.shape[1])
         if kept_F is not None:
             # A select, not a multiply: dropped rows may hold anything, NaN included.
@@ -144,10 +184,17 @@ class _CombineRows(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx, grad_TD: Tensor
     ) -> tuple[Tensor | None, None, None, Tensor | None, None]:
-        rows_TKD, source_token_P, row_of_copy_F, weight_TK, kept_F = ctx.saved_tensors
-        num_tokens = weight_TK.shape[0]
+        rows, source_token_P, row_of_copy_F, weight_TK, kept_F = ctx.saved_tensors
+        num_tokens, top_k = weight_TK.shape
         grad_rows_PD = grad_weight_TK = None
         if ctx.needs_input_grad[3]:
+            rows_TKD = rows
+            if ctx.fused:
+                rows_TKD = rows.index_select(0, row_of_copy_F).view(
+                    num_tokens, top_k, rows.shape[1]
+                )
+                if kept_F is not None:
+                    rows_TKD.masked_fill_(~kept_F.view(num_tokens, top_k, 1), 0)
             # Dropped copies' rows were zeroed, so their weight gradient is zero.
             grad_weight_TK = torch.bmm(rows_TKD, grad_TD.unsqueeze(2)).squeeze(2)
         if ctx.needs_input_grad[0]:
