@@ -86,14 +86,17 @@ def test_pipeline_schedules_match_single_process(token_file, tmp_path):
 
 def test_pipeline_with_expert_and_data_parallel_matches_single_process(token_file, tmp_path):
     single = train(config_from_dict(_config_data(token_file, tmp_path / "single"))).losses
+    ep2 = {"ep": 2, "dispatcher": "all_to_all"}
     cases = {
-        "pp2_ep2_dp2": _config_data(
-            token_file, tmp_path / "pp2ep2", pp=2, ep=2, dispatcher="all_to_all"
+        "pp2_ep2_dp2": _config_data(token_file, tmp_path / "pp2ep2", pp=2, **ep2),
+        "pp2_ep2_dp2_sharded_optimizer": _config_data(
+            token_file, tmp_path / "pp2ep2do", pp=2, distributed_optimizer=True, **ep2
         ),
     }
     per_rank = run_distributed(_train_cases, world_size=4, args=(cases,))
     for losses in per_rank:
-        _assert_losses_match("pp2_ep2_dp2", losses["pp2_ep2_dp2"], single)
+        for name in cases:
+            _assert_losses_match(name, losses[name], single)
 
 
 @pytest.mark.parametrize(

@@ -81,10 +81,11 @@ def test_vocab_smaller_than_data_is_refused(tmp_path, make_config):
     assert not (tmp_path / "run").exists()
 
 
-def test_features_of_later_versions_are_refused_clearly(tmp_path, make_config):
+def test_pipeline_stages_need_processes(tmp_path, make_config):
     config = make_config(tmp_path, parallel={"pp": 2})
-    with pytest.raises(ConfigError, match=r"parallel\.pp=2 is not available"):
+    with pytest.raises(ConfigError, match=r"parallel\.pp=2 must divide the world size 1"):
         train(config)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

@@ -66,17 +66,6 @@ class TrainResult:
     """True on the rank that wrote the files (rank 0)."""
 
 
-def check_supported(config: Config) -> None:
-    """Reject settings whose features this version of the trainer does not have yet."""
-    unsupported: dict[str, tuple[object, object]] = {}
-    for key, (value, supported) in unsupported.items():
-        if value != supported:
-            raise ConfigError(
-                f"{key}={value} is not available in this version of moe-train; "
-                f"only {key}={supported} is"
-            )
-
-
 def build_optimizer(
     model: nn.Module, config: Config, layout: Layout
 ) -> torch.optim.Optimizer | DistributedAdamW:
@@ -222,7 +211,6 @@ def train(config: Config, *, device: torch.device | None = None) -> TrainResult:
 
     Runs in one process, or as one rank of a torchrun launch (each rank calls this).
     """
-    check_supported(config)
     runtime = start_runtime(config, device)
     try:
         return _train(config, runtime)
