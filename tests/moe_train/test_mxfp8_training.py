@@ -187,3 +187,7 @@ def test_grouped_mm_backend_is_validated():
     assert str(error.value) == (
         "model.moe.grouped_mm_backend='cutlass' must be one of 'torch', 'triton', 'auto'"
     )
+    with pytest.raises(ConfigError, match=r"^model\.moe\.grouped_mm_backend=triton has no effect"):
+        config_from_dict(
+            {"model": {"moe": {"grouped_mm_backend": "triton"}}, "precision": {"mxfp8": True}}
+        )

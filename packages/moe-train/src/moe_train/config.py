@@ -46,8 +46,8 @@ class MoEConfig:
     """Kernels of the experts' grouped GEMMs: torch (torch._grouped_mm, everywhere), triton
     (moe-kernels' Triton kernels; for GPUs: on CPU they run only under the Triton interpreter,
     TRITON_INTERPRET=1, a slow test vehicle) or auto (on a GPU, whichever of the two was measured
-    faster per shape, timed once; torch on CPU). Unused with precision.mxfp8=true, whose
-    grouped GEMMs are moe-kernels' mxfp8_grouped_mm."""
+    faster per shape, timed once; torch on CPU). Must stay torch with precision.mxfp8=true,
+    whose grouped GEMMs are moe-kernels' mxfp8_grouped_mm."""
 
     def validate(self, path: str) -> None:
         _positive(self, path, "num_experts", "expert_hidden", "group_alignment")
@@ -287,6 +287,12 @@ class Config:
     def validate(self) -> None:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate(section.name)
+        backend = self.model.moe.grouped_mm_backend
+        if self.precision.mxfp8 and backend != "torch":
+            raise ConfigError(
+                f"model.moe.grouped_mm_backend={backend} has no effect with precision.mxfp8=true "
+                "(MXFP8 has its own grouped GEMM); leave it at torch or set precision.mxfp8=false"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
