@@ -1,0 +1,585 @@
+"""Memory per rank (parameters, gradients, optimizer state, activations, peak) and tokens/s,
+per topology and activation-recompute mode, in one table (CPU, gloo).
+
+Every row runs in fresh gloo processes, one CPU thread per rank (tests/distributed.py), in two
+phases:
+
+1. Throughput: the real trainer (`moe_train.train.train`) for `--warmup + --steps` steps;
+   tokens/s is the median of its own `metrics.jsonl` records over the timed steps (all ranks).
+2. Memory: the same model, optimizer, gradient reducer and pipeline, built the way the trainer
+   builds them, run for `--probe-warmup` steps, then 3 instrumented steps whose forward and
+   backward are the trainer's own (`_accumulate_gradients`, or the pipeline schedule):
+   - params: bytes of this rank's parameters;
+   - grads: bytes freed when the step drops its gradients (`zero_grad`): the `.grad` tensors,
+     or the distributed optimizer's reduced shards;
+   - optim: torch AdamW's state tensors, or `DistributedAdamW.state_bytes()`;
+   - activations: bytes held for backward after the forward of this rank's first micro-batch
+     of a step (the model's forward, or this rank's first pipeline-stage forward); the least
+     over the instrumented steps, since caches keyed by shapes (routing changes the expert
+     group sizes every step) can only add to it;
+   - peak: most bytes in use at any op boundary of an instrumented step, above what the
+     process held just before the model was built (the most over the steps), and where.
+   Bytes in use are glibc's in-use heap bytes (as `allocated_host_bytes`; CPU tensors are
+   malloc'd), read after every op of the instrumented steps by a dispatch mode.
+
+Targets (issue 4; the published figures for full recompute are ~2/3 less activation memory for
+~1/5 of the throughput): the distributed optimizer's state per rank within 10% of 1/dp of its
+unsharded size (3 FP32 words per parameter: master weight and two moments); full recompute cuts
+activation memory by >= 60% at >= 0.75x the tokens/s of no recompute (single process).
+
+    uv run python benchmarks/memory.py            # ~8 min on 2 cores; bench_results/memory.json
+    uv run python benchmarks/memory.py --quick    # smoke run: smaller model, fewer steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import gc
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_parallel import DistributedAdamW, GradientReducer, clip_grad_norm
+from moe_train.config import Config, load_config
+from moe_train.data import TokenDataset
+from moe_train.model import Transformer
+from moe_train.train import read_metrics, train
+from moe_train.train.host_memory import (
+    _MallInfo2,
+    keep_freed_host_memory,
+)
+from moe_train.train.pipeline import PipelineRunner, plan_stages
+from moe_train.train.runtime import Runtime, start_runtime
+from moe_train.train.schedule import lr_at
+
+# The trainer's own step pieces, so the instrumented step is the step the trainer runs.
+from moe_train.train.trainer import (
+    DTYPES,
+    _accumulate_gradients,
+    _reduce_step_stats,
+    build_optimizer,
+    dispatcher_factory,
+)
+
+MIB = 2**20
+MEASURED_STEPS = 3
+CPU = torch.device("cpu")
+TARGETS = {
+    "distributed_optimizer_state_over_ideal": 1.10,
+    "full_recompute_activation_reduction": 0.60,
+    "full_recompute_throughput_ratio": 0.75,
+}
+
+MODEL = [
+    "--model.d_model=256",
+    "--model.n_layers=4",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.moe.num_experts=8",
+    "--model.moe.top_k=2",
+    "--model.moe.expert_hidden=512",
+    "--data.seq_len=256",
+    "--data.micro_batch_size=4",
+    "--data.global_batch_size=8",
+]
+QUICK_MODEL = [
+    "--model.d_model=128",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.moe.num_experts=4",
+    "--model.moe.top_k=2",
+    "--model.moe.expert_hidden=256",
+    "--data.seq_len=128",
+    "--data.micro_batch_size=2",
+    "--data.global_batch_size=4",
+]
+
+# name: (world size, config overrides, recompute modes measured)
+TOPOLOGIES: dict[str, tuple[int, list[str], tuple[str, ...]]] = {
+    "1 process": (1, [], ("none", "selective", "full")),
+    "dp2": (2, [], ("none", "full")),
+    "dp2 dist-opt": (2, ["--parallel.distributed_optimizer=true"], ("none",)),
+    "pp2 1f1b": (2, ["--parallel.pp=2", "--parallel.pp_schedule=1f1b"], ("none",)),
+    "ep2 all_to_all": (2, ["--parallel.ep=2", "--parallel.dispatcher=all_to_all"], ("none",)),
+}
+
+
+@dataclass
+class RankMemory:
+    """One rank's memory during a training step, in bytes."""
+
+    params: int
+    grads: int
+    optim: int
+    activations: int
+    peak: int
+    peak_at: str
+    """The part of the step and the op after which the peak was seen."""
+    num_params: int
+    grad_tensor_bytes: int | None
+    """Sum of `.grad` bytes after reduction (torch AdamW only): a check on `grads`."""
+    samples: dict[str, list]
+    """grads, activations and peak of each measured step."""
+
+
+def _bind_in_use_bytes() -> Callable[[], int]:
+    """`allocated_host_bytes` with libc looked up once.
+
+    `allocated_host_bytes` looks libc up and builds a new ctypes library object on every
+    call: ~2 ms and a reference cycle of ctypes objects (malloc'd, freed only by the cyclic
+    garbage collector) per call. Read after every op, that would inflate what it measures.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    mallinfo2 = libc.mallinfo2
+    mallinfo2.restype = _MallInfo2
+
+    def in_use_bytes() -> int:
+        info = mallinfo2()
+        return int(info.uordblks + info.hblkhd)
+
+    return in_use_bytes
+
+
+in_use_bytes = _bind_in_use_bytes()
+
+
+class PeakHostMemory(TorchDispatchMode):
+    """Highest in-use heap bytes seen after any op run while the mode is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = in_use_bytes()
+        self.phase = ""
+        """Set by the caller: which part of the step runs now."""
+        self.peak_at = ""
+        """The phase and the op after which the peak was seen."""
+
+    def __torch_dispatch__(
+        self, func: Callable[..., Any], types: tuple, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        in_use = in_use_bytes()
+        if in_use > self.peak:
+            self.peak, self.peak_at = in_use, f"{self.phase}: {func}"
+        return out
+
+
+class FirstForwardProbe:
+    """In-use bytes before and after the first forward of the armed step on `modules`."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.armed = False
+        self.before: int | None = None
+        self.after: int | None = None
+        for module in modules:
+            module.register_forward_pre_hook(self._pre)
+            module.register_forward_hook(self._post)
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if self.armed and self.before is None:
+            self.before = in_use_bytes()
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.armed and self.after is None:
+            self.after = in_use_bytes()
+
+    def arm(self, armed: bool) -> None:
+        """Measure the first forward of the next step (or not)."""
+        self.armed, self.before, self.after = armed, None, None
+
+    @property
+    def held(self) -> int:
+        if self.before is None or self.after is None:
+            raise RuntimeError("the armed step ran no forward on the probed modules")
+        return self.after - self.before
+
+
+def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | DistributedAdamW) -> int:
+    if isinstance(optimizer, DistributedAdamW):
+        return optimizer.state_bytes()
+    return _tensor_bytes(
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
+def probe_memory(config: Config, warm_steps: int) -> RankMemory:
+    """Build the trainer's model, optimizer and reducer on the CPU and measure one step."""
+    runtime = start_runtime(config, CPU)
+    try:
+        return _probe(config, runtime, warm_steps)
+    finally:
+        runtime.close()
+
+
+def _probe(config: Config, runtime: Runtime, warm_steps: int) -> RankMemory:
+    # Mirrors moe_train.train.trainer._train (construction and one step), minus files.
+    device, layout = runtime.device, runtime.layout
+    keep_freed_host_memory()
+    compute_dtype = DTYPES[config.precision.compute_dtype]
+    data, train_cfg = config.data, config.train
+    dataset = TokenDataset(data.paths, data.seq_len)
+    num_micro = data.global_batch_size // data.micro_batch_size
+    my_micro = num_micro // layout.dp
+    first_micro = layout.dp_rank * my_micro
+
+    def autocast() -> contextlib.AbstractContextManager:
+        if compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=compute_dtype)
+
+    torch.manual_seed(train_cfg.seed)
+    plan = (
+        plan_stages(
+            config.model.n_layers, layout.pp, layout.pp_rank, config.parallel.virtual_stages
+        )
+        if layout.pp > 1
+        else None
+    )
+    gc.collect()
+    baseline = in_use_bytes()
+    model = Transformer(
+        config.model,
+        data.seq_len,
+        dispatcher_factory(config, runtime),
+        seed=train_cfg.seed,
+        layers=plan.layers if plan else None,
+        with_embedding=plan.has_first if plan else True,
+        with_head=plan.has_last if plan else True,
+        recompute=config.parallel.recompute,
+    ).to(device)
+    model.set_aux_loss_scale(1.0 / num_micro)
+    optimizer = build_optimizer(model, config, layout)
+    sharded = isinstance(optimizer, DistributedAdamW)
+    reducer = optimizer if sharded else GradientReducer(model, layout.dp_group, layout.edp_group)
+    pipeline = (
+        PipelineRunner(
+            model, plan, config, layout, device, compute_dtype, autocast, my_micro, num_micro
+        )
+        if plan
+        else None
+    )
+    probe = FirstForwardProbe([s.submod for s in pipeline.stages] if pipeline else [model])
+    grad_clip = config.optim.grad_clip if config.optim.grad_clip is not None else float("inf")
+    model.train()
+
+    samples: dict[str, list] = {"grads": [], "activations": [], "peak": []}
+    peak_at = ""
+    grad_tensor_bytes = None
+    for step in range(warm_steps + MEASURED_STEPS):
+        measured = step >= warm_steps
+        batch = dataset.batch(step, data.global_batch_size, train_cfg.seed)
+        micro_batches = batch.view(num_micro, data.micro_batch_size, data.seq_len + 1)
+        mine = micro_batches[first_micro : first_micro + my_micro].to(device)
+        gc.collect()
+        probe.arm(measured)
+        tracker = PeakHostMemory()
+        with tracker if measured else contextlib.nullcontext():
+            tracker.phase = "forward/backward"
+            if pipeline is not None:
+                lm_loss_sum = pipeline.forward_backward(mine)
+            else:
+                lm_loss_sum = _accumulate_gradients(model, mine, reducer, autocast, num_micro)
+            tracker.phase = "reducer.finish"
+            reducer.finish()
+            tracker.phase = "clip and optimizer step"
+            if measured and not sharded:
+                grad_tensor_bytes = _tensor_bytes(
+                    p.grad for p in model.parameters() if p.grad is not None
+                )
+            lr = lr_at(step, config.optim, train_cfg.max_steps)
+            if sharded:
+                optimizer.clip_grad_norm_(grad_clip)
+                optimizer.step(lr)
+                with_grads = in_use_bytes()
+                optimizer.zero_grad()
+            else:
+                clip_grad_norm(model, grad_clip, layout)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
+                with_grads = in_use_bytes()
+                optimizer.zero_grad(set_to_none=True)
+            # Gradient memory: what dropping the gradients frees (a difference across the
+            # whole step would also count caches that grow with new routing shapes).
+            released = with_grads - in_use_bytes()
+            tracker.phase = "step statistics"
+            _reduce_step_stats(model, lm_loss_sum, num_micro, runtime)
+        if measured:
+            samples["grads"].append(released)
+            samples["activations"].append(probe.held)
+            samples["peak"].append(tracker.peak - baseline)
+            if samples["peak"][-1] == max(samples["peak"]):
+                peak_at = tracker.peak_at
+    params = list(model.parameters())
+    return RankMemory(
+        params=_tensor_bytes(iter(params)),
+        grads=samples["grads"][-1],
+        optim=_optimizer_state_bytes(optimizer),
+        # Caches keyed by shapes (routing changes the expert group sizes every step) can only
+        # add to a forward's difference: the least of the measured steps is the cleanest.
+        activations=min(samples["activations"]),
+        peak=max(samples["peak"]),
+        peak_at=peak_at,
+        num_params=sum(p.numel() for p in params),
+        grad_tensor_bytes=grad_tensor_bytes,
+        samples=samples,
+    )
+
+
+def _config(overrides: list[str], recompute: str, run_dir: Path, max_steps: int) -> Config:
+    return load_config(
+        None,
+        [
+            *overrides,
+            f"--parallel.recompute={recompute}",
+            f"--train.max_steps={max_steps}",
+            f"--train.run_dir={run_dir}",
+            "--train.progress=false",
+            "--train.peak_flops=1e12",  # MFU is not reported here: skip the peak measurement
+            "--optim.warmup_steps=1",
+        ],
+    )
+
+
+def measure_topology(
+    rank: int,
+    world_size: int,
+    overrides: list[str],
+    modes: tuple[str, ...],
+    run_root: str,
+    rounds: int,
+    warmup: int,
+    steps: int,
+    probe_warmup: int,
+) -> dict[str, dict]:
+    """Per recompute mode: the trainer's tokens/s (rank 0) and this rank's memory probe.
+
+    After one untimed run, the trainer runs of the modes alternate, `rounds` times in
+    alternating order, so load from other processes on the machine falls on every mode alike;
+    tokens/s is the median over all timed steps.
+    """
+    samples: dict[str, list[float]] = {mode: [] for mode in modes}
+    # The first trainer run of a process is slow for several steps (lazy initialisation):
+    # one untimed run first.
+    train(_config(overrides, modes[0], Path(run_root) / "warmup", warmup + steps), device=CPU)
+    for round_index in range(rounds):
+        for mode in modes if round_index % 2 == 0 else modes[::-1]:
+            run_dir = Path(run_root) / f"{mode}-{round_index}"
+            result = train(_config(overrides, mode, run_dir, warmup + steps), device=CPU)
+            if result.is_main:
+                records = read_metrics(result.run_dir / "metrics.jsonl")[warmup:]
+                samples[mode] += [r["tokens_per_s"] for r in records]
+            del result
+    out = {}
+    for mode in modes:
+        config = _config(overrides, mode, Path(run_root) / "probe", warmup + steps)
+        memory = asdict(probe_memory(config, probe_warmup))
+        memory["tokens_per_s"] = statistics.median(samples[mode]) if samples[mode] else None
+        memory["tokens_per_s_samples"] = samples[mode]
+        out[mode] = memory
+    return out
+
+
+def _row_ratios(rows: list[dict]) -> dict[str, Any]:
+    """The derived ratios and their verdicts."""
+
+    def find(topology: str, recompute: str) -> dict | None:
+        for row in rows:
+            if row["topology"] == topology and row["recompute"] == recompute:
+                return row
+        return None
+
+    out: dict[str, Any] = {}
+    dopt = find("dp2 dist-opt", "none")
+    if dopt is not None:
+        world = dopt["world_size"]
+        worst = max(r["optim"] / (3 * 4 * r["num_params"] / world) for r in dopt["ranks"])
+        out["distributed_optimizer_state_over_ideal"] = worst
+        plain = find("dp2", "none")
+        if plain is not None:
+            out["distributed_optimizer_state_over_adamw_state"] = max(
+                d["optim"] / p["optim"] for d, p in zip(dopt["ranks"], plain["ranks"], strict=True)
+            )
+    none = find("1 process", "none")
+    for mode in ("selective", "full"):
+        other = find("1 process", mode)
+        if none is None or other is None:
+            continue
+        base, rank = none["ranks"][0], other["ranks"][0]
+        out[f"{mode}_recompute_activation_reduction"] = (
+            1 - rank["activations"] / base["activations"]
+        )
+        out[f"{mode}_recompute_peak_reduction"] = 1 - rank["peak"] / base["peak"]
+        out[f"{mode}_recompute_throughput_ratio"] = rank["tokens_per_s"] / base["tokens_per_s"]
+    verdicts = {}
+    for key, target in TARGETS.items():
+        if key not in out:
+            continue
+        ok = out[key] <= target if key.endswith("over_ideal") else out[key] >= target
+        verdicts[key] = "PASS" if ok else "FAIL"
+    out["verdicts"] = verdicts
+    return out
+
+
+def _print_table(rows: list[dict], dtype: str) -> None:
+    header = (
+        f"{'topology':<15} {'recompute':<9} {'rank':>4} {'params':>7} {'grads':>7} "
+        f"{'optim':>7} {'activ.':>7} {'peak':>7} {'tokens/s':>9}  peak after"
+    )
+    print(f"\nper-rank memory in MiB, compute dtype {dtype}, parameters float32")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        for rank, r in enumerate(row["ranks"]):
+            tokens = f"{row['tokens_per_s']:>9,.0f}" if rank == 0 else ""
+            print(
+                f"{row['topology']:<15} {row['recompute']:<9} {rank:>4} "
+                f"{r['params'] / MIB:>7.1f} {r['grads'] / MIB:>7.1f} {r['optim'] / MIB:>7.1f} "
+                f"{r['activations'] / MIB:>7.1f} {r['peak'] / MIB:>7.1f} {tokens:>9}  "
+                f"{r['peak_at']}"
+            )
+
+
+def _print_ratios(ratios: dict[str, Any]) -> None:
+    print()
+    lines = {
+        "distributed_optimizer_state_over_ideal": "dist-opt state per rank / (3 x 4 B x params / dp)",
+        "distributed_optimizer_state_over_adamw_state": "dist-opt state per rank / torch AdamW's",
+        "selective_recompute_activation_reduction": "selective: activation reduction vs none",
+        "selective_recompute_peak_reduction": "selective: peak reduction vs none",
+        "selective_recompute_throughput_ratio": "selective: tokens/s over none",
+        "full_recompute_activation_reduction": "full: activation reduction vs none",
+        "full_recompute_peak_reduction": "full: peak reduction vs none",
+        "full_recompute_throughput_ratio": "full: tokens/s over none",
+    }
+    for key, text in lines.items():
+        if key not in ratios:
+            continue
+        verdict = ratios["verdicts"].get(key)
+        bound = TARGETS.get(key)
+        target = ""
+        if bound is not None:
+            target = f"target {'<=' if key.endswith('over_ideal') else '>='} {bound:.2f}  {verdict}"
+        print(f"{text:<52} {ratios[key]:>6.3f}  {target}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=None, help="trainer runs per mode")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps of a run left out")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
+    parser.add_argument(
+        "--probe-warmup",
+        type=int,
+        default=4,
+        help="steps before the instrumented ones (default 4: the first steps of a new model "
+        "make lasting allocations)",
+    )
+    parser.add_argument(
+        "--topologies", nargs="+", choices=list(TOPOLOGIES), default=list(TOPOLOGIES)
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench_results/memory.json"))
+    args = parser.parse_args()
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    steps = args.steps if args.steps is not None else (2 if args.quick else 3)
+    for name, value in (("rounds", rounds), ("warmup", args.warmup), ("steps", steps)):
+        if value < 1:
+            raise ValueError(f"--{name}={value} must be at least 1")
+    if args.probe_warmup < 1:
+        raise ValueError(f"--probe-warmup={args.probe_warmup} must be at least 1")
+    model = QUICK_MODEL if args.quick else MODEL
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from distributed import run_distributed
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for topology in args.topologies:
+            world, overrides, modes = TOPOLOGIES[topology]
+            ranks = run_distributed(
+                measure_topology,
+                world,
+                args=(
+                    [*model, *overrides, f"--precision.compute_dtype={args.dtype}"],
+                    modes,
+                    str(Path(tmp) / topology.replace(" ", "_")),
+                    rounds,
+                    args.warmup,
+                    steps,
+                    args.probe_warmup,
+                ),
+                timeout=1800.0,
+            )
+            for mode in modes:
+                row = {
+                    "topology": topology,
+                    "recompute": mode,
+                    "world_size": world,
+                    "tokens_per_s": ranks[0][mode]["tokens_per_s"],
+                    "ranks": [r[mode] for r in ranks],
+                }
+                rows.append(row)
+                worst = max(row["ranks"], key=lambda r: r["peak"])
+                print(
+                    f"{topology:<15} {mode:<9} peak {worst['peak'] / MIB:7.1f} MiB  activations "
+                    f"{worst['activations'] / MIB:7.1f} MiB  {row['tokens_per_s']:9,.0f} tok/s",
+                    flush=True,
+                )
+
+    ratios = _row_ratios(rows)
+    _print_table(rows, args.dtype)
+    _print_ratios(ratios)
+    for row in rows:
+        for rank, r in enumerate(row["ranks"]):
+            counted = r["grad_tensor_bytes"]
+            if counted is not None and abs(r["grads"] - counted) > 0.05 * counted:
+                print(
+                    f"warning: {row['topology']} {row['recompute']} rank {rank}: zero_grad "
+                    f"freed {r['grads'] / MIB:.1f} MiB but the .grad tensors hold "
+                    f"{counted / MIB:.1f} MiB"
+                )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "dtype": args.dtype,
+                "quick": args.quick,
+                "model": model,
+                "rounds": rounds,
+                "warmup_steps": args.warmup,
+                "timed_steps": steps,
+                "threads_per_rank": 1,
+                "rows": rows,
+                "ratios": ratios,
+                "targets": TARGETS,
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
