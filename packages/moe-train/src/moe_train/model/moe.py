@@ -265,8 +265,9 @@ class MoEFeedForward(nn.Module):
     def forward(self, x_BSD: Tensor) -> Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         routed = self.router(x_TD)
+        # Tokens travel in the compute dtype: half the bytes to permute and exchange.
         expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(
-            x_TD, routed.topk_idx_TK, routed.topk_weight_TK
+            x_TD.to(compute_dtype_of(x_TD)), routed.topk_idx_TK, routed.topk_weight_TK
         )
         expert_output = self.experts(expert_input, tokens_per_expert)
         y_TD = self.dispatcher.combine(expert_output, handle).to(x_TD.dtype)

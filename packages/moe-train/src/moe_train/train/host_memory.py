@@ -10,7 +10,9 @@ policy needs no extra library and no environment variable.
 
 import ctypes
 import ctypes.util
+import functools
 import sys
+from collections.abc import Callable
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -50,12 +52,8 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
-def allocated_host_bytes() -> int | None:
-    """Bytes the process has allocated through malloc and not freed (glibc), else None.
-
-    CPU tensors are malloc'd, so the difference of two readings is the tensor memory that
-    came into being in between: the activation memory of a forward, for instance.
-    """
+@functools.cache
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -64,5 +62,18 @@ def allocated_host_bytes() -> int | None:
     except (OSError, AttributeError):
         return None
     mallinfo2.restype = _MallInfo2
+    return mallinfo2
+
+
+def allocated_host_bytes() -> int | None:
+    """Bytes the process has allocated through malloc and not freed (glibc), else None.
+
+    CPU tensors are malloc'd, so the difference of two readings is the tensor memory that
+    came into being in between: the activation memory of a forward, for instance. A reading
+    allocates nothing itself (libc is looked up once).
+    """
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
+        return None
     info = mallinfo2()
     return int(info.uordblks + info.hblkhd)

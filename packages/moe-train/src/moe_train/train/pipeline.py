@@ -17,23 +17,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
 from moe_parallel import Layout
 from moe_train.config import Config
 from moe_train.errors import ConfigError
 from moe_train.model import Transformer, lm_loss
-
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-}
 
 
 @dataclass(frozen=True)
@@ -153,6 +141,20 @@ class PipelineRunner:
         micro_batches: int,
         num_micro_total: int,
     ) -> None:
+        # Imported here: torch.distributed.pipelining pulls in triton and more (seconds of
+        # start-up that runs without pipeline parallelism do not need).
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        schedules = {
+            "gpipe": ScheduleGPipe,
+            "1f1b": Schedule1F1B,
+            "interleaved_1f1b": ScheduleInterleaved1F1B,
+        }
         self.plan = plan
         self.num_micro_total = num_micro_total
         self.step_losses: list[Tensor] = []
@@ -182,7 +184,7 @@ class PipelineRunner:
                     group=layout.pp_group,
                 )
             )
-        schedule_class = SCHEDULES[config.parallel.pp_schedule]
+        schedule_class = schedules[config.parallel.pp_schedule]
         interleaved = config.parallel.pp_schedule == "interleaved_1f1b"
         # Gradients are scaled by the loss itself (1 / micro-batches of the whole step, over
         # every dp rank), as in the non-pipelined loop, so the schedule must not rescale.
