@@ -1,6 +1,6 @@
 """DistributedAdamW: the sharded optimizer takes torch.optim.AdamW's steps at every layout,
-clips by the global norm, holds 1/group of the state, and its state round-trips between
-layouts (gloo on the CPU).
+clips by the global norm, holds 1/group of the state (no master copy of FP32 parameters), and
+its state round-trips between layouts (gloo on the CPU).
 
 Gradients are multiples of 1/8 with small numerators, so their sums (and the norm) are exact
 in any order. Both sides run the fused AdamW kernel, whose vector and scalar paths may round
@@ -191,6 +191,9 @@ def _run(rank: int, pp: int, ep: int, bucket_bytes: int) -> dict:
         optimizer.zero_grad()
         weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
     assert optimizer.step_count == len(LRS)
+    params = dict(model.named_parameters())
+    for piece in optimizer.state_pieces():  # FP32 parameters are their own master weights
+        _assert_views_parameter(piece.param, params[piece.name], piece.flat_start)
     prefix = f"stage{stage}." if pp > 1 else ""
     return {
         "layout": (pp, layout.dp, ep, stage, layout.ep_rank),
@@ -200,6 +203,13 @@ def _run(rank: int, pp: int, ep: int, bucket_bytes: int) -> dict:
         "state_bytes": optimizer.state_bytes(),
         "pp": pp,
     }
+
+
+def _assert_views_parameter(master: Tensor, param: Tensor, flat_start: int) -> None:
+    """`master` is the live range of `param` that starts at element `flat_start`."""
+    assert master.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+    offset = master.storage_offset() - param.storage_offset()
+    assert offset == flat_start and master.is_contiguous(), (offset, flat_start)
 
 
 def _compare_with_reference(results: list[dict]) -> None:
@@ -318,9 +328,10 @@ def test_every_layout_takes_the_single_process_adamw_steps(world_four, key):
 
 
 def test_state_is_sharded_over_each_group(world_four):
-    # Unsharded: 12 bytes (master, two moments) for each of 55 dense and 6 * 22 expert elements.
-    assert [r["dp4"]["state_bytes"] for r in world_four] == [12 * (14 + 33)] * 4
-    assert [r["pp2_ep2"]["state_bytes"] for r in world_four] == [12 * (28 + 66)] * 4
+    # FP32 parameters: 8 bytes (two moments, no master copy) for each element of a rank's
+    # shards, padding included; 55 dense and 6 * 22 expert elements in all.
+    assert [r["dp4"]["state_bytes"] for r in world_four] == [8 * (14 + 33)] * 4
+    assert [r["pp2_ep2"]["state_bytes"] for r in world_four] == [8 * (28 + 66)] * 4
 
 
 def test_state_saved_at_dp4_loads_at_dp2_with_ep2_exactly(world_four):
@@ -364,6 +375,7 @@ def test_state_saved_at_dp4_loads_in_one_process_and_steps_like_torch_adamw(worl
 def test_low_precision_parameters_keep_fp32_masters():
     model = _local_model(_global_params(0), 0, 1).to(torch.bfloat16)
     optimizer = DistributedAdamW(model, single_process_layout(), lr=1e-2, **HYPER)
+    assert optimizer.state_bytes() == 12 * (55 + 6 * 22)  # master weights and two moments
     masters = {p.name: p.param.clone() for p in optimizer.state_pieces()}
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -380,6 +392,52 @@ def test_low_precision_parameters_keep_fp32_masters():
     assert any(
         not torch.equal(p.param, p.param.bfloat16().float()) for p in optimizer.state_pieces()
     )
+
+
+def test_fp32_parameters_are_updated_in_place_without_master_copies():
+    model = _local_model(_global_params(0), 0, 1)
+    optimizer = DistributedAdamW(model, single_process_layout(), lr=LRS[0], **HYPER)
+    assert optimizer.state_bytes() == 8 * (55 + 6 * 22)  # two moments, no master weights
+    params = dict(model.named_parameters())
+    storages = {name: p.untyped_storage().data_ptr() for name, p in params.items()}
+    reference = _Reference(1, 1, 1)
+    for step, (lr, max_norm) in enumerate(zip(LRS, CLIPS, strict=True)):
+        for micro in range(2):
+            _backward(model, _coefficients(0, step, micro, model))
+        optimizer.clip_grad_norm_(max_norm)
+        optimizer.step(lr)
+        optimizer.zero_grad()
+        reference.step(step, lr, max_norm)
+    for piece in optimizer.state_pieces():
+        _assert_views_parameter(piece.param, params[piece.name], piece.flat_start)
+        for kind in KINDS:
+            want = reference.state(0, piece.name, kind).reshape(-1)
+            assert_close_report(getattr(piece, kind), want, **UPDATE_TOL, name=piece.name)
+    assert all(p.untyped_storage().data_ptr() == storages[n] for n, p in params.items())
+    # Writing a piece's master weights writes the parameter.
+    piece = optimizer.state_pieces()[0]
+    piece.param.fill_(0.25)
+    assert torch.all(params[piece.name].reshape(-1)[: piece.param.numel()] == 0.25)
+
+
+def test_non_contiguous_fp32_parameters_keep_master_copies():
+    model = nn.Module()
+    model.weight_t = nn.Parameter(torch.randn(3, 4, generator=torch.Generator().manual_seed(5)).t())
+    assert not model.weight_t.is_contiguous()
+    reference = nn.Parameter(model.weight_t.detach().contiguous())
+    optimizer = DistributedAdamW(model, single_process_layout(), lr=1e-2, **HYPER)
+    torch_adamw = torch.optim.AdamW([reference], lr=1e-2, fused=True, **HYPER)
+    assert optimizer.state_bytes() == 12 * 12  # master weights and two moments
+    gradient = torch.randint(-8, 9, (4, 3), generator=torch.Generator().manual_seed(6)) / 8
+    for _ in range(2):
+        (model.weight_t * gradient).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference.grad = gradient.clone()
+        torch_adamw.step()
+    assert_close_report(model.weight_t, reference, **UPDATE_TOL, name="weight_t")
+    (piece,) = optimizer.state_pieces()
+    assert torch.equal(piece.param, model.weight_t.detach().reshape(-1))
 
 
 def test_bad_input_is_refused_clearly():

@@ -1,16 +1,19 @@
-"""ZeRO-style AdamW: FP32 master weights and Adam moments sharded over each reduction group.
+"""ZeRO-style AdamW: Adam moments (and FP32 master weights of non-FP32 parameters) sharded
+over each reduction group.
 
 Parameters are packed, in a fixed order, into flat buckets per reduction group (dense
 weights: the dp group; expert weights: the expert-data-parallel group) and dtype, each padded
 to a multiple of the group size (see `flat_shards`). Rank i of a group owns the i-th
-contiguous shard of every bucket and keeps master weights and moments for it alone. A step:
+contiguous shard of every bucket and keeps the moments for it alone, and FP32 master weights
+where the parameters are of a lower precision; FP32 parameters are their own master weights
+(the step updates this rank's ranges of them in place). A step:
 
 1. `arm()` before the last micro-batch's backward, `finish()` after it (the `GradientReducer`
    protocol): each bucket's gradients are reduce-scattered as soon as they are final, so a rank
    receives the summed gradient of its shard; the full `.grad` tensors are released.
 2. `clip_grad_norm_(max_norm)`: the global norm from the shards, each element counted once.
 3. `step(lr)`: AdamW on the FP32 shards, then an all-gather writes the updated shards into the
-   module's parameters, in their dtype.
+   module's parameters, in their dtype (FP32: the other ranks' shards).
 4. `zero_grad()`.
 
 The module's parameters stay whole on every rank (expert weights: this rank's experts), so
@@ -45,7 +48,8 @@ class StatePiece(NamedTuple):
     name: str
     flat_start: int
     param: Tensor
-    """FP32 master weights (what a checkpoint stores as the model tensor)."""
+    """FP32 master weights (what a checkpoint stores as the model tensor); for FP32
+    parameters a view of the parameter itself."""
     exp_avg: Tensor
     exp_avg_sq: Tensor
 
@@ -216,16 +220,13 @@ class DistributedAdamW:
         self.finish()
         self.step_count += 1
         self._step_tensor.fill_(self.step_count)
-        # Shard ranges with and without weight decay, each run through one fused kernel call.
+        # Ranges with and without weight decay, each kind run through one fused kernel call.
         groups: dict[bool, tuple[list[Tensor], ...]] = {d: ([], [], [], []) for d in (True, False)}
         for bucket in self._buckets:
-            grad = bucket.grad_shard.float()
-            for start, stop, decays in bucket.runs:
+            for decays, *tensors in bucket.adam_ranges():
                 lists = groups[decays and self.weight_decay != 0]
-                for tensors, full in zip(
-                    lists, (bucket.master, grad, bucket.exp_avg, bucket.exp_avg_sq), strict=True
-                ):
-                    tensors.append(full[start:stop])
+                for into, tensor in zip(lists, tensors, strict=True):
+                    into.append(tensor)
         for decays, (masters, grads, exp_avgs, exp_avg_sqs) in groups.items():
             if not masters:
                 continue
@@ -268,23 +269,21 @@ class DistributedAdamW:
     # State: size and checkpoints.
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state held by this rank (FP32 master weights and moments)."""
-        return sum(3 * 4 * bucket.shard_numel for bucket in self._buckets)
+        """Bytes of optimizer state held by this rank: the FP32 moments of its shards (8 bytes
+        an element, padding included) and, where the parameters are not FP32, FP32 master
+        weights (4 more). FP32 parameters are their own master weights."""
+        return sum(bucket.state_bytes() for bucket in self._buckets)
 
     def state_pieces(self) -> list[StatePiece]:
         """The state this rank owns, piece by piece. Over the ranks of a reduction group the
         pieces of a parameter partition it exactly (every element in one piece)."""
         pieces = []
         for bucket in self._buckets:
-            for s in bucket.segments:
+            for s, master in zip(bucket.segments, bucket.master_views(), strict=True):
                 part = slice(s.shard_start, s.shard_start + s.numel)
                 pieces.append(
                     StatePiece(
-                        s.name,
-                        s.param_start,
-                        bucket.master[part],
-                        bucket.exp_avg[part],
-                        bucket.exp_avg_sq[part],
+                        s.name, s.param_start, master, bucket.exp_avg[part], bucket.exp_avg_sq[part]
                     )
                 )
         return pieces

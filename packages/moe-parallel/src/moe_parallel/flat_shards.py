@@ -2,8 +2,10 @@
 
 A bucket packs some parameters of one reduction group and dtype, in a fixed order, into a
 flat buffer padded to a multiple of the group size; rank i of the group owns elements
-``[i * shard_numel, (i + 1) * shard_numel)`` and keeps the FP32 master weights and Adam
-moments of that shard only. The padding is zeros and stays zero.
+``[i * shard_numel, (i + 1) * shard_numel)`` and keeps the Adam moments of that shard only,
+plus FP32 master weights when the parameters are of another dtype. FP32 parameters are their
+own master weights: the optimizer updates the elements of the shard in place, through views
+of the parameters (`Segment.param_view`). The padding is zeros and stays zero.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class Segment:
     numel: int
     decays: bool
     """Whether weight decay applies to this parameter."""
+
+    def param_view(self) -> Tensor:
+        """The part as a 1-D view of the live parameter (writing it changes the parameter)."""
+        return self.param.detach().view(-1)[self.param_start : self.param_start + self.numel]
 
 
 class ShardedBucket:
@@ -65,13 +71,22 @@ class ShardedBucket:
                     Segment(name, p, start - offset, start - low, stop - start, decays(name, p))
                 )
         self.runs = _decay_runs(self.segments, self.shard_numel)
-        """[start, stop, decays] ranges that cover the shard, by whether weight decay applies."""
+        """[start, stop, decays] ranges that cover the shard, by whether weight decay applies
+        (used when a master shard is kept)."""
 
         zeros = {"dtype": torch.float32, "device": self.device}
-        self.master = torch.zeros(self.shard_numel, **zeros)
+        self.master: Tensor | None = None
+        """FP32 master weights of the shard; None when the parameters are FP32 and contiguous,
+        so that the segments' `param_view()` are the master weights."""
+        if self.dtype != torch.float32 or not all(p.is_contiguous() for p in self.params):
+            self.master = torch.zeros(self.shard_numel, **zeros)
+            with torch.no_grad():
+                for s in self.segments:
+                    self.master[s.shard_start : s.shard_start + s.numel].copy_(
+                        s.param.detach().reshape(-1)[s.param_start : s.param_start + s.numel]
+                    )
         self.exp_avg = torch.zeros(self.shard_numel, **zeros)
         self.exp_avg_sq = torch.zeros(self.shard_numel, **zeros)
-        self.load_master_from_params()
 
         self.grad_shard: Tensor | None = None
         """The summed gradient of this rank's shard, in the parameters' dtype."""
@@ -79,12 +94,34 @@ class ShardedBucket:
         self._flat_grads: Tensor | None = None
         self._work: dist.Work | None = None
 
-    @torch.no_grad()
-    def load_master_from_params(self) -> None:
-        """Set this rank's FP32 master shard to the parameters' current values."""
-        for s in self.segments:
-            values = s.param.detach().reshape(-1)[s.param_start : s.param_start + s.numel]
-            self.master[s.shard_start : s.shard_start + s.numel].copy_(values)
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds for the bucket: moments, and the master
+        weights if kept apart from the parameters."""
+        words = 2 if self.master is None else 3
+        return words * 4 * self.shard_numel
+
+    def master_views(self) -> list[Tensor]:
+        """This rank's FP32 master weights, one 1-D view per segment (of the master shard, or
+        of the parameter itself)."""
+        if self.master is None:
+            return [s.param_view() for s in self.segments]
+        return [self.master[s.shard_start : s.shard_start + s.numel] for s in self.segments]
+
+    def adam_ranges(self) -> list[tuple[bool, Tensor, Tensor, Tensor, Tensor]]:
+        """What one AdamW step updates: (decays, master weights, gradient, exp_avg, exp_avg_sq)
+        as matching 1-D FP32 tensors that cover this rank's part of the bucket. With a master
+        shard: its ranges with and without weight decay (padding included); otherwise one
+        range per segment, the master weights being views of the parameter."""
+        grad = self.grad_shard.float()
+        if self.master is None:
+            return [
+                (s.decays, s.param_view(), *_cut((grad, self.exp_avg, self.exp_avg_sq), s))
+                for s in self.segments
+            ]
+        return [
+            (decays, *(t[start:stop] for t in (self.master, grad, self.exp_avg, self.exp_avg_sq)))
+            for start, stop, decays in self.runs
+        ]
 
     @torch.no_grad()
     def launch_reduction(self) -> None:
@@ -114,20 +151,37 @@ class ShardedBucket:
             self._work.wait()
         self._flat_grads, self._work = None, None
 
-    def start_gather(self) -> tuple[Tensor, dist.Work | None]:
-        """Start all-gathering the updated master shards, cast to the parameters' dtype."""
-        local = self.master.to(self.dtype)
-        if self.group_size == 1:
-            return local, None
+    def start_gather(self) -> tuple[Tensor | None, dist.Work | None]:
+        """Start all-gathering the updated master shards, cast to the parameters' dtype; None
+        for the buffer when there is nothing to gather (one rank whose parameters are their own
+        master weights)."""
+        if self.master is not None:
+            local = self.master.to(self.dtype)
+            if self.group_size == 1:
+                return local, None
+        elif self.group_size == 1:
+            return None, None
+        else:
+            local = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            for s in self.segments:
+                local[s.shard_start : s.shard_start + s.numel].copy_(s.param_view())
         full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         work = dist.all_gather_into_tensor(full, local, group=self.group, async_op=True)
         return full, work
 
     @torch.no_grad()
-    def write_params(self, full: Tensor) -> None:
-        """Copy the gathered flat buffer into the module's parameters."""
+    def write_params(self, full: Tensor | None) -> None:
+        """Copy the gathered flat buffer (if any) into the module's parameters."""
+        if full is None:
+            return
         for p, offset in zip(self.params, self.offsets, strict=True):
             p.copy_(full[offset : offset + p.numel()].view_as(p))
+
+
+def _cut(shard_tensors: tuple[Tensor, ...], segment: Segment) -> tuple[Tensor, ...]:
+    """The range of `segment` in each of `shard_tensors` (tensors over the whole shard)."""
+    part = slice(segment.shard_start, segment.shard_start + segment.numel)
+    return tuple(t[part] for t in shard_tensors)
 
 
 def _decay_runs(segments: list[Segment], shard_numel: int) -> list[tuple[int, int, bool]]:
