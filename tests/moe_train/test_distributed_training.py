@@ -94,6 +94,23 @@ def test_torchrun_bad_layout_is_one_line_on_every_rank(token_file, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_torchrun_bad_pipeline_is_one_line_on_every_rank(token_file, tmp_path):
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(_config_data(token_file, tmp_path / "bad")))
+    result = _torchrun(["train", str(config_path), "--parallel.pp=2", "--data.micro_batch_size=8"])
+    assert result.returncode != 0
+    message = (
+        "error: parallel.pp_schedule=1f1b needs micro-batches per pipeline "
+        "(data.global_batch_size / data.micro_batch_size / dp = 1) to be at least "
+        "parallel.pp=2; raise data.global_batch_size or lower data.micro_batch_size\n"
+    )
+    assert result.stderr.count(message) == 2, result.stderr[-2000:]
+    assert "moe_train/" not in result.stderr, (
+        "no traceback from our code (torchrun reports its own)"
+    )
+    assert not (tmp_path / "bad").exists()
+
+
 EXPERT_PARALLEL_RUNS = {
     "all_to_all": {"ep": 2, "dispatcher": "all_to_all"},
     "rowwise": {"ep": 2, "dispatcher": "rowwise"},
