@@ -1,18 +1,8 @@
 """The distributed optimizer reproduces single-process training, clipping and checkpoints."""
 
 from distributed import run_distributed
-from moe_train.config import config_from_dict
 from moe_train.train import train
-
-
-def _train_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, list[float]]:
-    return {name: train(config_from_dict(data)).losses for name, data in cases.items()}
-
-
-def _assert_losses_match(name, losses, reference):
-    assert len(losses) == len(reference), name
-    for step, (a, b) in enumerate(zip(losses, reference, strict=True)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs single-process {b}"
+from training import assert_losses_match, train_cases
 
 
 def test_distributed_optimizer_matches_single_process_and_resumes_across_optimizers(
@@ -42,16 +32,16 @@ def test_distributed_optimizer_matches_single_process_and_resumes_across_optimiz
         ),
     }
     per_rank = run_distributed(
-        _train_cases, world_size=2, args=({k: v.to_dict() for k, v in cases.items()},)
+        train_cases, world_size=2, args=({k: v.to_dict() for k, v in cases.items()},)
     )
     for rank_losses in per_rank:
-        _assert_losses_match("dp2", rank_losses["dp2"], single.losses)
-        _assert_losses_match("ep2", rank_losses["ep2"], single.losses)
-        _assert_losses_match("dp2_tiny_clip", rank_losses["dp2_tiny_clip"], single_clipped.losses)
-        _assert_losses_match("dp2_from_single", rank_losses["dp2_from_single"], single.losses[5:])
+        assert_losses_match("dp2", rank_losses["dp2"], single.losses)
+        assert_losses_match("ep2", rank_losses["ep2"], single.losses)
+        assert_losses_match("dp2_tiny_clip", rank_losses["dp2_tiny_clip"], single_clipped.losses)
+        assert_losses_match("dp2_from_single", rank_losses["dp2_from_single"], single.losses[5:])
     # A checkpoint of sharded optimizer state resumes in one process with plain AdamW.
     sharded_step5 = tmp_path / "dp2" / "run" / "checkpoints" / "step_00000005"
     resumed = train(
         make_config(tmp_path / "resume", train=steps, checkpoint={"resume": str(sharded_step5)})
     )
-    _assert_losses_match("single_from_dp2", resumed.losses, single.losses[5:])
+    assert_losses_match("single_from_dp2", resumed.losses, single.losses[5:])

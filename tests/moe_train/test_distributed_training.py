@@ -10,6 +10,7 @@ import yaml
 from distributed import free_port, run_distributed
 from moe_train.config import config_from_dict, load_config
 from moe_train.train import read_metrics, train
+from training import assert_losses_match, train_cases
 
 STEPS = 4
 
@@ -52,8 +53,7 @@ def reference_losses(token_file, tmp_path):
 
 
 def _assert_losses_match(losses, reference):
-    for step, (a, b) in enumerate(zip(losses, reference, strict=True)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs single-process {b}"
+    assert_losses_match("run", losses, reference)
 
 
 def test_data_parallel_matches_single_process(token_file, tmp_path, reference_losses):
@@ -117,10 +117,6 @@ EXPERT_PARALLEL_RUNS = {
 }
 
 
-def _train_many(rank: int, world_size: int, configs: dict[str, dict]) -> dict[str, list[float]]:
-    return {name: train(config_from_dict(data)).losses for name, data in configs.items()}
-
-
 @pytest.mark.parametrize("world_size", [2, 4], ids=["ep2_dp2", "ep2_dp4"])
 def test_expert_parallel_matches_single_process(token_file, tmp_path, reference_losses, world_size):
     configs = {}
@@ -129,7 +125,7 @@ def test_expert_parallel_matches_single_process(token_file, tmp_path, reference_
         # Rowwise buffers: capacity 4 x the even share is more than any expert can receive.
         data["model"]["moe"]["capacity_factor"] = 4.0 if name == "rowwise" else None
         configs[name] = data
-    per_rank = run_distributed(_train_many, world_size=world_size, args=(configs,))
+    per_rank = run_distributed(train_cases, world_size=world_size, args=(configs,))
     for name in configs:
         assert all(r[name] == per_rank[0][name] for r in per_rank), f"{name}: ranks disagree"
         _assert_losses_match(per_rank[0][name], reference_losses)

@@ -9,6 +9,7 @@ from moe_train.config import config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.train import train
 from moe_train.train.pipeline import check_pipeline, plan_stages
+from training import assert_losses_match, train_cases
 
 STEPS = 10
 
@@ -43,16 +44,6 @@ def _config_data(token_file, run_dir, **parallel) -> dict:
     }
 
 
-def _train_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, list[float]]:
-    return {name: train(config_from_dict(data)).losses for name, data in cases.items()}
-
-
-def _assert_losses_match(name, losses, reference):
-    assert len(losses) == len(reference), name
-    for step, (a, b) in enumerate(zip(losses, reference, strict=True)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs single-process {b}"
-
-
 def test_stage_plan_places_stages_in_a_loop():
     plan = plan_stages(8, pp=2, pp_rank=1, virtual_stages=2)
     assert plan.stages == (1, 3)
@@ -78,10 +69,10 @@ def test_pipeline_schedules_match_single_process(token_file, tmp_path):
             token_file, tmp_path / "recompute", pp=2, recompute="selective"
         ),
     }
-    per_rank = run_distributed(_train_cases, world_size=2, args=(cases,))
+    per_rank = run_distributed(train_cases, world_size=2, args=(cases,))
     for name in cases:
         assert per_rank[0][name] == per_rank[1][name], f"{name}: ranks disagree: {per_rank}"
-        _assert_losses_match(name, per_rank[0][name], single)
+        assert_losses_match(name, per_rank[0][name], single)
 
 
 def test_pipeline_with_expert_and_data_parallel_matches_single_process(token_file, tmp_path):
@@ -93,10 +84,10 @@ def test_pipeline_with_expert_and_data_parallel_matches_single_process(token_fil
             token_file, tmp_path / "pp2ep2do", pp=2, distributed_optimizer=True, **ep2
         ),
     }
-    per_rank = run_distributed(_train_cases, world_size=4, args=(cases,))
+    per_rank = run_distributed(train_cases, world_size=4, args=(cases,))
     for losses in per_rank:
         for name in cases:
-            _assert_losses_match(name, losses[name], single)
+            assert_losses_match(name, losses[name], single)
 
 
 @pytest.mark.parametrize(

@@ -10,19 +10,10 @@ from safetensors import safe_open
 from distributed import run_distributed
 from moe_train.config import config_from_dict
 from moe_train.train import train
+from training import assert_losses_match, train_cases
 
 STEPS = 8
 SAVED_AT = 3
-
-
-def _train_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, list[float]]:
-    return {name: train(config_from_dict(data)).losses for name, data in cases.items()}
-
-
-def _assert_losses_match(name, losses, reference):
-    assert len(losses) == len(reference), name
-    for step, (a, b) in enumerate(zip(losses, reference, strict=True)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs single-process {b}"
 
 
 def _checkpoint(root: Path, name: str) -> Path:
@@ -56,7 +47,7 @@ def test_reshard_matrix(tmp_path, make_config):
     ep2 = {"ep": 2, "dispatcher": "all_to_all"}
 
     two = run_distributed(
-        _train_cases,
+        train_cases,
         world_size=2,
         args=(
             {
@@ -67,7 +58,7 @@ def test_reshard_matrix(tmp_path, make_config):
         ),
     )
     four = run_distributed(
-        _train_cases,
+        train_cases,
         world_size=4,
         args=(
             {
@@ -79,14 +70,14 @@ def test_reshard_matrix(tmp_path, make_config):
         ),
     )
     for losses in two:
-        _assert_losses_match("pp2", losses["pp2"], single.losses)
-        _assert_losses_match("pp2_from_single", losses["pp2_from_single"], after)
-        _assert_losses_match("ep2_from_pp2", losses["ep2_from_pp2"], after)
+        assert_losses_match("pp2", losses["pp2"], single.losses)
+        assert_losses_match("pp2_from_single", losses["pp2_from_single"], after)
+        assert_losses_match("ep2_from_pp2", losses["ep2_from_pp2"], after)
     for losses in four:
         for name in ("ep2dp2", "pp2ep2"):
-            _assert_losses_match(name, losses[name], single.losses)
+            assert_losses_match(name, losses[name], single.losses)
         for name in ("pp2ep2_from_pp2", "ep2dp2_from_single"):
-            _assert_losses_match(name, losses[name], after)
+            assert_losses_match(name, losses[name], after)
 
     reference = _global_tensors(Path(single_ckpt))
     for saver in ("pp2", "ep2dp2", "pp2ep2"):
@@ -97,4 +88,4 @@ def test_reshard_matrix(tmp_path, make_config):
         resumed = train(
             config_from_dict(config(f"single_from_{saver}", str(_checkpoint(tmp_path, saver))))
         )
-        _assert_losses_match(f"single_from_{saver}", resumed.losses, after)
+        assert_losses_match(f"single_from_{saver}", resumed.losses, after)
