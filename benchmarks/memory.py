@@ -51,27 +51,19 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_parallel import DistributedAdamW, GradientReducer, clip_grad_norm
+from moe_parallel import DistributedAdamW, clip_grad_norm
 from moe_train.config import Config, load_config
 from moe_train.data import TokenDataset
-from moe_train.model import Transformer
 from moe_train.train import read_metrics, train
 from moe_train.train.host_memory import (
     _MallInfo2,
     keep_freed_host_memory,
 )
-from moe_train.train.pipeline import PipelineRunner, plan_stages
 from moe_train.train.runtime import Runtime, start_runtime
 from moe_train.train.schedule import lr_at
 
-# The trainer's own step pieces, so the instrumented step is the step the trainer runs.
-from moe_train.train.trainer import (
-    DTYPES,
-    _accumulate_gradients,
-    _reduce_step_stats,
-    build_optimizer,
-    dispatcher_factory,
-)
+# The trainer's own step, so the instrumented step is the step the trainer runs.
+from moe_train.train.step import DTYPES, StepRunner
 
 MIB = 2**20
 MEASURED_STEPS = 3
@@ -232,54 +224,24 @@ def probe_memory(config: Config, warm_steps: int) -> RankMemory:
 
 
 def _probe(config: Config, runtime: Runtime, warm_steps: int) -> RankMemory:
-    # Mirrors moe_train.train.trainer._train (construction and one step), minus files.
-    device, layout = runtime.device, runtime.layout
+    # The trainer's own StepRunner (construction and step), minus files; the update is
+    # spelled out to read the gradient memory between the optimizer step and zero_grad.
+    layout = runtime.layout
     keep_freed_host_memory()
-    compute_dtype = DTYPES[config.precision.compute_dtype]
     data, train_cfg = config.data, config.train
     dataset = TokenDataset(data.paths, data.seq_len)
-    num_micro = data.global_batch_size // data.micro_batch_size
-    my_micro = num_micro // layout.dp
-    first_micro = layout.dp_rank * my_micro
-
-    def autocast() -> contextlib.AbstractContextManager:
-        if compute_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=compute_dtype)
-
     torch.manual_seed(train_cfg.seed)
-    plan = (
-        plan_stages(
-            config.model.n_layers, layout.pp, layout.pp_rank, config.parallel.virtual_stages
-        )
-        if layout.pp > 1
-        else None
-    )
     gc.collect()
     baseline = in_use_bytes()
-    model = Transformer(
-        config.model,
-        data.seq_len,
-        dispatcher_factory(config, runtime),
-        seed=train_cfg.seed,
-        layers=plan.layers if plan else None,
-        with_embedding=plan.has_first if plan else True,
-        with_head=plan.has_last if plan else True,
-        recompute=config.parallel.recompute,
-    ).to(device)
-    model.set_aux_loss_scale(1.0 / num_micro)
-    optimizer = build_optimizer(model, config, layout)
-    sharded = isinstance(optimizer, DistributedAdamW)
-    reducer = optimizer if sharded else GradientReducer(model, layout.dp_group, layout.edp_group)
-    pipeline = (
-        PipelineRunner(
-            model, plan, config, layout, device, compute_dtype, autocast, my_micro, num_micro
-        )
-        if plan
-        else None
+    runner = StepRunner(config, runtime)
+    model, optimizer, reducer, pipeline = (
+        runner.model,
+        runner.optimizer,
+        runner.reducer,
+        runner.pipeline,
     )
+    sharded, grad_clip = runner.sharded, runner.grad_clip
     probe = FirstForwardProbe([s.submod for s in pipeline.stages] if pipeline else [model])
-    grad_clip = config.optim.grad_clip if config.optim.grad_clip is not None else float("inf")
     model.train()
 
     samples: dict[str, list] = {"grads": [], "activations": [], "peak": []}
@@ -287,18 +249,13 @@ def _probe(config: Config, runtime: Runtime, warm_steps: int) -> RankMemory:
     grad_tensor_bytes = None
     for step in range(warm_steps + MEASURED_STEPS):
         measured = step >= warm_steps
-        batch = dataset.batch(step, data.global_batch_size, train_cfg.seed)
-        micro_batches = batch.view(num_micro, data.micro_batch_size, data.seq_len + 1)
-        mine = micro_batches[first_micro : first_micro + my_micro].to(device)
+        mine = runner.my_micro_batches(dataset.batch(step, data.global_batch_size, train_cfg.seed))
         gc.collect()
         probe.arm(measured)
         tracker = PeakHostMemory()
         with tracker if measured else contextlib.nullcontext():
             tracker.phase = "forward/backward"
-            if pipeline is not None:
-                lm_loss_sum = pipeline.forward_backward(mine)
-            else:
-                lm_loss_sum = _accumulate_gradients(model, mine, reducer, autocast, num_micro)
+            lm_loss_sum = runner.forward_backward(mine)
             tracker.phase = "reducer.finish"
             reducer.finish()
             tracker.phase = "clip and optimizer step"
@@ -323,7 +280,7 @@ def _probe(config: Config, runtime: Runtime, warm_steps: int) -> RankMemory:
             # whole step would also count caches that grow with new routing shapes).
             released = with_grads - in_use_bytes()
             tracker.phase = "step statistics"
-            _reduce_step_stats(model, lm_loss_sum, num_micro, runtime)
+            runner.step_stats(lm_loss_sum)
         if measured:
             samples["grads"].append(released)
             samples["activations"].append(probe.held)
@@ -413,7 +370,8 @@ def _row_ratios(rows: list[dict]) -> dict[str, Any]:
     dopt = find("dp2 dist-opt", "none")
     if dopt is not None:
         world = dopt["world_size"]
-        worst = max(r["optim"] / (3 * 4 * r["num_params"] / world) for r in dopt["ranks"])
+        # Unsharded: torch AdamW's two FP32 moments (FP32 parameters are their own master).
+        worst = max(r["optim"] / (2 * 4 * r["num_params"] / world) for r in dopt["ranks"])
         out["distributed_optimizer_state_over_ideal"] = worst
         plain = find("dp2", "none")
         if plain is not None:
@@ -463,7 +421,7 @@ def _print_table(rows: list[dict], dtype: str) -> None:
 def _print_ratios(ratios: dict[str, Any]) -> None:
     print()
     lines = {
-        "distributed_optimizer_state_over_ideal": "dist-opt state per rank / (3 x 4 B x params / dp)",
+        "distributed_optimizer_state_over_ideal": "dist-opt state per rank / (AdamW's 2 x 4 B x params / dp)",
         "distributed_optimizer_state_over_adamw_state": "dist-opt state per rank / torch AdamW's",
         "selective_recompute_activation_reduction": "selective: activation reduction vs none",
         "selective_recompute_peak_reduction": "selective: peak reduction vs none",

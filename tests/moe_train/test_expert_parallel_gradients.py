@@ -8,7 +8,7 @@ from moe_parallel import GradientReducer, is_expert_parameter
 from moe_train.config import config_from_dict
 from moe_train.model import Transformer, lm_loss
 from moe_train.train.runtime import start_runtime
-from moe_train.train.trainer import dispatcher_factory
+from moe_train.train.step import dispatcher_factory
 
 NUM_MICRO, MICRO, SEQ = 8, 2, 16
 

@@ -2,35 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import resource
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from moe_checkpoint import CheckpointError, read_trainer_state
-from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher
-from moe_parallel import (
-    DistributedAdamW,
-    GradientReducer,
-    Layout,
-    clip_grad_norm,
-    decay_matrices,
-)
 from moe_train.config import Config, dump_config
 from moe_train.data import TokenDataset
-from moe_train.errors import ConfigError, DataError, MoeTrainError
+from moe_train.errors import DataError, MoeTrainError
 from moe_train.model import (
-    DispatcherFactory,
     Transformer,
     count_params,
     flops_per_token,
-    lm_loss,
 )
 from moe_train.train.checkpointing import (
     load_training_state,
@@ -39,7 +26,6 @@ from moe_train.train.checkpointing import (
 from moe_train.train.host_memory import keep_freed_host_memory
 from moe_train.train.metrics import MetricsLog, Progress
 from moe_train.train.peak import peak_flops
-from moe_train.train.pipeline import PipelineRunner, check_pipeline, plan_stages
 from moe_train.train.run_files import (
     PeriodicSaver,
     check_no_newer_checkpoints,
@@ -50,8 +36,7 @@ from moe_train.train.run_files import (
 )
 from moe_train.train.runtime import Runtime, start_runtime
 from moe_train.train.schedule import lr_at
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from moe_train.train.step import DTYPES, StepRunner
 
 
 @dataclass
@@ -66,144 +51,11 @@ class TrainResult:
     """True on the rank that wrote the files (rank 0)."""
 
 
-def build_optimizer(
-    model: nn.Module, config: Config, layout: Layout
-) -> torch.optim.Optimizer | DistributedAdamW:
-    """AdamW with weight decay on matrices only (not norms, not biases).
-
-    With `parallel.distributed_optimizer` its FP32 state is sharded over each gradient
-    reduction group, and it reduces the gradients itself (reduce-scatter).
-    """
-    optim = config.optim
-    if config.parallel.distributed_optimizer:
-        return DistributedAdamW(
-            model,
-            layout,
-            lr=optim.lr,
-            betas=tuple(optim.betas),
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-            decays=decay_matrices,
-        )
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": optim.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=optim.lr,
-        betas=tuple(optim.betas),
-        eps=optim.eps,
-        fused=True,
-    )
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated bytes on a GPU; the process's peak resident set on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def dispatcher_factory(config: Config, runtime: Runtime) -> DispatcherFactory:
-    """The token dispatcher of every MoE layer, for this rank's expert-parallel group.
-
-    Without expert parallelism (ep = 1) every backend reduces to `local`.
-    """
-    moe, parallel = config.model.moe, config.parallel
-    name, kwargs = "local", {}
-    if parallel.ep > 1:
-        name = parallel.dispatcher
-        kwargs = {
-            "group": runtime.layout.ep_group,
-            "max_tokens_per_rank": config.data.micro_batch_size * config.data.seq_len,
-        }
-
-    def build(layer: int) -> Dispatcher:
-        try:
-            return make_dispatcher(
-                name,
-                num_experts=moe.num_experts,
-                capacity_factor=moe.capacity_factor,
-                group_alignment=moe.group_alignment,
-                **kwargs,
-            )
-        except BackendUnavailable as e:
-            raise ConfigError(str(e)) from e
-
-    return build
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """A step's losses and routing figures, over every rank and micro-batch."""
-
-    lm_loss: float
-    lb_loss: float
-    """Unweighted load-balancing loss, mean over micro-batches and MoE layers."""
-    z_loss: float
-    """Unweighted router z-loss, mean over micro-batches and MoE layers."""
-    load_max_over_mean: float
-    """Largest over MoE layers of (copies of the busiest expert / mean copies per expert)."""
-    dropped_fraction: float
-    """Token copies dropped by the capacity limit over copies routed, all layers."""
-
-
-def _accumulate_gradients(
-    model: Transformer,
-    micro_batches: torch.Tensor,
-    reducer: GradientReducer | DistributedAdamW,
-    autocast: Callable[[], contextlib.AbstractContextManager],
-    num_micro: int,
-) -> torch.Tensor:
-    """Forward and backward of each micro-batch [n, mbs, seq+1]; the sum of their LM losses."""
-    lm_loss_sum = torch.zeros((), device=micro_batches.device, dtype=torch.float64)
-    for index, micro in enumerate(micro_batches):
-        if index == len(micro_batches) - 1:
-            reducer.arm()  # gradient reductions overlap this last backward
-        with autocast():
-            logits = model(micro[:, :-1])
-        loss = lm_loss(logits, micro[:, 1:])
-        # Every micro-batch of the step weighs 1/num_micro, on whichever rank it is; the MoE
-        # auxiliary losses ride along (see Transformer.set_aux_loss_scale).
-        (loss / num_micro).backward()
-        lm_loss_sum += loss.detach().double()
-    return lm_loss_sum
-
-
-def _reduce_step_stats(
-    model: Transformer, lm_loss_sum: torch.Tensor, num_micro: int, runtime: Runtime
-) -> StepStats:
-    """Sum losses and routing statistics over all ranks (one all-reduce); update the biases.
-
-    Every rank contributes a row for every MoE layer of the whole model (zeros for layers it
-    does not hold), so ranks on different pipeline stages reduce tensors of the same shape.
-    """
-    model_config = model.config
-    num_experts = model_config.moe.num_experts
-    held = model.moe_layers()
-    rows = torch.zeros(
-        model_config.n_layers, num_experts + 4, dtype=torch.float64, device=lm_loss_sum.device
-    )
-    for index, layer in held.items():
-        rows[index] = layer.take_stats().flat()
-    totals = runtime.sum_over_world(torch.cat([lm_loss_sum.reshape(1), rows.flatten()]))
-    rows = totals[1:].view_as(rows)[model_config.dense_layers :]
-    copies_LE = rows[:, :num_experts]
-    for index, layer in held.items():
-        layer.router.update_bias(copies_LE[index - model_config.dense_layers])
-    if not len(rows):
-        return StepStats(totals[0].item() / num_micro, 0.0, 0.0, 1.0, 0.0)
-    dropped, routed, lb_sum, z_sum = rows[:, num_experts:].sum(dim=0).tolist()
-    load_ratio = (copies_LE.max(dim=1).values / copies_LE.mean(dim=1)).max().item()
-    return StepStats(
-        lm_loss=totals[0].item() / num_micro,
-        lb_loss=lb_sum / (num_micro * len(rows)),
-        z_loss=z_sum / (num_micro * len(rows)),
-        load_max_over_mean=load_ratio,
-        dropped_fraction=dropped / routed if routed else 0.0,
-    )
 
 
 def train(config: Config, *, device: torch.device | None = None) -> TrainResult:
@@ -235,50 +87,13 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
             f"{dataset.vocab_size}"
         )
 
-    check_pipeline(config, layout.dp)  # before any collective: every rank raises alike
-    num_micro = data.global_batch_size // data.micro_batch_size
-    my_micro = num_micro // layout.dp
-    first_micro = layout.dp_rank * my_micro
-
-    def autocast() -> contextlib.AbstractContextManager:
-        if compute_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=compute_dtype)
-
     # Measured before seeding: the measurement draws random numbers.
     peak, peak_source = peak_flops(compute_dtype, device, train_cfg.peak_flops)
     peak = runtime.mean_over_world(peak)
     torch.manual_seed(train_cfg.seed)
-    plan = (
-        plan_stages(
-            config.model.n_layers, layout.pp, layout.pp_rank, config.parallel.virtual_stages
-        )
-        if layout.pp > 1
-        else None
-    )
     # Built before anything is written, so a backend that cannot run leaves no run directory.
-    model = Transformer(
-        config.model,
-        data.seq_len,
-        dispatcher_factory(config, runtime),
-        seed=train_cfg.seed,
-        layers=plan.layers if plan else None,
-        with_embedding=plan.has_first if plan else True,
-        with_head=plan.has_last if plan else True,
-        recompute=config.parallel.recompute,
-        mxfp8=config.precision.mxfp8,
-    ).to(device)
-    model.set_aux_loss_scale(1.0 / num_micro)
-    optimizer = build_optimizer(model, config, layout)
-    sharded = isinstance(optimizer, DistributedAdamW)
-    reducer = optimizer if sharded else GradientReducer(model, layout.dp_group, layout.edp_group)
-    pipeline = (
-        PipelineRunner(
-            model, plan, config, layout, device, compute_dtype, autocast, my_micro, num_micro
-        )
-        if plan
-        else None
-    )
+    runner = StepRunner(config, runtime)
+    model, optimizer = runner.model, runner.optimizer
 
     resume_from = runtime.on_main(lambda: find_resume_checkpoint(config))
     run_dir = runtime.on_main(
@@ -320,33 +135,15 @@ def _train(config: Config, runtime: Runtime) -> TrainResult:
         config, checkpoint_root(config, run_dir), model, optimizer, dataset, runtime
     )
     losses: list[float] = []
-    grad_clip = config.optim.grad_clip if config.optim.grad_clip is not None else float("inf")
     model.train()
     try:
         for step in range(start_step, train_cfg.max_steps):
             start = time.perf_counter()
             batch = dataset.batch(step, data.global_batch_size, train_cfg.seed)
-            micro_batches = batch.view(num_micro, data.micro_batch_size, data.seq_len + 1)
-            mine = micro_batches[first_micro : first_micro + my_micro].to(device)
-            if pipeline is not None:
-                lm_loss_sum = pipeline.forward_backward(mine)
-            else:
-                lm_loss_sum = _accumulate_gradients(model, mine, reducer, autocast, num_micro)
-
-            reducer.finish()
+            lm_loss_sum = runner.forward_backward(runner.my_micro_batches(batch))
             lr = lr_at(step, config.optim, train_cfg.max_steps)
-            if sharded:
-                grad_norm = optimizer.clip_grad_norm_(grad_clip)
-                optimizer.step(lr)
-                optimizer.zero_grad()
-            else:
-                grad_norm = clip_grad_norm(model, grad_clip, layout)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            step_stats = _reduce_step_stats(model, lm_loss_sum, num_micro, runtime)
+            grad_norm = runner.update(lr)
+            step_stats = runner.step_stats(lm_loss_sum)
             loss_lm = step_stats.lm_loss
             losses.append(loss_lm)
             if device.type == "cuda":

@@ -1,0 +1,269 @@
+"""One rank's share of a training step: model, optimizer, gradient path, and the step itself.
+
+`StepRunner` builds what a rank holds for the layout (its pipeline stages, its experts, the
+plain or sharded optimizer) and runs a step: forward and backward of the rank's
+micro-batches (gradient accumulation, or the pipeline schedule), gradient reduction, global
+clipping and the update. The training loop (`trainer.py`) adds data, checkpoints and metrics;
+benchmarks drive the same steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher
+from moe_parallel import (
+    DistributedAdamW,
+    GradientReducer,
+    Layout,
+    clip_grad_norm,
+    decay_matrices,
+)
+from moe_train.config import Config
+from moe_train.errors import ConfigError
+from moe_train.model import DispatcherFactory, Transformer, lm_loss
+from moe_train.train.pipeline import PipelineRunner, check_pipeline, plan_stages
+from moe_train.train.runtime import Runtime
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_optimizer(
+    model: nn.Module, config: Config, layout: Layout
+) -> torch.optim.Optimizer | DistributedAdamW:
+    """AdamW with weight decay on matrices only (not norms, not biases).
+
+    With `parallel.distributed_optimizer` its FP32 state is sharded over each gradient
+    reduction group, and it reduces the gradients itself (reduce-scatter).
+    """
+    optim = config.optim
+    if config.parallel.distributed_optimizer:
+        return DistributedAdamW(
+            model,
+            layout,
+            lr=optim.lr,
+            betas=tuple(optim.betas),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            decays=decay_matrices,
+        )
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        fused=True,
+    )
+
+
+def dispatcher_factory(config: Config, runtime: Runtime) -> DispatcherFactory:
+    """The token dispatcher of every MoE layer, for this rank's expert-parallel group.
+
+    Without expert parallelism (ep = 1) every backend reduces to `local`.
+    """
+    moe, parallel = config.model.moe, config.parallel
+    name, kwargs = "local", {}
+    if parallel.ep > 1:
+        name = parallel.dispatcher
+        kwargs = {
+            "group": runtime.layout.ep_group,
+            "max_tokens_per_rank": config.data.micro_batch_size * config.data.seq_len,
+        }
+
+    def build(layer: int) -> Dispatcher:
+        try:
+            return make_dispatcher(
+                name,
+                num_experts=moe.num_experts,
+                capacity_factor=moe.capacity_factor,
+                group_alignment=moe.group_alignment,
+                **kwargs,
+            )
+        except BackendUnavailable as e:
+            raise ConfigError(str(e)) from e
+
+    return build
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """A step's losses and routing figures, over every rank and micro-batch."""
+
+    lm_loss: float
+    lb_loss: float
+    """Unweighted load-balancing loss, mean over micro-batches and MoE layers."""
+    z_loss: float
+    """Unweighted router z-loss, mean over micro-batches and MoE layers."""
+    load_max_over_mean: float
+    """Largest over MoE layers of (copies of the busiest expert / mean copies per expert)."""
+    dropped_fraction: float
+    """Token copies dropped by the capacity limit over copies routed, all layers."""
+
+
+def accumulate_gradients(
+    model: Transformer,
+    micro_batches: torch.Tensor,
+    reducer: GradientReducer | DistributedAdamW,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    num_micro: int,
+) -> torch.Tensor:
+    """Forward and backward of each micro-batch [n, mbs, seq+1]; the sum of their LM losses."""
+    lm_loss_sum = torch.zeros((), device=micro_batches.device, dtype=torch.float64)
+    for index, micro in enumerate(micro_batches):
+        if index == len(micro_batches) - 1:
+            reducer.arm()  # gradient reductions overlap this last backward
+        with autocast():
+            logits = model(micro[:, :-1])
+        loss = lm_loss(logits, micro[:, 1:])
+        # Every micro-batch of the step weighs 1/num_micro, on whichever rank it is; the MoE
+        # auxiliary losses ride along (see Transformer.set_aux_loss_scale).
+        (loss / num_micro).backward()
+        lm_loss_sum += loss.detach().double()
+    return lm_loss_sum
+
+
+def reduce_step_stats(
+    model: Transformer, lm_loss_sum: torch.Tensor, num_micro: int, runtime: Runtime
+) -> StepStats:
+    """Sum losses and routing statistics over all ranks (one all-reduce); update the biases.
+
+    Every rank contributes a row for every MoE layer of the whole model (zeros for layers it
+    does not hold), so ranks on different pipeline stages reduce tensors of the same shape.
+    """
+    model_config = model.config
+    num_experts = model_config.moe.num_experts
+    held = model.moe_layers()
+    rows = torch.zeros(
+        model_config.n_layers, num_experts + 4, dtype=torch.float64, device=lm_loss_sum.device
+    )
+    for index, layer in held.items():
+        rows[index] = layer.take_stats().flat()
+    totals = runtime.sum_over_world(torch.cat([lm_loss_sum.reshape(1), rows.flatten()]))
+    rows = totals[1:].view_as(rows)[model_config.dense_layers :]
+    copies_LE = rows[:, :num_experts]
+    for index, layer in held.items():
+        layer.router.update_bias(copies_LE[index - model_config.dense_layers])
+    if not len(rows):
+        return StepStats(totals[0].item() / num_micro, 0.0, 0.0, 1.0, 0.0)
+    dropped, routed, lb_sum, z_sum = rows[:, num_experts:].sum(dim=0).tolist()
+    load_ratio = (copies_LE.max(dim=1).values / copies_LE.mean(dim=1)).max().item()
+    return StepStats(
+        lm_loss=totals[0].item() / num_micro,
+        lb_loss=lb_sum / (num_micro * len(rows)),
+        z_loss=z_sum / (num_micro * len(rows)),
+        load_max_over_mean=load_ratio,
+        dropped_fraction=dropped / routed if routed else 0.0,
+    )
+
+
+class StepRunner:
+    """The model and optimizer of this rank, and the optimizer step over them.
+
+    Built on every rank at the same point (the optimizer and pipeline stages are collective);
+    checks the pipeline settings first, so every rank raises the same error before any
+    collective.
+    """
+
+    def __init__(self, config: Config, runtime: Runtime) -> None:
+        layout, device = runtime.layout, runtime.device
+        data = config.data
+        check_pipeline(config, layout.dp)
+        self.config, self.runtime = config, runtime
+        self.compute_dtype = DTYPES[config.precision.compute_dtype]
+        self.num_micro = data.global_batch_size // data.micro_batch_size
+        """Micro-batches of a step, over all dp ranks."""
+        self.my_micro = self.num_micro // layout.dp
+        self.first_micro = layout.dp_rank * self.my_micro
+        plan = (
+            plan_stages(
+                config.model.n_layers, layout.pp, layout.pp_rank, config.parallel.virtual_stages
+            )
+            if layout.pp > 1
+            else None
+        )
+        self.model = Transformer(
+            config.model,
+            data.seq_len,
+            dispatcher_factory(config, runtime),
+            seed=config.train.seed,
+            layers=plan.layers if plan else None,
+            with_embedding=plan.has_first if plan else True,
+            with_head=plan.has_last if plan else True,
+            recompute=config.parallel.recompute,
+            mxfp8=config.precision.mxfp8,
+        ).to(device)
+        self.model.set_aux_loss_scale(1.0 / self.num_micro)
+        self.optimizer = build_optimizer(self.model, config, layout)
+        self.sharded = isinstance(self.optimizer, DistributedAdamW)
+        self.reducer: GradientReducer | DistributedAdamW = (
+            self.optimizer
+            if self.sharded
+            else GradientReducer(self.model, layout.dp_group, layout.edp_group)
+        )
+        self.pipeline = (
+            PipelineRunner(
+                self.model,
+                plan,
+                config,
+                layout,
+                device,
+                self.compute_dtype,
+                self.autocast,
+                self.my_micro,
+                self.num_micro,
+            )
+            if plan
+            else None
+        )
+        grad_clip = config.optim.grad_clip
+        self.grad_clip = grad_clip if grad_clip is not None else float("inf")
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The compute-dtype context of forward passes."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.runtime.device.type, dtype=self.compute_dtype)
+
+    def my_micro_batches(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's micro-batches [n, mbs, seq+1] of a step's global batch, on its device."""
+        data = self.config.data
+        micro_batches = batch.view(self.num_micro, data.micro_batch_size, data.seq_len + 1)
+        mine = micro_batches[self.first_micro : self.first_micro + self.my_micro]
+        return mine.to(self.runtime.device)
+
+    def forward_backward(self, micro_batches: torch.Tensor) -> torch.Tensor:
+        """Gradients of this rank's micro-batches; the sum of their LM losses it computed."""
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(micro_batches)
+        return accumulate_gradients(
+            self.model, micro_batches, self.reducer, self.autocast, self.num_micro
+        )
+
+    def update(self, lr: float) -> torch.Tensor:
+        """Finish the gradient reduction, clip globally, step, clear; returns the norm."""
+        self.reducer.finish()
+        if self.sharded:
+            grad_norm = self.optimizer.clip_grad_norm_(self.grad_clip)
+            self.optimizer.step(lr)
+            self.optimizer.zero_grad()
+            return grad_norm
+        grad_norm = clip_grad_norm(self.model, self.grad_clip, self.runtime.layout)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def step_stats(self, lm_loss_sum: torch.Tensor) -> StepStats:
+        """The step's losses and routing figures over all ranks (updates the expert biases)."""
+        return reduce_step_stats(self.model, lm_loss_sum, self.num_micro, self.runtime)
