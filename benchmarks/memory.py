@@ -259,7 +259,7 @@ def _probe(config: Config, runtime: Runtime, warm_steps: int) -> RankMemory:
             tracker.phase = "reducer.finish"
             reducer.finish()
             tracker.phase = "clip and optimizer step"
-            if measured and not sharded:
+            if not sharded:
                 grad_tensor_bytes = _tensor_bytes(
                     p.grad for p in model.parameters() if p.grad is not None
                 )
@@ -269,16 +269,18 @@ def _probe(config: Config, runtime: Runtime, warm_steps: int) -> RankMemory:
                 optimizer.step(lr)
                 with_grads = in_use_bytes()
                 optimizer.zero_grad()
+                # Gradient memory: what dropping the gradients frees (a difference across the
+                # whole step would also count caches that grow with new routing shapes).
+                released = with_grads - in_use_bytes()
             else:
                 clip_grad_norm(model, grad_clip, layout)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 optimizer.step()
-                with_grads = in_use_bytes()
-                optimizer.zero_grad(set_to_none=True)
-            # Gradient memory: what dropping the gradients frees (a difference across the
-            # whole step would also count caches that grow with new routing shapes).
-            released = with_grads - in_use_bytes()
+                # With dp > 1 the .grad tensors are views of persistent reduction buckets:
+                # count the tensors (zero_grad keeps the buckets).
+                released = grad_tensor_bytes
+                reducer.zero_grad()
             tracker.phase = "step statistics"
             runner.step_stats(lm_loss_sum)
         if measured:

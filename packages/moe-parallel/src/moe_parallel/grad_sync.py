@@ -3,7 +3,9 @@
 Dense gradients are summed over the dp group and expert gradients over the
 expert-data-parallel group only; nothing ever gathers weights. Gradients are packed into
 flat buckets per group and dtype, so a step makes a few large collectives instead of one per
-parameter. During the backward of the step's last micro-batch, a bucket's all-reduce starts
+parameter. Each parameter's `.grad` is a view into its bucket's persistent flat buffer, so
+backward accumulates straight into the buffer and the all-reduce runs in place: no packing
+copy and no second copy of the gradients at the peak. During the backward of the step's last micro-batch, a bucket's all-reduce starts
 as soon as all of its gradients are final, overlapping communication with the rest of the
 backward. Buckets are launched strictly in order, so every rank issues the same collectives
 in the same order whatever order its hooks fire in.
@@ -27,8 +29,8 @@ DEFAULT_BUCKET_BYTES = 32 * 2**20
 class _Bucket:
     group: ProcessGroup
     params: list[nn.Parameter]
-    pending: int = 0
-    flat: torch.Tensor | None = None
+    flat: torch.Tensor
+    views: list[torch.Tensor]
     work: dist.Work | None = None
     ready_ids: set[int] = field(default_factory=set)
 
@@ -38,7 +40,8 @@ class GradientReducer:
 
     Use: `arm()` before the backward of the step's last micro-batch (reductions then start
     during that backward), and `finish()` after it; or only `finish()` to reduce everything
-    after the backward.
+    after the backward. Clear gradients with `zero_grad()`, which keeps the `.grad` views
+    (a `.grad` replaced or set to None elsewhere still works, at the cost of a copy).
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class GradientReducer:
         # Reverse registration order approximates the order in which backward finishes
         # gradients, so early buckets fill first.
         params = [p for p in module.parameters() if p.requires_grad][::-1]
+        self._params = params
         self._buckets: list[_Bucket] = []
         for group, members in (
             (dense_group, [p for p in params if not is_expert_parameter(p)]),
@@ -59,7 +63,16 @@ class GradientReducer:
             if group is None or dist.get_world_size(group) == 1:
                 continue
             for run in _runs(members, bucket_bytes):
-                self._buckets.append(_Bucket(group=group, params=run))
+                flat = torch.zeros(
+                    sum(p.numel() for p in run), dtype=run[0].dtype, device=run[0].device
+                )
+                views = []
+                offset = 0
+                for p in run:
+                    views.append(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+                    p.grad = views[-1]
+                self._buckets.append(_Bucket(group=group, params=run, flat=flat, views=views))
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
         self._armed = False
         self._next_launch = 0
@@ -73,7 +86,7 @@ class GradientReducer:
         self._next_launch = 0
         for bucket in self._buckets:
             bucket.ready_ids.clear()
-            bucket.flat, bucket.work = None, None
+            bucket.work = None
 
     def finish(self) -> None:
         """Reduce whatever has not been reduced yet and write the sums back to `.grad`."""
@@ -85,11 +98,18 @@ class GradientReducer:
         self._next_launch = len(self._buckets)
         for bucket in self._buckets:
             bucket.work.wait()
-            offset = 0
-            for p in bucket.params:
-                p.grad.copy_(bucket.flat[offset : offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-            bucket.flat, bucket.work = None, None
+            bucket.work = None
+
+    def zero_grad(self) -> None:
+        """Zero the bucketed gradients in place (keeping the views); others become None."""
+        for bucket in self._buckets:
+            bucket.flat.zero_()
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                p.grad = view
+        bucketed = {id(p) for b in self._buckets for p in b.params}
+        for p in self._params:
+            if id(p) not in bucketed:
+                p.grad = None
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._armed:
@@ -105,10 +125,12 @@ class GradientReducer:
 
     @staticmethod
     def _launch(bucket: _Bucket) -> None:
-        for p in bucket.params:
-            if p.grad is None:  # unused in this step: contributes zeros
-                p.grad = torch.zeros_like(p)
-        bucket.flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])
+        for p, view in zip(bucket.params, bucket.views, strict=True):
+            if p.grad is None:  # unused in this step (or cleared elsewhere): contributes zeros
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
+                view.copy_(p.grad)  # replaced outside zero_grad: pack it
+            p.grad = view
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
 

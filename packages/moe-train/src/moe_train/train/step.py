@@ -261,7 +261,7 @@ class StepRunner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.reducer.zero_grad()  # keeps the gradient views into the reduction buckets
         return grad_norm
 
     def step_stats(self, lm_loss_sum: torch.Tensor) -> StepStats:
