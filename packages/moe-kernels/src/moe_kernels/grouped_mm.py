@@ -8,12 +8,13 @@ The torch backend adds alignment and dtype fallbacks; the Triton backend is in
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from moe_kernels.triton_support import import_kernels
 
 __all__ = ["GROUPED_MM_BACKENDS", "GROUPED_MM_DTYPES", "GroupedMmBackend", "grouped_mm"]
 
@@ -130,20 +131,6 @@ def _grouped_mm_loop(x_TK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
     return torch.cat(pieces, dim=0)
 
 
-def _triton_module() -> ModuleType:
-    """``moe_kernels.triton_grouped_mm``, imported on first use (it needs triton)."""
-    try:
-        from moe_kernels import triton_grouped_mm
-    except ModuleNotFoundError as e:
-        if e.name is None or not e.name.startswith("triton"):
-            raise
-        raise ImportError(
-            "grouped_mm backend='triton' needs the triton package (installed with moe-kernels on "
-            "Linux; otherwise `pip install triton`); use backend='torch' instead"
-        ) from e
-    return triton_grouped_mm
-
-
 _AUTO_TIMING_REPS = 5
 _auto_choices: dict[tuple, str] = {}
 """Backend that ``auto`` measured faster, per (device, dtype, shape class, with backward)."""
@@ -211,7 +198,7 @@ def _auto_backend(x_TK: Tensor, w_EKN: Tensor, with_backward: bool) -> str:
     if x_TK.device.type != "cuda":
         return "torch"  # On CPU Triton runs only under its interpreter, a test vehicle.
     try:
-        _triton_module()
+        import_kernels("triton_grouped_mm", "grouped_mm")
     except ImportError:
         return "torch"
     w_transposed = w_EKN.stride(1) == 1 and w_EKN.stride(2) != 1
@@ -268,7 +255,9 @@ def grouped_mm(
             with_backward = torch.is_grad_enabled() and (x_TK.requires_grad or w_EKN.requires_grad)
             backend = _auto_backend(x_TK, w_EKN, with_backward)
     if backend == "triton":
-        return _triton_module().triton_grouped_mm(x_TK, w_EKN, offsets_E)
+        return import_kernels("triton_grouped_mm", "grouped_mm").triton_grouped_mm(
+            x_TK, w_EKN, offsets_E
+        )
     if x_TK.dtype not in GROUPED_MM_DTYPES:
         return _grouped_mm_loop(x_TK, w_EKN, offsets_E)
 

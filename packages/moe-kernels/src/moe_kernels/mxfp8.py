@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_kernels.grouped_mm import _check_inputs, _padding_rows_mask, grouped_mm
+from moe_kernels.triton_support import import_kernels
 
 __all__ = [
     "MXFP8_BACKENDS",
@@ -124,20 +125,6 @@ def _to_mxfp8_rows_torch(x_RL: Tensor, block_size: int, rceil: bool) -> tuple[Te
     )
 
 
-def _triton_mxfp8() -> ModuleType:
-    """``moe_kernels.triton_mxfp8``, imported on first use (it needs triton)."""
-    try:
-        from moe_kernels import triton_mxfp8
-    except ModuleNotFoundError as e:
-        if e.name is None or not e.name.startswith("triton"):
-            raise
-        raise ImportError(
-            "to_mxfp8 backend='triton' needs the triton package (installed with moe-kernels on "
-            "Linux; otherwise `pip install triton`); use backend='torch' instead"
-        ) from e
-    return triton_mxfp8
-
-
 def _check_axis(axis: int, ndim: int, function: str) -> int:
     if ndim == 0:
         raise ValueError(f"{function}: needs a tensor with at least one dimension, got a scalar")
@@ -200,7 +187,7 @@ def to_mxfp8(
     moved_shape = x_moved.shape
     x_RL = x_moved.reshape(math.prod(moved_shape[:-1]), moved_shape[-1]).contiguous()
     if backend == "triton":
-        data_RL, scales = _triton_mxfp8().triton_to_mxfp8_rows(
+        data_RL, scales = import_kernels("triton_mxfp8", "to_mxfp8").triton_to_mxfp8_rows(
             x_RL, block_size, scale_mode == "rceil"
         )
     else:

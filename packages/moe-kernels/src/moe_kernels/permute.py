@@ -13,12 +13,13 @@ sizes from a small set and reuse their kernels (on CPU, oneDNN compiles one per 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from moe_kernels.triton_support import import_kernels
 
 __all__ = ["PERMUTE_BACKENDS", "Permutation", "PermuteBackend", "permute", "unpermute"]
 
@@ -223,20 +224,6 @@ def _check_backend(caller: str, backend: str) -> None:
         )
 
 
-def _triton_kernels() -> ModuleType:
-    """``moe_kernels.triton_permute``, imported on first use (it imports triton)."""
-    try:
-        from moe_kernels import triton_permute
-    except ModuleNotFoundError as e:
-        if e.name is None or not e.name.startswith("triton"):
-            raise
-        raise ImportError(
-            "backend='triton' needs the triton package (installed with moe-kernels on Linux; "
-            "elsewhere `pip install triton`), or use backend='torch'"
-        ) from e
-    return triton_permute
-
-
 def permute(
     x_TD: Tensor,
     topk_idx_TK: Tensor,
@@ -323,7 +310,9 @@ def permute(
         source_token_P.scatter_(0, row_of_sorted_S, copy_of_sorted_S // top_k)
 
     if backend == "triton":
-        x_perm_PD = _triton_kernels().gather_rows(x_TD, source_token_P, row_of_copy_F, top_k)
+        x_perm_PD = import_kernels("triton_permute", "permute").gather_rows(
+            x_TD, source_token_P, row_of_copy_F, top_k
+        )
     else:
         x_perm_PD = _GatherRows.apply(x_TD, source_token_P, row_of_copy_F, top_k)
 
@@ -376,7 +365,7 @@ def unpermute(
         )
     weight_TK = topk_weight_TK.to(y_PD.dtype)
     if backend == "triton":
-        return _triton_kernels().combine_rows(
+        return import_kernels("triton_permute", "unpermute").combine_rows(
             y_PD, permutation.row_of_copy, weight_TK, permutation.kept_copies
         )
     return _CombineRows.apply(

@@ -28,6 +28,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from moe_kernels.triton_support import check_device
+
 __all__ = [
     "INTERPRETED",
     "TRITON_GROUPED_MM_DTYPES",
@@ -251,15 +253,6 @@ if not INTERPRETED:
     )(_grouped_mm_weight_grad_kernel)
 
 
-def _check_device(tensor: Tensor) -> None:
-    if tensor.device.type == "cpu" and not INTERPRETED:
-        raise ValueError(
-            "grouped_mm backend='triton' got CPU tensors, which need the Triton interpreter: set "
-            "TRITON_INTERPRET=1 before moe_kernels.triton_grouped_mm is first imported (a slow "
-            "test vehicle), or use backend='torch' on CPU"
-        )
-
-
 def _check_dtype(tensor: Tensor, name: str) -> None:
     if tensor.dtype not in TRITON_GROUPED_MM_DTYPES:
         valid = ", ".join(str(dtype) for dtype in TRITON_GROUPED_MM_DTYPES)
@@ -291,7 +284,7 @@ def grouped_mm_into(a_TK: Tensor, b_EKN: Tensor, offsets_E: Tensor, out_TN: Tens
     """
     num_rows, size_k = a_TK.shape
     num_groups, _, size_n = b_EKN.shape
-    _check_device(a_TK)
+    check_device("grouped_mm", a_TK, INTERPRETED)
     _check_dtype(a_TK, "a")
     if b_EKN.dtype != a_TK.dtype or b_EKN.shape[1] != size_k or offsets_E.shape != (num_groups,):
         raise ValueError(
@@ -340,7 +333,7 @@ def grouped_mm_weight_grad_into(
     num_rows, size_k = x_TK.shape
     size_n = grad_out_TN.shape[1]
     num_groups = offsets_E.shape[0]
-    _check_device(x_TK)
+    check_device("grouped_mm", x_TK, INTERPRETED)
     _check_dtype(x_TK, "x")
     if grad_out_TN.dtype != x_TK.dtype or grad_out_TN.shape[0] != num_rows:
         raise ValueError(
@@ -410,6 +403,6 @@ def triton_grouped_mm(x_TK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
     ``offsets_E`` is int32 cumulative row ends; rows from ``offsets[-1]`` on give zeros and zero
     input gradient, and empty groups get a zero weight gradient. No host sync.
     """
-    _check_device(x_TK)
+    check_device("grouped_mm", x_TK, INTERPRETED)
     _check_dtype(x_TK, "x")
     return _TritonGroupedMmFunction.apply(x_TK, w_EKN, offsets_E)

@@ -19,6 +19,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from moe_kernels.triton_support import check_device
+
 __all__ = ["INTERPRETED", "triton_to_mxfp8_rows"]
 
 _ROWS_PER_TILE = 32
@@ -147,12 +149,7 @@ def triton_to_mxfp8_rows(x_RL: Tensor, block_size: int, rceil: bool) -> tuple[Te
     ``block_size`` must be a power of two dividing L (checked by the caller). Returns
     ``(data_RL float8_e4m3fn, scales float8_e8m0fnu [R, L // block_size])``.
     """
-    if x_RL.device.type == "cpu" and not INTERPRETED:
-        raise ValueError(
-            "to_mxfp8 backend='triton' got a CPU tensor, which needs the Triton interpreter: set "
-            "TRITON_INTERPRET=1 before moe_kernels.triton_mxfp8 is first imported (a slow test "
-            "vehicle), or use backend='torch' on CPU"
-        )
+    check_device("to_mxfp8", x_RL, INTERPRETED)
     num_rows, row_length = x_RL.shape
     blocks_per_row = row_length // block_size
     data_RL = torch.empty(num_rows, row_length, dtype=torch.uint8, device=x_RL.device)

@@ -24,6 +24,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from moe_kernels.triton_support import check_device
+
 __all__ = ["KERNELS_INTERPRETED", "combine_rows", "gather_rows"]
 
 _BLOCK_ROWS = 32
@@ -157,15 +159,6 @@ def _empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
-def _check_device(caller: str, tensor: Tensor) -> None:
-    if tensor.device.type == "cpu" and not KERNELS_INTERPRETED:
-        raise ValueError(
-            f"{caller}: backend='triton' got CPU tensors, which need the Triton interpreter: set "
-            f"TRITON_INTERPRET=1 in the environment before moe_kernels' Triton kernels are first "
-            f"imported, or use backend='torch'"
-        )
-
-
 def _launch_gather(x_TD: Tensor, source_token_P: Tensor) -> Tensor:
     num_rows, dim = source_token_P.shape[0], x_TD.shape[1]
     out_PD = _empty((num_rows, dim), x_TD)
@@ -291,7 +284,7 @@ def gather_rows(x_TD: Tensor, source_token_P: Tensor, row_of_copy_F: Tensor, top
     Returns:
         [P, D] in the dtype of ``x``, differentiable wrt ``x``.
     """
-    _check_device("gather_rows", x_TD)
+    check_device("gather_rows", x_TD, KERNELS_INTERPRETED)
     return _GatherRows.apply(x_TD.contiguous(), source_token_P, row_of_copy_F, top_k)
 
 
@@ -312,7 +305,7 @@ def combine_rows(
     Returns:
         [T, D], differentiable wrt ``rows_PD`` and ``weight_TK``.
     """
-    _check_device("combine_rows", rows_PD)
+    check_device("combine_rows", rows_PD, KERNELS_INTERPRETED)
     kept_bytes_F = kept_F.view(torch.uint8) if kept_F is not None else None
     return _CombineRows.apply(
         rows_PD.contiguous(), row_of_copy_F, weight_TK.contiguous(), kept_bytes_F
