@@ -16,8 +16,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_dispatch.capacity import capacity_keep_mask, capacity_per_expert, check_capacity_factor
-from moe_dispatch.protocol import DispatchHandle, check_routing
+from moe_dispatch.capacity import (
+    capacity_per_expert,
+    check_capacity_factor,
+    keep_mask_within_capacity,
+)
+from moe_dispatch.protocol import DispatchHandle, check_routing, state_of
 from moe_dispatch.transport_a2a import exchange_rows
 from moe_kernels import Permutation, permute, unpermute
 
@@ -87,12 +91,9 @@ class AllToAllDispatcher:
         self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
     ) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Send each kept copy to its expert's rank; rows grouped by local expert."""
-        num_tokens, top_k = check_routing("AllToAllDispatcher", topk_idx_TK, topk_weight_TK)
+        check_routing("AllToAllDispatcher", topk_idx_TK, topk_weight_TK)
         ep, num_local = self.ep, self.num_local_experts
-        capacity = self.capacity(num_tokens, top_k)
-        keep_TK = None
-        if capacity is not None:
-            keep_TK = capacity_keep_mask(topk_idx_TK, self.num_experts, capacity)
+        keep_TK = keep_mask_within_capacity(topk_idx_TK, self.num_experts, self.capacity_factor)
         x_sorted_FD, send_permutation = permute(x_TD, topk_idx_TK, self.num_experts, keep_TK)
 
         # Global expert e = r * L + l, so the [E] counts are already [ep, L] by destination.
@@ -131,12 +132,7 @@ class AllToAllDispatcher:
 
     def combine(self, expert_output: Tensor, handle: DispatchHandle) -> Tensor:
         """Return expert outputs to their source ranks; weighted sum per token, [T, D]."""
-        state = handle.state
-        if not isinstance(state, _AllToAllState):
-            raise TypeError(
-                "AllToAllDispatcher.combine: handle comes from another backend "
-                f"({type(state).__name__})"
-            )
+        state = state_of(handle, _AllToAllState, "AllToAllDispatcher")
         num_rows = state.recv_permutation.source_token.shape[0]
         if expert_output.dim() != 2 or expert_output.shape[0] != num_rows:
             raise ValueError(

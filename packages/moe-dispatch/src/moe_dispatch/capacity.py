@@ -11,6 +11,7 @@ __all__ = [
     "capacity_keep_mask",
     "capacity_per_expert",
     "check_capacity_factor",
+    "keep_mask_within_capacity",
     "position_in_expert",
 ]
 
@@ -57,3 +58,14 @@ def capacity_keep_mask(topk_idx_TK: Tensor, num_experts: int, capacity: int) -> 
     """
     expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
     return (position_in_expert(expert_of_copy_F, num_experts) < capacity).view(topk_idx_TK.shape)
+
+
+def keep_mask_within_capacity(
+    topk_idx_TK: Tensor, num_experts: int, capacity_factor: float | None
+) -> Tensor | None:
+    """[T, K] keep mask of the copies within each expert's capacity; None when dropless."""
+    num_tokens, top_k = topk_idx_TK.shape
+    capacity = capacity_per_expert(capacity_factor, num_tokens, top_k, num_experts)
+    if capacity is None:
+        return None
+    return capacity_keep_mask(topk_idx_TK, num_experts, capacity)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_dispatch.all_to_all import check_expert_parallel_args
-from moe_dispatch.protocol import BackendUnavailable, DispatchHandle
+from moe_dispatch.protocol import BackendUnavailable, DispatchHandle, state_of
 from moe_kernels import Permutation, permute, unpermute
 
 __all__ = ["DeepEPDispatcher", "deep_ep_module"]
@@ -142,10 +142,6 @@ class DeepEPDispatcher:
 
     def combine(self, expert_output: Tensor, handle: DispatchHandle) -> Tensor:
         """Weight copies on the expert's rank, then DeepEP sums them back on the source."""
-        state = handle.state
-        if not isinstance(state, _DeepEPState):
-            raise TypeError(
-                f"DeepEPDispatcher.combine: handle comes from another backend ({type(state).__name__})"
-            )
+        state = state_of(handle, _DeepEPState, "DeepEPDispatcher")
         y_RD = unpermute(expert_output.to(torch.bfloat16), state.permutation, state.recv_weight_RK)
         return _DeepEPCombine.apply(y_RD, state.buffer, state.ep_handle)

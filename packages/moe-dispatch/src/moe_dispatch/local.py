@@ -6,8 +6,13 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from moe_dispatch.capacity import capacity_keep_mask, capacity_per_expert, check_capacity_factor
-from moe_dispatch.protocol import DispatchHandle, check_routing
+from moe_dispatch.capacity import (
+    capacity_keep_mask,
+    capacity_per_expert,
+    check_capacity_factor,
+    keep_mask_within_capacity,
+)
+from moe_dispatch.protocol import DispatchHandle, check_routing, state_of
 from moe_kernels import Permutation, permute, unpermute
 
 __all__ = ["LocalDispatcher", "capacity_keep_mask"]
@@ -53,11 +58,8 @@ class LocalDispatcher:
         self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
     ) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Permute token copies into expert order (T*K rows; dropped copies after the kept ones)."""
-        num_tokens, top_k = check_routing("LocalDispatcher", topk_idx_TK, topk_weight_TK)
-        capacity = self.capacity(num_tokens, top_k)
-        keep_TK = None
-        if capacity is not None:
-            keep_TK = capacity_keep_mask(topk_idx_TK, self.num_experts, capacity)
+        check_routing("LocalDispatcher", topk_idx_TK, topk_weight_TK)
+        keep_TK = keep_mask_within_capacity(topk_idx_TK, self.num_experts, self.capacity_factor)
         expert_input_PD, permutation = permute(
             x_TD, topk_idx_TK, self.num_experts, keep_TK, self.group_alignment
         )
@@ -72,9 +74,5 @@ class LocalDispatcher:
 
     def combine(self, expert_output: Tensor, handle: DispatchHandle) -> Tensor:
         """Weighted sum of each token's kept copies, [T, D] in the dtype of ``expert_output``."""
-        state = handle.state
-        if not isinstance(state, _LocalState):
-            raise TypeError(
-                f"LocalDispatcher.combine: handle comes from another backend ({type(state).__name__})"
-            )
+        state = state_of(handle, _LocalState, "LocalDispatcher")
         return unpermute(expert_output, state.permutation, state.topk_weight_TK)

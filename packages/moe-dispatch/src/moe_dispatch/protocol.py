@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor
 
@@ -12,7 +12,11 @@ __all__ = [
     "DispatchHandle",
     "Dispatcher",
     "check_routing",
+    "state_of",
 ]
+
+
+StateT = TypeVar("StateT")
 
 
 class BackendUnavailable(RuntimeError):
@@ -67,3 +71,12 @@ def check_routing(backend: str, topk_idx_TK: Tensor, topk_weight_TK: Tensor) -> 
             f"{tuple(topk_idx_TK.shape)} and {tuple(topk_weight_TK.shape)}"
         )
     return topk_idx_TK.shape[0], topk_idx_TK.shape[1]
+
+
+def state_of(handle: DispatchHandle, state_type: type[StateT], backend: str) -> StateT:
+    """The backend state in `handle`; TypeError if another backend made the handle."""
+    if not isinstance(handle.state, state_type):
+        raise TypeError(
+            f"{backend}.combine: handle comes from another backend ({type(handle.state).__name__})"
+        )
+    return handle.state

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from moe_dispatch.all_to_all import check_expert_parallel_args
 from moe_dispatch.capacity import capacity_per_expert, position_in_expert
-from moe_dispatch.protocol import DispatchHandle, check_routing
+from moe_dispatch.protocol import DispatchHandle, check_routing, state_of
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
 from moe_dispatch.transport_symm import SymmetricMemoryTransport, symm_mem_available
 
@@ -181,12 +181,7 @@ class RowwiseDispatcher:
 
     def combine(self, expert_output: Tensor, handle: DispatchHandle) -> Tensor:
         """Send the expert buffers back; each source reads its kept copies' slots, weighted."""
-        state = handle.state
-        if not isinstance(state, _RowwiseState):
-            raise TypeError(
-                "RowwiseDispatcher.combine: handle comes from another backend "
-                f"({type(state).__name__})"
-            )
+        state = state_of(handle, _RowwiseState, "RowwiseDispatcher")
         num_tokens, top_k = state.kept_TK.shape
         num_local, ep, capacity = self.num_local_experts, self.ep, state.capacity
         rows_per_expert = self.rows_per_expert(num_tokens, top_k)
