@@ -54,7 +54,6 @@ class GradientReducer:
         # Reverse registration order approximates the order in which backward finishes
         # gradients, so early buckets fill first.
         params = [p for p in module.parameters() if p.requires_grad][::-1]
-        self._params = params
         self._buckets: list[_Bucket] = []
         for group, members in (
             (dense_group, [p for p in params if not is_expert_parameter(p)]),
@@ -74,6 +73,7 @@ class GradientReducer:
                     p.grad = views[-1]
                 self._buckets.append(_Bucket(group=group, params=run, flat=flat, views=views))
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
+        self._unbucketed = [p for p in params if id(p) not in self._bucket_of]
         self._armed = False
         self._next_launch = 0
         for bucket in self._buckets:
@@ -106,10 +106,8 @@ class GradientReducer:
             bucket.flat.zero_()
             for p, view in zip(bucket.params, bucket.views, strict=True):
                 p.grad = view
-        bucketed = {id(p) for b in self._buckets for p in b.params}
-        for p in self._params:
-            if id(p) not in bucketed:
-                p.grad = None
+        for p in self._unbucketed:
+            p.grad = None
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._armed:

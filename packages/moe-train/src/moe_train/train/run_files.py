@@ -19,7 +19,12 @@ from moe_train.config import Config
 from moe_train.data import TokenDataset
 from moe_train.errors import ConfigError
 from moe_train.model import Transformer
-from moe_train.train.checkpointing import category_of, encode_rng_state, training_slices
+from moe_train.train.checkpointing import (
+    Optimizer,
+    category_of,
+    encode_rng_state,
+    training_slices,
+)
 from moe_train.train.runtime import Runtime
 
 
@@ -105,7 +110,7 @@ class PeriodicSaver:
         config: Config,
         root: Path,
         model: Transformer,
-        optimizer,
+        optimizer: Optimizer,
         dataset: TokenDataset,
         runtime: Runtime,
     ) -> None:
