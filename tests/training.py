@@ -3,9 +3,50 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from moe_train.config import config_from_dict
 from moe_train.train import train
+
+
+def small_config_data(run_dir: Path, token_file: Path, **sections: dict) -> dict:
+    """Plain config data of a 2-layer model that trains in seconds (fp32, 6 steps).
+
+    Each keyword names a section whose keys replace the defaults; a dict value (such as
+    ``model={"moe": {...}}``) updates that sub-section instead of replacing it.
+    """
+    data: dict = {
+        "model": {
+            "vocab_size": 256,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "qk_norm": True,
+            "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32},
+        },
+        "data": {
+            "paths": [str(token_file)],
+            "seq_len": 32,
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+        },
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "train": {
+            "max_steps": 6,
+            "run_dir": str(run_dir),
+            "progress": False,
+            "peak_flops": 1e11,
+        },
+        "precision": {"compute_dtype": "float32"},
+    }
+    for section, values in sections.items():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                data.setdefault(section, {}).setdefault(key, {}).update(value)
+            else:
+                data.setdefault(section, {})[key] = value
+    return data
 
 
 def train_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, list[float]]:

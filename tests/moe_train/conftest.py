@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moe_train.config import Config, config_from_dict
+from training import small_config_data
 
 
 @pytest.fixture
@@ -25,35 +26,4 @@ def make_config(token_file: Path):
 
 def small_config(tmp_path: Path, token_file: Path, **sections) -> Config:
     """A 2-layer model that trains in seconds; `sections` update the defaults per section."""
-    data = {
-        "model": {
-            "vocab_size": 256,
-            "d_model": 32,
-            "n_layers": 2,
-            "n_heads": 4,
-            "n_kv_heads": 2,
-            "qk_norm": True,
-            "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32},
-        },
-        "data": {
-            "paths": [str(token_file)],
-            "seq_len": 32,
-            "global_batch_size": 8,
-            "micro_batch_size": 4,
-        },
-        "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "train": {
-            "max_steps": 6,
-            "run_dir": str(tmp_path / "run"),
-            "progress": False,
-            "peak_flops": 1e11,
-        },
-        "precision": {"compute_dtype": "float32"},
-    }
-    for section, values in sections.items():
-        for key, value in values.items():
-            if isinstance(value, dict):
-                data[section].setdefault(key, {}).update(value)
-            else:
-                data.setdefault(section, {})[key] = value
-    return config_from_dict(data)
+    return config_from_dict(small_config_data(tmp_path / "run", token_file, **sections))

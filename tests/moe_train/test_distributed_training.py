@@ -10,37 +10,20 @@ import yaml
 from distributed import free_port, run_distributed
 from moe_train.config import config_from_dict, load_config
 from moe_train.train import read_metrics, train
-from training import assert_losses_match, train_cases
+from training import assert_losses_match, small_config_data, train_cases
 
 STEPS = 4
 
 
 def _config_data(token_file, run_dir, **parallel) -> dict:
-    return {
-        "model": {
-            "vocab_size": 256,
-            "d_model": 32,
-            "n_layers": 2,
-            "n_heads": 4,
-            "n_kv_heads": 2,
-            "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "bias_update_rate": 0.01},
-        },
-        "data": {
-            "paths": [str(token_file)],
-            "seq_len": 32,
-            "global_batch_size": 8,
-            "micro_batch_size": 2,
-        },
-        "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "train": {
-            "max_steps": STEPS,
-            "run_dir": str(run_dir),
-            "progress": False,
-            "peak_flops": 1e11,
-        },
-        "precision": {"compute_dtype": "float32"},
-        "parallel": parallel,
-    }
+    return small_config_data(
+        run_dir,
+        token_file,
+        model={"qk_norm": False, "moe": {"bias_update_rate": 0.01}},
+        data={"micro_batch_size": 2},
+        train={"max_steps": STEPS},
+        parallel=parallel,
+    )
 
 
 def _train_rank(rank: int, world_size: int, data: dict) -> list[float]:

@@ -9,39 +9,28 @@ from moe_train.config import config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.train import train
 from moe_train.train.pipeline import check_pipeline, plan_stages
-from training import assert_losses_match, train_cases
+from training import assert_losses_match, small_config_data, train_cases
 
 STEPS = 10
 
 
 def _config_data(token_file, run_dir, **parallel) -> dict:
-    return {
-        "model": {
-            "vocab_size": 256,
-            "d_model": 32,
+    """Four layers (the first dense), so two pipeline stages of two layers each."""
+    return small_config_data(
+        run_dir,
+        token_file,
+        model={
             "n_layers": 4,
-            "n_heads": 4,
-            "n_kv_heads": 2,
+            "qk_norm": False,
             "dense_layers": 1,
             "dense_hidden": 64,
-            "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "bias_update_rate": 0.01},
+            "moe": {"bias_update_rate": 0.01},
         },
-        "data": {
-            "paths": [str(token_file)],
-            "seq_len": 32,
-            "global_batch_size": 8,
-            "micro_batch_size": 2,
-        },
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0},
-        "train": {
-            "max_steps": STEPS,
-            "run_dir": str(run_dir),
-            "progress": False,
-            "peak_flops": 1e11,
-        },
-        "precision": {"compute_dtype": "float32"},
-        "parallel": parallel,
-    }
+        data={"micro_batch_size": 2},
+        optim={"grad_clip": 1.0},
+        train={"max_steps": STEPS},
+        parallel=parallel,
+    )
 
 
 def test_stage_plan_places_stages_in_a_loop():

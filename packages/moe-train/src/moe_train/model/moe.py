@@ -270,7 +270,9 @@ class MoEFeedForward(nn.Module):
             x_TD.to(compute_dtype_of(x_TD)), routed.topk_idx_TK, routed.topk_weight_TK
         )
         expert_output = self.experts(expert_input, tokens_per_expert)
-        y_TD = self.dispatcher.combine(expert_output, handle).to(x_TD.dtype)
+        # Left in the compute dtype, as a dense feed-forward under autocast returns it: the
+        # residual add promotes it, so a separate cast pass (and its backward) is saved.
+        y_TD = self.dispatcher.combine(expert_output, handle)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         aux_loss = (
