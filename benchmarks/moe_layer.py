@@ -14,7 +14,8 @@ Two tables:
   breakdown of the MoE time into router, permute (dispatch), grouped GEMMs (experts) and
   unpermute (combine), each timed alone forward + backward.
 - scaling: top-4, fixed expert hidden, E in 8..128: tokens/s relative to E=8 (target at E=64:
-  >= 0.95).
+  >= 0.95), beside the bound set by the one pass over the expert weight gradients that grows
+  with E (the GEMMs write them in bf16; the fp32 parameters need them in fp32).
 
     uv run python benchmarks/moe_layer.py [--out bench_results/moe_layer.json]
 
@@ -196,9 +197,32 @@ def run_layer(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _weight_grad_cast_seconds(
+    moe: MoEFeedForward, dtype: torch.dtype, clock: Callable[[], float]
+) -> float:
+    """Time of one pass that turns compute-dtype expert weight gradients into fp32.
+
+    Every backward pays it (the GEMMs write gradients in the compute dtype; the parameters
+    are fp32) and it grows with the expert count at a fixed active size, so it bounds how
+    close a larger expert pool can come to the smaller one's throughput.
+    """
+    if dtype == torch.float32:
+        return 0.0
+    grads = [torch.ones(p.shape, dtype=dtype) for p in moe.experts.parameters()]
+    start = clock()
+    for grad in grads:
+        grad.float()
+    return clock() - start
+
+
 def run_scaling(args: argparse.Namespace) -> list[dict]:
-    """Tokens/s of the MoE layer at each expert count relative to the first, interleaved."""
+    """Tokens/s of the MoE layer at each expert count relative to the first, interleaved.
+
+    Beside the whole layer, each expert count also times its grouped GEMMs alone (the same
+    FLOPs at every E, in more and smaller groups) and the weight-gradient cast pass.
+    """
     dtype = DTYPES[args.scaling_dtype]
+    clock = CLOCKS[args.clock]
     generator = torch.Generator().manual_seed(0)
     x_TD = torch.randn(args.tokens, args.d_model, generator=generator)
     grad_TD = torch.randn(args.tokens, args.d_model, generator=generator)
@@ -207,20 +231,37 @@ def run_scaling(args: argparse.Namespace) -> list[dict]:
         experts: build_moe(args.d_model, experts, args.scaling_top_k, args.scaling_expert_hidden)
         for experts in args.scaling_experts
     }
-    times: dict[int, list[float]] = {experts: [] for experts in layers}
+    gemm_steps = {
+        experts: next(
+            (step, grad)
+            for name, step, grad in _moe_stage_steps(moe, x_TD, dtype)
+            if name == "grouped GEMMs"
+        )
+        for experts, moe in layers.items()
+    }
+    times: dict[int, dict[str, list[float]]] = {
+        experts: {"layer": [], "gemms": [], "cast": []} for experts in layers
+    }
     for rep in range(args.warmup + args.reps):
         for experts, moe in layers.items():
-            seconds = _fwd_bwd_seconds(
-                lambda moe=moe: moe(x_leaf), grad_TD, dtype, CLOCKS[args.clock]
-            )
+            gemm_step, gemm_grad = gemm_steps[experts]
+            seconds = {
+                "layer": _fwd_bwd_seconds(lambda moe=moe: moe(x_leaf), grad_TD, dtype, clock),
+                "gemms": _fwd_bwd_seconds(gemm_step, gemm_grad, dtype, clock),
+                "cast": _weight_grad_cast_seconds(moe, dtype, clock),
+            }
             _clear_grads(moe)
             x_leaf.grad = None
             if rep >= args.warmup:
-                times[experts].append(seconds)
-    base = statistics.median(times[args.scaling_experts[0]])
+                for part, value in seconds.items():
+                    times[experts][part].append(value)
+    medians = {
+        experts: {part: statistics.median(samples) for part, samples in parts.items()}
+        for experts, parts in times.items()
+    }
+    first = medians[args.scaling_experts[0]]
     rows = []
-    for experts, samples in times.items():
-        median = statistics.median(samples)
+    for experts, median in medians.items():
         rows.append(
             {
                 "dtype": args.scaling_dtype,
@@ -229,9 +270,14 @@ def run_scaling(args: argparse.Namespace) -> list[dict]:
                 "experts": experts,
                 "top_k": args.scaling_top_k,
                 "expert_hidden": args.scaling_expert_hidden,
-                "ms": median * 1e3,
-                "tokens_per_s": args.tokens / median,
-                "throughput_vs_first": base / median,
+                "ms": median["layer"] * 1e3,
+                "tokens_per_s": args.tokens / median["layer"],
+                "throughput_vs_first": first["layer"] / median["layer"],
+                "grouped_gemms_ms": median["gemms"] * 1e3,
+                "grouped_gemms_vs_first": first["gemms"] / median["gemms"],
+                "weight_grad_cast_ms": median["cast"] * 1e3,
+                "throughput_vs_first_bound": first["layer"]
+                / (first["layer"] + median["cast"] - first["cast"]),
             }
         )
     return rows
@@ -289,12 +335,23 @@ def main() -> None:
             f"\nexpert scaling ({args.scaling_dtype}, top-{args.scaling_top_k}, expert hidden "
             f"{args.scaling_expert_hidden}): throughput relative to E={args.scaling_experts[0]}"
         )
-        print(f"{'E':>5} {'ms':>8} {'tokens/s':>10} {'relative':>9}")
+        print(
+            f"{'E':>5} {'ms':>8} {'tokens/s':>10} {'relative':>9} {'GEMMs ms':>9} "
+            f"{'GEMMs rel':>9} {'cast ms':>8} {'bound':>6}"
+        )
         for row in scaling_rows:
             print(
                 f"{row['experts']:>5} {row['ms']:>8.1f} {row['tokens_per_s']:>10.0f} "
-                f"{row['throughput_vs_first']:>9.3f}"
+                f"{row['throughput_vs_first']:>9.3f} {row['grouped_gemms_ms']:>9.1f} "
+                f"{row['grouped_gemms_vs_first']:>9.3f} {row['weight_grad_cast_ms']:>8.1f} "
+                f"{row['throughput_vs_first_bound']:>6.3f}"
             )
+        print(
+            "(GEMMs: the experts' grouped GEMMs and SwiGLU alone, fwd+bwd, and their speed "
+            "relative to the first E; cast: one compute-dtype -> fp32 pass over the expert "
+            "weight gradients, timed alone; bound: the relative throughput if that pass were "
+            "the only cost growing with E)"
+        )
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
