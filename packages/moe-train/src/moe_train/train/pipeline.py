@@ -206,8 +206,10 @@ class PipelineRunner:
         Returns the sum of their LM losses on the rank holding the last stage, else 0.
         """
         self.step_losses = []
-        inputs = micro_batches[:, :, :-1].flatten(0, 1)
-        targets = micro_batches[:, :, 1:].flatten(0, 1)
+        # Contiguous: the schedule splits these into micro-batches, and some torch versions
+        # (2.11) check each one's strides against the stage's static input shape.
+        inputs = micro_batches[:, :, :-1].flatten(0, 1).contiguous()
+        targets = micro_batches[:, :, 1:].flatten(0, 1).contiguous()
         args = (inputs,) if self.plan.has_first else ()
         kwargs = {"target": targets} if self.plan.has_last else {}
         self.schedule.step(*args, **kwargs)
