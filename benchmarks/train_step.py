@@ -6,10 +6,11 @@ every row, so the rows compare within one run. The first steps of each run warm 
 and kernel choices and are left out of the medians.
 
 With ``--breakdown`` each row also profiles one optimizer step (after two warm-up steps) and
-splits its time into the matmul and attention kernels (the work MFU counts), dtype casts, the
-optimizer and everything else. The MFU ceiling is model FLOPs over the matmul-and-attention
-time alone times the peak: the MFU this step would reach if everything else took no time at
-all, with the kernels this torch build has for these shapes.
+splits its time into the matmul and attention kernels (the work MFU counts), copies and dtype
+casts (one class: both run as ``copy_``), the optimizer and everything else. The MFU ceiling is
+model FLOPs over the matmul-and-attention time alone times the peak: the MFU this step would
+reach if everything else took no time at all, with the kernels this torch build has for these
+shapes.
 
     uv run python benchmarks/train_step.py [--steps 8] [--breakdown]
         [--out bench_results/train_step.json]
@@ -37,7 +38,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 TIME_CLASSES: tuple[tuple[str, re.Pattern], ...] = (
     ("matmul+attention", re.compile(r"aten::(mm|addmm|bmm|baddbmm|.*scaled_dot_product.*)")),
-    ("casts", re.compile(r"aten::(copy_|_to_copy)")),
+    ("copies+casts", re.compile(r"aten::(copy_|_to_copy)")),
     ("optimizer", re.compile(r"aten::_fused_adamw_")),
 )
 """Profiler op names (self time) of each class; every other op counts as "other"."""
