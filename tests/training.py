@@ -5,8 +5,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from moe_train.config import config_from_dict
+from moe_train.config import ModelConfig, MoEConfig, config_from_dict
 from moe_train.train import train
+
+
+def small_model_config(n_layers: int = 2, **moe_kwargs) -> ModelConfig:
+    """A tiny model with QK-norm, one dense first layer and one shared expert per MoE layer;
+    `moe_kwargs` update its MoE settings."""
+    return ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=2,
+        qk_norm=True,
+        dense_layers=1,
+        dense_hidden=48,
+        moe=MoEConfig(
+            **{"num_experts": 4, "top_k": 2, "expert_hidden": 16, "shared_experts": 1, **moe_kwargs}
+        ),
+    )
 
 
 def small_config_data(run_dir: Path, token_file: Path, **sections: dict) -> dict:

@@ -3,29 +3,13 @@
 import pytest
 import torch
 
-from moe_train.config import ModelConfig, MoEConfig
 from moe_train.model import Transformer, count_params, lm_loss
-
-
-def _model_config(**moe_kwargs) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        qk_norm=True,
-        dense_layers=1,
-        dense_hidden=48,
-        moe=MoEConfig(
-            **{"num_experts": 4, "top_k": 2, "expert_hidden": 16, "shared_experts": 1, **moe_kwargs}
-        ),
-    )
+from training import small_model_config
 
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_parameter_count_matches_the_module(tie):
-    config = _model_config()
+    config = small_model_config()
     config.tie_embeddings = tie
     model = Transformer(config, max_seq_len=16)
     assert count_params(config).total == sum(p.numel() for p in model.parameters())
@@ -33,7 +17,7 @@ def test_parameter_count_matches_the_module(tie):
 
 def test_logits_shape_and_aux_losses():
     torch.manual_seed(0)
-    model = Transformer(_model_config(), max_seq_len=16)
+    model = Transformer(small_model_config(), max_seq_len=16)
     logits = model(torch.randint(0, 64, (3, 16)))
     assert logits.shape == (3, 16, 64)
     lb, z = model.aux_losses()
@@ -44,11 +28,11 @@ def test_logits_shape_and_aux_losses():
 def test_ample_capacity_equals_dropless_and_tight_capacity_drops():
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (2, 16))
-    dropless = Transformer(_model_config(), max_seq_len=16)
-    ample = Transformer(_model_config(capacity_factor=4.0), max_seq_len=16)
+    dropless = Transformer(small_model_config(), max_seq_len=16)
+    ample = Transformer(small_model_config(capacity_factor=4.0), max_seq_len=16)
     ample.load_state_dict(dropless.state_dict())
     torch.testing.assert_close(ample(tokens), dropless(tokens), rtol=0, atol=0)
-    tight = Transformer(_model_config(capacity_factor=0.25), max_seq_len=16)
+    tight = Transformer(small_model_config(capacity_factor=0.25), max_seq_len=16)
     tight.load_state_dict(dropless.state_dict())
     out = tight(tokens)
     assert torch.isfinite(out).all()
@@ -61,7 +45,7 @@ def test_ample_capacity_equals_dropless_and_tight_capacity_drops():
 
 def test_tiny_model_overfits_one_batch():
     torch.manual_seed(0)
-    model = Transformer(_model_config(), max_seq_len=24)
+    model = Transformer(small_model_config(), max_seq_len=24)
     batch = torch.randint(0, 64, (4, 25))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = None
@@ -77,7 +61,7 @@ def test_tiny_model_overfits_one_batch():
 
 def test_bf16_autocast_forward_is_close_to_fp32():
     torch.manual_seed(0)
-    model = Transformer(_model_config(), max_seq_len=16)
+    model = Transformer(small_model_config(), max_seq_len=16)
     tokens = torch.randint(0, 64, (2, 16))
     reference = model(tokens)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -88,8 +72,8 @@ def test_bf16_autocast_forward_is_close_to_fp32():
 def test_group_alignment_does_not_change_the_model():
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (2, 16))
-    plain = Transformer(_model_config(group_alignment=1), max_seq_len=16)
-    aligned = Transformer(_model_config(group_alignment=8), max_seq_len=16)
+    plain = Transformer(small_model_config(group_alignment=1), max_seq_len=16)
+    aligned = Transformer(small_model_config(group_alignment=8), max_seq_len=16)
     aligned.load_state_dict(plain.state_dict())
     torch.testing.assert_close(aligned(tokens), plain(tokens), rtol=1e-6, atol=1e-6)
 
@@ -107,8 +91,8 @@ def test_cast_cache_gives_the_same_gradients_and_follows_weight_updates():
 
     torch.manual_seed(0)
     batches = [torch.randint(0, 64, (2, 17)) for _ in range(2)]
-    cached = Transformer(_model_config(), max_seq_len=16)
-    uncached = Transformer(_model_config(), max_seq_len=16)
+    cached = Transformer(small_model_config(), max_seq_len=16)
+    uncached = Transformer(small_model_config(), max_seq_len=16)
     uncached.load_state_dict(cached.state_dict())
     experts = [m for m in uncached.modules() if isinstance(m, Experts)]
 

@@ -7,22 +7,7 @@ from moe_train.config import ModelConfig, MoEConfig
 from moe_train.model import Transformer, lm_loss
 from moe_train.train import read_metrics, train
 from moe_train.train.host_memory import allocated_host_bytes
-
-
-def _model_config(**moe_kwargs) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
-        qk_norm=True,
-        dense_layers=1,
-        dense_hidden=48,
-        moe=MoEConfig(
-            **{"num_experts": 4, "top_k": 2, "expert_hidden": 16, "shared_experts": 1, **moe_kwargs}
-        ),
-    )
+from training import small_model_config
 
 
 def _forward_backward(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -36,7 +21,7 @@ def _forward_backward(model: Transformer, tokens: torch.Tensor) -> tuple[torch.T
 @pytest.mark.parametrize("mode", ["selective", "full"])
 @pytest.mark.parametrize("moe_kwargs", [{}, {"random_routing": True, "capacity_factor": 0.5}])
 def test_recompute_gives_the_same_logits_gradients_and_routing_stats(mode, moe_kwargs):
-    config = _model_config(**moe_kwargs)
+    config = small_model_config(3, **moe_kwargs)
     tokens = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(1))
     reference = Transformer(config, max_seq_len=16, seed=4)
     recomputed = Transformer(config, max_seq_len=16, seed=4, recompute=mode)
