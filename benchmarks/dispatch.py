@@ -4,11 +4,13 @@ bytes each backend moves per token copy against the minimum.
 For each world size (spawned processes, one gloo rank each) and dtype, the backends run
 interleaved in one loop (machines are shared and noisy: compare ratios, not lone times):
 ``local`` (each rank keeps all experts: no communication, the limit), ``all_to_all``
-(dropless, uneven splits) and ``rowwise`` (static capacity, even padded splits). Experts are
-the identity, so the time is dispatch + combine alone. Bytes are counted at
-``dist.all_to_all_single`` for one forward dispatch + combine (everything a rank hands to the
-collective, its own block and the count exchange included) and compared with the minimum:
-each token copy sent once each way, ``2 * D * element_size``.
+(dropless, uneven splits) and ``rowwise`` (static capacity, fixed-size blocks) over its two
+transports: ``rowwise/a2a`` (an even all-to-all) and ``rowwise/shm`` (symmetric memory: on
+CPU, blocks written straight into the peers' shared-memory buffers). Experts are the
+identity, so the time is dispatch + combine alone. Bytes are counted for one forward dispatch
++ combine at ``dist.all_to_all_single`` (everything a rank hands to the collective, its own
+block and the count exchange included) or, for ``rowwise/shm``, as the blocks written, and
+compared with the minimum: each token copy sent once each way, ``2 * D * element_size``.
 
     uv run python benchmarks/dispatch.py --out bench_results/dispatch.json
 """
@@ -31,23 +33,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from moe_dispatch import Dispatcher, make_dispatcher
+from moe_dispatch import Dispatcher, make_dispatcher, make_row_transport
 
-BACKENDS = ("local", "all_to_all", "rowwise")
+BACKENDS = ("local", "all_to_all", "rowwise/a2a", "rowwise/shm")
 
 
 class _ByteCounter:
-    """Wraps ``dist.all_to_all_single`` to add up the bytes handed to it while enabled."""
+    """Adds up the bytes handed to ``dist.all_to_all_single`` (or to a wrapped transport's
+    exchange) while enabled."""
 
     def __init__(self) -> None:
         self.enabled = False
         self.bytes = 0
-        self._inner = dist.all_to_all_single
 
-    def __call__(self, output: Tensor, input: Tensor, *args: Any, **kwargs: Any) -> Any:
-        if self.enabled:
-            self.bytes += input.numel() * input.element_size()
-        return self._inner(output, input, *args, **kwargs)
+    def wrap(self, send: Callable[..., Any], input_position: int) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.enabled:
+                input = args[input_position]
+                self.bytes += input.numel() * input.element_size()
+            return send(*args, **kwargs)
+
+        return counted
 
 
 def _dispatch_combine(
@@ -90,18 +96,22 @@ def _bench_rank(rank: int, world_size: int, port: int, args: argparse.Namespace,
         timeout=timedelta(seconds=300),
     )
     counter = _ByteCounter()
-    dist.all_to_all_single = counter  # the backends call it through the module
+    # The backends call it through the module: (output, input, ...).
+    dist.all_to_all_single = counter.wrap(dist.all_to_all_single, 1)
     group = dist.group.WORLD
+    shared_memory = make_row_transport("symmetric_memory", group)
+    shared_memory.exchange_no_grad = counter.wrap(shared_memory.exchange_no_grad, 0)
+    rowwise = {
+        "num_experts": args.experts,
+        "capacity_factor": args.capacity_factor,
+        "group": group,
+        "max_tokens_per_rank": args.tokens,
+    }
     dispatchers = {
         "local": make_dispatcher("local", num_experts=args.experts),
         "all_to_all": make_dispatcher("all_to_all", num_experts=args.experts, group=group),
-        "rowwise": make_dispatcher(
-            "rowwise",
-            num_experts=args.experts,
-            capacity_factor=args.capacity_factor,
-            group=group,
-            max_tokens_per_rank=args.tokens,
-        ),
+        "rowwise/a2a": make_dispatcher("rowwise", **rowwise),
+        "rowwise/shm": make_dispatcher("rowwise", **rowwise, row_transport=shared_memory),
     }
     generator = torch.Generator().manual_seed(1000 + rank)
     scores_TE = torch.rand(args.tokens, args.experts, generator=generator)
@@ -177,14 +187,14 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'backend':<11}{'ep':>3}{'dtype':>10}{'ms/step':>9}{'tokens/s':>11}{'vs local':>9}"
+        f"{'backend':<13}{'ep':>3}{'dtype':>10}{'ms/step':>9}{'tokens/s':>11}{'vs local':>9}"
         f"{'B/copy':>9}{'min B':>7}{'x min':>7}{'dropped':>9}"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
         print(
-            f"{row['backend']:<11}{row['ep']:>3}{row['dtype']:>10}"
+            f"{row['backend']:<13}{row['ep']:>3}{row['dtype']:>10}"
             f"{row['seconds_per_step'] * 1e3:>9.1f}{row['tokens_per_s']:>11.0f}"
             f"{row['vs_local']:>9.2f}{row['bytes_per_copy']:>9.0f}"
             f"{row['min_bytes_per_copy']:>7}{row['bytes_vs_min']:>7.2f}"

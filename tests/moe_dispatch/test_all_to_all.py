@@ -318,14 +318,18 @@ def all_to_all_checks(rank: int, world_size: int) -> Report:
 
 
 def _all_checks(rank: int, world_size: int) -> Report:
-    from test_rowwise import rowwise_checks  # same spawn: imports dominate the cost
+    # Same spawn for all three files: imports dominate the cost.
+    from test_rowwise import rowwise_checks
+    from test_symmetric_memory import symmetric_memory_checks
 
-    return all_to_all_checks(rank, world_size) | rowwise_checks(rank, world_size)
+    report = all_to_all_checks(rank, world_size) | rowwise_checks(rank, world_size)
+    return report | symmetric_memory_checks(rank, world_size)
 
 
 @functools.cache
 def ep_reports(world_size: int) -> list[Report]:
-    """Every rank's report of the all_to_all and rowwise checks; one spawn per world size."""
+    """Every rank's report of the all_to_all, rowwise and symmetric-memory checks; one spawn
+    per world size."""
     return run_distributed(_all_checks, world_size=world_size)
 
 

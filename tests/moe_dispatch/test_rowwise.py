@@ -36,7 +36,14 @@ from test_all_to_all import (
 )
 from torch import Tensor
 
-from moe_dispatch import AllToAllDispatcher, Dispatcher, RowwiseDispatcher, make_dispatcher
+from moe_dispatch import (
+    ROW_TRANSPORT_NAMES,
+    AllToAllDispatcher,
+    Dispatcher,
+    RowwiseDispatcher,
+    make_dispatcher,
+    make_row_transport,
+)
 
 
 def reference_keep(topk_idx_TK: list[list[int]], num_experts: int, capacity: int) -> list[bool]:
@@ -153,24 +160,30 @@ def check_make_dispatcher(group: dist.ProcessGroup, rank: int, num_local: int) -
     assert built.first_local_expert == rank * num_local
 
 
-def rowwise_checks(rank: int, world_size: int) -> Report:
+def transport_checks(report: Report, rank: int, world_size: int, transport_name: str) -> None:
+    """Identity round trips, the reference with ample capacity and exact drops, over one
+    transport (shared by every dispatcher here, as the trainer shares it between layers)."""
     group = dist.group.WORLD
-    report: Report = {}
+    transport = make_row_transport(transport_name, group)
     num_local = NUM_EXPERTS // world_size
     uneven_tokens = [13 + 7 * r for r in range(world_size)]
     max_tokens = max(uneven_tokens)
     ample = float(NUM_EXPERTS)  # capacity = T_max * K: nothing can overflow
 
+    def rowwise(capacity_factor: float, max_tokens_per_rank: int | None, alignment: int):
+        return RowwiseDispatcher(
+            NUM_EXPERTS, group, capacity_factor, max_tokens_per_rank, alignment, transport
+        )
+
     for routing in ROUTINGS:
         problem = make_problem(uneven_tokens, routing, seed=200 + len(routing))
         for alignment in (1, 4):
-            dispatcher = RowwiseDispatcher(NUM_EXPERTS, group, ample, max_tokens, alignment)
-            run = run_identity(dispatcher, problem, rank)
+            run = run_identity(rowwise(ample, max_tokens, alignment), problem, rank)
             rows_per_expert = -(-world_size * max_tokens * TOP_K // alignment) * alignment
             record(
                 report,
                 rank,
-                f"rowwise/identity/{routing}/align{alignment}",
+                f"rowwise/identity/{transport_name}/{routing}/align{alignment}",
                 check_static_buffers,
                 run,
                 rows_per_expert,
@@ -181,9 +194,8 @@ def rowwise_checks(rank: int, world_size: int) -> Report:
     for alignment in (1, 4):
         problem = make_problem(uneven_tokens, "skewed", seed=30 + alignment)
         reference = local_reference(problem, None, world_size)
-        dispatcher = RowwiseDispatcher(NUM_EXPERTS, group, ample, max_tokens, alignment)
-        run = run_reference_problem(dispatcher, problem, rank)
-        name = f"rowwise/reference/ample/align{alignment}"
+        run = run_reference_problem(rowwise(ample, max_tokens, alignment), problem, rank)
+        name = f"rowwise/reference/{transport_name}/ample/align{alignment}"
         record(report, rank, name, check_against_reference, run, reference, problem, rank, 0, False)
 
     # Small capacity: equal T with capacity from each call's T, and uneven T with a max.
@@ -201,24 +213,40 @@ def rowwise_checks(rank: int, world_size: int) -> Report:
             idx_TK = problem.topk_idx_NK[problem.rows(source)].tolist()
             keep_N += reference_keep(idx_TK, NUM_EXPERTS, capacity)
         reference = token_loop_reference(problem, keep_N)
-        dispatcher = RowwiseDispatcher(NUM_EXPERTS, group, capacity_factor, max_tokens_per_rank, 4)
+        dispatcher = rowwise(capacity_factor, max_tokens_per_rank, 4)
         run = run_reference_problem(dispatcher, problem, rank)
         capacities = (dispatcher.capacity(tokens[rank], TOP_K), capacity)
         args = (run, reference, problem, rank, keep_N, capacities)
-        record(report, rank, f"rowwise/drops/{name}", check_drops, *args)
+        record(report, rank, f"rowwise/drops/{transport_name}/{name}", check_drops, *args)
+
+
+def rowwise_checks(rank: int, world_size: int) -> Report:
+    group = dist.group.WORLD
+    report: Report = {}
+    num_local = NUM_EXPERTS // world_size
+    uneven_tokens = [13 + 7 * r for r in range(world_size)]
+    max_tokens = max(uneven_tokens)
+
+    for transport in ROW_TRANSPORT_NAMES:
+        transport_checks(report, rank, world_size, transport)
 
     problem = make_problem(uneven_tokens, "skewed", seed=5)
-    with host_reads_forbidden():
-        rowwise = RowwiseDispatcher(NUM_EXPERTS, group, 0.5, max_tokens, group_alignment=4)
-        rowwise_dropped = dispatch_combine_backward(rowwise, problem, rank)
+    rowwise_dropped = {}
+    for transport in ROW_TRANSPORT_NAMES:
+        rowwise = RowwiseDispatcher(NUM_EXPERTS, group, 0.5, max_tokens, 4, transport)
+        # The first call sets up the transport's buffers (host-blocking, once), then no reads.
+        dispatch_combine_backward(rowwise, problem, rank)
+        with host_reads_forbidden():
+            rowwise_dropped[transport] = dispatch_combine_backward(rowwise, problem, rank)
     all_to_all_error = ""
     with host_reads_forbidden():
         try:
             dispatch_combine_backward(AllToAllDispatcher(NUM_EXPERTS, group), problem, rank)
         except RuntimeError as error:
             all_to_all_error = str(error)
-    name = "rowwise/no_host_reads"
-    record(report, rank, name, check_no_host_reads, rowwise_dropped, all_to_all_error)
+    for transport, dropped in rowwise_dropped.items():
+        name = f"rowwise/no_host_reads/{transport}"
+        record(report, rank, name, check_no_host_reads, dropped, all_to_all_error)
 
     record(report, rank, "rowwise/make_dispatcher", check_make_dispatcher, group, rank, num_local)
     return report

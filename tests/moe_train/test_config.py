@@ -68,6 +68,10 @@ def test_resolved_config_round_trips(tmp_path):
             {"parallel": {"dispatcher": "magic"}},
             "parallel.dispatcher='magic' must be one of 'local', 'all_to_all', 'rowwise', 'deepep'",
         ),
+        (
+            {"parallel": {"rowwise_transport": "nvlink"}},
+            "parallel.rowwise_transport='nvlink' must be one of 'all_to_all', 'symmetric_memory'",
+        ),
         ({"optim": {"betas": [0.9]}}, "optim.betas=[0.9] must be two numbers in [0, 1)"),
         ({"train": {"max_steps": 0}}, "train.max_steps=0 must be positive"),
         (

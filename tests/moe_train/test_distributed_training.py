@@ -97,6 +97,11 @@ def test_torchrun_bad_pipeline_is_one_line_on_every_rank(token_file, tmp_path):
 EXPERT_PARALLEL_RUNS = {
     "all_to_all": {"ep": 2, "dispatcher": "all_to_all"},
     "rowwise": {"ep": 2, "dispatcher": "rowwise"},
+    "rowwise_shared_memory": {
+        "ep": 2,
+        "dispatcher": "rowwise",
+        "rowwise_transport": "symmetric_memory",
+    },
 }
 
 
@@ -106,7 +111,8 @@ def test_expert_parallel_matches_single_process(token_file, tmp_path, reference_
     for name, parallel in EXPERT_PARALLEL_RUNS.items():
         data = _config_data(token_file, tmp_path / name, **parallel)
         # Rowwise buffers: capacity 4 x the even share is more than any expert can receive.
-        data["model"]["moe"]["capacity_factor"] = 4.0 if name == "rowwise" else None
+        rowwise = parallel["dispatcher"] == "rowwise"
+        data["model"]["moe"]["capacity_factor"] = 4.0 if rowwise else None
         configs[name] = data
     per_rank = run_distributed(train_cases, world_size=world_size, args=(configs,))
     for name in configs:
@@ -133,14 +139,18 @@ def tiny_reference(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4], ids=["ep2_dp2", "ep2_dp4"])
-@pytest.mark.parametrize("dispatcher", ["all_to_all", "rowwise"])
+@pytest.mark.parametrize(
+    "dispatcher", ["all_to_all", "rowwise/all_to_all", "rowwise/symmetric_memory"]
+)
 def test_torchrun_tiny_config_expert_parallel(tmp_path, tiny_reference, dispatcher, nproc):
     """The quickstart config, 20 fp32 steps, under torchrun with ep=2: single-process losses."""
     run_dir = tmp_path / "run"
+    name, _, transport = dispatcher.partition("/")
     args = ["train", str(TINY), *TINY_FP32, f"--train.run_dir={run_dir}"]
-    args += ["--parallel.ep=2", f"--parallel.dispatcher={dispatcher}"]
-    if dispatcher == "rowwise":
+    args += ["--parallel.ep=2", f"--parallel.dispatcher={name}"]
+    if name == "rowwise":
         args.append("--model.moe.capacity_factor=4.0")  # more than any expert can receive
+        args.append(f"--parallel.rowwise_transport={transport}")
     result = _torchrun(args, nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run_dir / "metrics.jsonl")

@@ -8,8 +8,14 @@ from moe_dispatch.all_to_all import AllToAllDispatcher
 from moe_dispatch.deepep import DeepEPDispatcher, deep_ep_module
 from moe_dispatch.local import LocalDispatcher
 from moe_dispatch.protocol import BackendUnavailable, Dispatcher, DispatchHandle
-from moe_dispatch.rowwise import RowwiseDispatcher
-from moe_dispatch.transport_symm import symm_mem_available
+from moe_dispatch.rowwise import (
+    ROW_TRANSPORT_NAMES,
+    RowTransport,
+    RowwiseDispatcher,
+    make_row_transport,
+)
+from moe_dispatch.transport_a2a import PaddedAllToAllTransport
+from moe_dispatch.transport_symm import SymmetricMemoryTransport, symm_mem_available
 
 __version__ = "0.1.0"
 
@@ -18,15 +24,20 @@ DISPATCHER_NAMES: tuple[str, ...] = ("local", "all_to_all", "rowwise", "deepep")
 
 __all__ = [
     "DISPATCHER_NAMES",
+    "ROW_TRANSPORT_NAMES",
     "AllToAllDispatcher",
     "BackendUnavailable",
     "DeepEPDispatcher",
     "DispatchHandle",
     "Dispatcher",
     "LocalDispatcher",
+    "PaddedAllToAllTransport",
+    "RowTransport",
     "RowwiseDispatcher",
+    "SymmetricMemoryTransport",
     "__version__",
     "make_dispatcher",
+    "make_row_transport",
     "symm_mem_available",
 ]
 
@@ -39,13 +50,15 @@ def make_dispatcher(
     group: dist.ProcessGroup | None = None,
     group_alignment: int = 1,
     max_tokens_per_rank: int | None = None,
+    row_transport: str | RowTransport = "all_to_all",
 ) -> Dispatcher:
     """Build the dispatcher named by ``parallel.dispatcher``.
 
     ``group`` is the expert-parallel process group (``parallel.ep`` ranks): required by
     all_to_all, rowwise and deepep; local takes none (or one of size 1). Raises ``ValueError``
     for an unknown name or inconsistent settings and ``BackendUnavailable`` for deepep without
-    the ``deep_ep`` library.
+    the ``deep_ep`` library. ``row_transport`` (rowwise only): a name in
+    ``ROW_TRANSPORT_NAMES`` or a transport from ``make_row_transport`` shared between layers.
     """
     if name not in DISPATCHER_NAMES:
         raise ValueError(
@@ -75,6 +88,6 @@ def make_dispatcher(
                 "(for example 1.25), or use all_to_all for dropless dispatch"
             )
         return RowwiseDispatcher(
-            num_experts, group, capacity_factor, max_tokens_per_rank, group_alignment
+            num_experts, group, capacity_factor, max_tokens_per_rank, group_alignment, row_transport
         )
     return DeepEPDispatcher(num_experts, group, max_tokens_per_rank, group_alignment)

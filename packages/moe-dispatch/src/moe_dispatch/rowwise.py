@@ -22,11 +22,19 @@ from moe_dispatch.all_to_all import check_expert_parallel_args
 from moe_dispatch.capacity import capacity_per_expert, position_in_expert
 from moe_dispatch.protocol import DispatchHandle, check_routing, state_of
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
-from moe_dispatch.transport_symm import SymmetricMemoryTransport, symm_mem_available
+from moe_dispatch.transport_symm import SymmetricMemoryTransport
 
-__all__ = ["RowTransport", "RowwiseDispatcher", "position_in_expert"]
+__all__ = [
+    "ROW_TRANSPORT_NAMES",
+    "RowTransport",
+    "RowwiseDispatcher",
+    "make_row_transport",
+    "position_in_expert",
+]
 
-TransportName = Literal["auto", "all_to_all", "symmetric_memory"]
+TransportName = Literal["all_to_all", "symmetric_memory"]
+ROW_TRANSPORT_NAMES: tuple[str, ...] = ("all_to_all", "symmetric_memory")
+"""Valid transports of the rowwise dispatcher."""
 
 
 class RowTransport(Protocol):
@@ -39,6 +47,18 @@ class RowTransport(Protocol):
         ...
 
 
+def make_row_transport(name: str, group: dist.ProcessGroup) -> RowTransport:
+    """The rowwise transport called ``name`` over ``group`` (share one between layers)."""
+    if name == "all_to_all":
+        return PaddedAllToAllTransport(group)
+    if name == "symmetric_memory":
+        return SymmetricMemoryTransport(group)
+    raise ValueError(
+        f"parallel.rowwise_transport={name!r} is not a rowwise transport; valid: "
+        f"{', '.join(ROW_TRANSPORT_NAMES)}"
+    )
+
+
 @dataclass(frozen=True)
 class _RowwiseState:
     slot_of_copy_TK: Tensor
@@ -47,7 +67,6 @@ class _RowwiseState:
     """[T, K] bool."""
     topk_weight_TK: Tensor
     capacity: int
-    transport: RowTransport
 
 
 class RowwiseDispatcher:
@@ -59,9 +78,11 @@ class RowwiseDispatcher:
     ``[L * rows_per_expert, D]`` with ``rows_per_expert = ep * capacity`` rounded up to
     ``group_alignment``; unused slots are exactly zero and their outputs are never read.
 
-    ``transport``: "all_to_all" (padded even all-to-all; CPU and GPU; the default until the
-    symmetric-memory path has been run on a GPU), "symmetric_memory" (GPU, untested) or "auto"
-    (symmetric memory for CUDA tensors when available, else all-to-all).
+    ``transport``: "all_to_all" (padded even all-to-all over any torch.distributed backend; the
+    default until the symmetric-memory path has run on a GPU), "symmetric_memory" (blocks
+    written straight into peers' buffers: torch symmetric memory for CUDA tensors, untested;
+    shared memory for CPU tensors; peers on one node), or a transport built by
+    ``make_row_transport`` and shared with other layers (one buffer set instead of one each).
     """
 
     def __init__(
@@ -71,7 +92,7 @@ class RowwiseDispatcher:
         capacity_factor: float,
         max_tokens_per_rank: int | None = None,
         group_alignment: int = 1,
-        transport: TransportName = "all_to_all",
+        transport: TransportName | RowTransport = "all_to_all",
     ) -> None:
         ep = check_expert_parallel_args("RowwiseDispatcher", num_experts, group, group_alignment)
         if capacity_factor is None or not capacity_factor > 0:
@@ -84,11 +105,8 @@ class RowwiseDispatcher:
                 f"RowwiseDispatcher: max_tokens_per_rank={max_tokens_per_rank} must be at "
                 "least 1, or None for the T of each call"
             )
-        if transport not in ("auto", "all_to_all", "symmetric_memory"):
-            raise ValueError(
-                f"RowwiseDispatcher: transport={transport!r} is not one of auto, all_to_all, "
-                "symmetric_memory"
-            )
+        if isinstance(transport, str):
+            transport = make_row_transport(transport, group)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
         self.group = group
@@ -98,8 +116,7 @@ class RowwiseDispatcher:
         self.capacity_factor = capacity_factor
         self.max_tokens_per_rank = max_tokens_per_rank
         self.group_alignment = group_alignment
-        self.transport_name = transport
-        self._transports: dict[str, RowTransport] = {}
+        self.transport = transport
 
     def capacity(self, num_tokens: int, top_k: int) -> int:
         """Copies one source rank may send each expert (buffer rows per source and expert)."""
@@ -110,18 +127,6 @@ class RowwiseDispatcher:
         """Rows of each local expert's group in expert_input (static)."""
         rows = self.ep * self.capacity(num_tokens, top_k)
         return -(-rows // self.group_alignment) * self.group_alignment
-
-    def _transport(self, device: torch.device) -> RowTransport:
-        name = self.transport_name
-        if name == "auto":
-            use_symm = device.type == "cuda" and symm_mem_available()
-            name = "symmetric_memory" if use_symm else "all_to_all"
-        if name not in self._transports:
-            if name == "symmetric_memory":
-                self._transports[name] = SymmetricMemoryTransport(self.group)
-            else:
-                self._transports[name] = PaddedAllToAllTransport(self.group)
-        return self._transports[name]
 
     def dispatch(
         self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
@@ -154,8 +159,7 @@ class RowwiseDispatcher:
         x_padded_TD = torch.cat([x_TD, x_TD.new_zeros(1, dim)])
         send_SD = x_padded_TD.index_select(0, token_of_slot_S[:num_slots])
 
-        transport = self._transport(device)
-        recv_SD = transport.exchange(send_SD)
+        recv_SD = self.transport.exchange(send_SD)
         # Received [source, L, C] -> expert buffers [L, source * C]: slot = source * C + pos.
         recv_PLCD = recv_SD.view(ep, num_local, capacity, dim)
         buffers_LRD = recv_PLCD.transpose(0, 1).reshape(num_local, ep * capacity, dim)
@@ -172,7 +176,6 @@ class RowwiseDispatcher:
                 kept_TK=kept_F.view(num_tokens, top_k),
                 topk_weight_TK=topk_weight_TK,
                 capacity=capacity,
-                transport=transport,
             ),
             dropped_copies=num_copies - kept_F.sum(),
             num_copies=num_copies,
@@ -194,7 +197,7 @@ class RowwiseDispatcher:
         dim = expert_output.shape[1]
         buffers_LRD = expert_output.reshape(num_local, rows_per_expert, dim)[:, : ep * capacity]
         send_PLCD = buffers_LRD.reshape(num_local, ep, capacity, dim).transpose(0, 1)
-        y_back_SD = state.transport.exchange(send_PLCD.reshape(ep * num_local * capacity, dim))
+        y_back_SD = self.transport.exchange(send_PLCD.reshape(ep * num_local * capacity, dim))
         # Only kept copies' slots are read, so unused slots (and what experts left there) never
         # leak; a select, not a multiply, so even NaN there stays out.
         y_TKD = y_back_SD.index_select(0, state.slot_of_copy_TK.reshape(-1))

@@ -1,16 +1,30 @@
-"""Symmetric-memory transport of the rowwise dispatcher (GPU).
+"""Symmetric-memory transport of the rowwise dispatcher: ranks write straight into peers' memory.
 
-UNTESTED: written against the documented ``torch.distributed._symmetric_memory`` API
-(``empty``, ``rendezvous``, ``get_buffer``, ``barrier``) but never run; no GPU was available
-while it was written. Tests run the same layout over ``transport_a2a``. Each rank copies block
-p of its send buffer straight into block ``my_rank`` of rank p's symmetric receive buffer
-(peer-to-peer stores over NVLink, so all ranks must share a node), with device-side barriers
-around the writes: no host sync, no split sizes.
+Every rank of the EP group holds one receive buffer ``[ep, block_rows, D]`` that its peers can
+write. An exchange is: barrier (peers have finished reading the buffer's last contents), copy
+block p of the send buffer into block ``my_rank`` of rank p's buffer, barrier (every write into
+this rank's buffer has landed), copy the local buffer out. No split sizes, no host reads of
+tensor values. One algorithm over two kinds of memory, chosen by the tensors' device:
+
+- CUDA: torch symmetric memory (``torch.distributed._symmetric_memory``: ``empty``,
+  ``rendezvous``, ``get_buffer``, the device-side ``barrier``); peer-to-peer stores over NVLink,
+  so all ranks of the group share a node. UNTESTED: written against torch 2.11's API (its
+  ``_SymmetricMemory`` stubs were read) but never run on a GPU.
+- CPU: POSIX shared memory. Each rank's buffer is a file in ``/dev/shm`` that every rank of the
+  group maps, and the barrier is the group's own (gloo). Ranks must share a host. The tests
+  check the algorithm this way.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
+import math
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,33 +44,130 @@ def symm_mem_available() -> bool:
     return True
 
 
-class _SymmetricBuffer:
-    """One symmetric [ep, block_rows, D] receive buffer, allocated and rendezvoused once."""
+class _PeerBuffers(Protocol):
+    """One ``[ep, block_rows, D]`` receive buffer per rank, writable by every rank."""
+
+    local_BRD: Tensor
+
+    def peer(self, rank: int) -> Tensor:
+        """Group rank ``rank``'s buffer, as this rank can write it."""
+        ...
+
+    def barrier(self) -> None:
+        """Every rank's earlier writes and reads are done once every rank has passed this."""
+        ...
+
+
+class _CudaSymmetricBuffers:
+    """torch symmetric memory, allocated and rendezvoused once (both host-blocking)."""
 
     def __init__(
-        self,
-        group: dist.ProcessGroup,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device,
+        self, group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype, device
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.local_BRD = symm_mem.empty(*shape, dtype=dtype, device=device)
-        self.handle = symm_mem.rendezvous(self.local_BRD, group.group_name)
-        self.shape = shape
-        self.dtype = dtype
+        self._handle = symm_mem.rendezvous(self.local_BRD, group.group_name)
+        self._peers = [self._handle.get_buffer(p, shape, dtype) for p in range(group.size())]
 
-    def exchange(self, send_SD: Tensor, rank: int, ep: int) -> Tensor:
-        send_BRD = send_SD.contiguous().view(self.shape)
-        # Peers must have finished reading the previous contents before anyone overwrites them.
-        self.handle.barrier(channel=0)
-        for peer in range(ep):
-            peer_BRD = self.handle.get_buffer(peer, self.shape, self.dtype)
-            peer_BRD[rank].copy_(send_BRD[peer])
-        # All writes into this rank's buffer are visible after this barrier.
-        self.handle.barrier(channel=0)
-        return self.local_BRD.clone().view(send_SD.shape)
+    def peer(self, rank: int) -> Tensor:
+        return self._peers[rank]
+
+    def barrier(self) -> None:
+        # Stream-ordered: waits on the device for every rank's kernels issued before it.
+        self._handle.barrier(channel=0)
+
+
+def _shared_memory_folder() -> Path:
+    """Memory-backed ``/dev/shm`` where the system has it, else the temporary folder."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def _reserve(path: Path, num_bytes: int) -> str | None:
+    """Create ``path`` with ``num_bytes`` really reserved; None, or why it could not."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as e:
+        return f"cannot create {path}: {e.strerror}"
+    try:
+        # Reserve, not just truncate: a sparse file in a full /dev/shm fails later with SIGBUS.
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, num_bytes)
+        else:
+            os.ftruncate(fd, num_bytes)
+    except OSError as e:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            return (
+                f"cannot reserve {num_bytes / 2**20:.1f} MiB in {path.parent} (no space left; "
+                "enlarge it)"
+            )
+        return f"cannot size {path}: {e.strerror}"
+    os.close(fd)
+    return None
+
+
+def _map(path: Path, num_bytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    """Map an existing shared file of ``num_bytes`` (never create one: a missing peer file
+    means the peer is on another host, and mapping a fresh local file would lose its rows)."""
+    size = os.stat(path).st_size  # FileNotFoundError if the peer's file is not visible here
+    if size != num_bytes:
+        raise OSError(f"{path} holds {size} bytes, expected {num_bytes}")
+    return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+
+def _gather(error: str | None, group: dist.ProcessGroup) -> list[str | None]:
+    """Every rank's error (or None), on every rank: all stop together, none hangs."""
+    errors: list[str | None] = [None] * group.size()
+    dist.all_gather_object(errors, error, group=group)
+    return errors
+
+
+class _HostSharedBuffers:
+    """Shared-memory files, one per rank, each mapped by every rank of the group (CPU)."""
+
+    def __init__(self, group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype):
+        self.group = group
+        rank, ep = dist.get_rank(group), group.size()
+        num_bytes = math.prod(shape) * dtype.itemsize
+        token = [uuid.uuid4().hex if rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        folder = _shared_memory_folder()
+        paths = [folder / f"moe-dispatch-{token[0]}-{peer}" for peer in range(ep)]
+        # Every rank reserves its file, then (if all could) maps every rank's file.
+        errors = _gather(_reserve(paths[rank], num_bytes), group)
+        peers: list[Tensor] = []
+        if not any(errors):
+            error = None
+            try:
+                peers = [_map(path, num_bytes, dtype, shape) for path in paths]
+            except (OSError, RuntimeError) as e:
+                error = (
+                    f"cannot map a peer's buffer ({e}): every rank of the EP group must share "
+                    "one host"
+                )
+            errors = _gather(error, group)
+        # Every rank is done with every file: the names can go now, and nothing is left in
+        # the folder if the job dies later.
+        paths[rank].unlink(missing_ok=True)
+        for source, message in enumerate(errors):
+            if message is not None:
+                raise RuntimeError(
+                    f"rowwise transport symmetric_memory on CPU, rank {source} of the EP group: "
+                    f"{message}; or use the all_to_all transport"
+                )
+        self.local_BRD = peers[rank]
+        self._peers = peers
+
+    def peer(self, rank: int) -> Tensor:
+        return self._peers[rank]
+
+    def barrier(self) -> None:
+        # The group's barrier passes messages through the kernel, which orders each rank's
+        # stores to the shared pages before its peers' later loads.
+        dist.barrier(group=self.group)
 
 
 class _SymmetricExchange(torch.autograd.Function):
@@ -72,28 +183,52 @@ class _SymmetricExchange(torch.autograd.Function):
 
 
 class SymmetricMemoryTransport:
-    """Fixed-size blocks written straight into peers' symmetric buffers (GPU; untested)."""
+    """Fixed-size blocks written straight into peers' buffers: torch symmetric memory for CUDA
+    tensors (untested on a GPU), shared-memory files for CPU tensors. Peers share a node.
+
+    One receive buffer per (shape, dtype, device), allocated at its first exchange (a
+    host-blocking collective) and reused: share one transport between the layers of a model.
+    """
 
     name = "symmetric_memory"
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        if not symm_mem_available():
-            raise RuntimeError(
-                "SymmetricMemoryTransport needs CUDA and torch.distributed._symmetric_memory; "
-                "use the all_to_all transport"
-            )
         self.group = group
         self.ep = group.size()
         self.rank = dist.get_rank(group)
-        self._buffers: dict[tuple, _SymmetricBuffer] = {}
+        self._buffers: dict[tuple, _PeerBuffers] = {}
+
+    def _buffers_for(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> _PeerBuffers:
+        key = (shape, dtype, device)
+        if key not in self._buffers:
+            if device.type == "cuda":
+                if not symm_mem_available():
+                    raise RuntimeError(
+                        "rowwise transport symmetric_memory needs torch.distributed."
+                        "_symmetric_memory for CUDA tensors; use the all_to_all transport"
+                    )
+                self._buffers[key] = _CudaSymmetricBuffers(self.group, shape, dtype, device)
+            elif device.type == "cpu":
+                self._buffers[key] = _HostSharedBuffers(self.group, shape, dtype)
+            else:
+                raise RuntimeError(
+                    f"rowwise transport symmetric_memory moves cuda or cpu tensors, not "
+                    f"{device.type}; use the all_to_all transport"
+                )
+        return self._buffers[key]
 
     def exchange_no_grad(self, send_SD: Tensor) -> Tensor:
         """Block p of ``send_SD`` to rank p; block s of the result came from rank s."""
         shape = (self.ep, send_SD.shape[0] // self.ep, *send_SD.shape[1:])
-        key = (shape, send_SD.dtype, send_SD.device)
-        if key not in self._buffers:
-            self._buffers[key] = _SymmetricBuffer(self.group, shape, send_SD.dtype, send_SD.device)
-        return self._buffers[key].exchange(send_SD, self.rank, self.ep)
+        buffers = self._buffers_for(shape, send_SD.dtype, send_SD.device)
+        send_BRD = send_SD.contiguous().view(shape)
+        buffers.barrier()
+        for peer in range(self.ep):
+            buffers.peer(peer)[self.rank].copy_(send_BRD[peer])
+        buffers.barrier()
+        return buffers.local_BRD.clone().view(send_SD.shape)
 
     def exchange(self, send_SD: Tensor) -> Tensor:
         """Differentiable: the backward sends the gradient blocks back the same way."""

@@ -214,6 +214,11 @@ class ParallelConfig:
     """Pipeline stages per pp rank; more than 1 only with pp_schedule=interleaved_1f1b."""
     dispatcher: Literal["local", "all_to_all", "rowwise", "deepep"] = "local"
     """Token dispatch backend between expert-parallel ranks; with ep = 1 every one is local."""
+    rowwise_transport: Literal["all_to_all", "symmetric_memory"] = "all_to_all"
+    """How dispatcher=rowwise moves its fixed-size blocks: all_to_all (an even all-to-all over
+    the process group, any backend) or symmetric_memory (written straight into peers' buffers;
+    every rank of an EP group on one node: torch symmetric memory on GPUs, not yet run on one,
+    and shared memory on CPUs)."""
     distributed_optimizer: bool = False
     """Shard optimizer state over each gradient-reduction group."""
     recompute: Literal["none", "selective", "full"] = "none"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher
+from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher, make_row_transport
 from moe_parallel import (
     DistributedAdamW,
     GradientReducer,
@@ -69,7 +69,8 @@ def build_optimizer(
 def dispatcher_factory(config: Config, runtime: Runtime) -> DispatcherFactory:
     """The token dispatcher of every MoE layer, for this rank's expert-parallel group.
 
-    Without expert parallelism (ep = 1) every backend reduces to `local`.
+    Without expert parallelism (ep = 1) every backend reduces to `local`. The rowwise layers
+    share one transport (one set of receive buffers).
     """
     moe, parallel = config.model.moe, config.parallel
     name, kwargs = "local", {}
@@ -79,6 +80,10 @@ def dispatcher_factory(config: Config, runtime: Runtime) -> DispatcherFactory:
             "group": runtime.layout.ep_group,
             "max_tokens_per_rank": config.data.micro_batch_size * config.data.seq_len,
         }
+        if name == "rowwise":
+            kwargs["row_transport"] = make_row_transport(
+                parallel.rowwise_transport, runtime.layout.ep_group
+            )
 
     def build(layer: int) -> Dispatcher:
         try:
