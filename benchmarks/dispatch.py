@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -39,19 +40,28 @@ BACKENDS = ("local", "all_to_all", "rowwise/a2a", "rowwise/shm")
 
 
 class _ByteCounter:
-    """Adds up the bytes handed to ``dist.all_to_all_single`` (or to a wrapped transport's
-    exchange) while enabled."""
+    """Adds up, while enabled, the bytes handed to ``dist.all_to_all_single`` and the blocks a
+    rowwise transport writes."""
 
     def __init__(self) -> None:
         self.enabled = False
         self.bytes = 0
 
-    def wrap(self, send: Callable[..., Any], input_position: int) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
+    def all_to_all_single(self, send: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(output: Tensor, input: Tensor, *args: Any, **kwargs: Any) -> Any:
             if self.enabled:
-                input = args[input_position]
                 self.bytes += input.numel() * input.element_size()
-            return send(*args, **kwargs)
+            return send(output, input, *args, **kwargs)
+
+        return counted
+
+    def exchange_blocks(self, transport: Any) -> Callable[..., Any]:
+        exchange_blocks = transport.exchange_blocks
+
+        def counted(block_shape, dtype, device, write_block, read) -> Any:
+            if self.enabled:
+                self.bytes += transport.ep * math.prod(block_shape) * dtype.itemsize
+            return exchange_blocks(block_shape, dtype, device, write_block, read)
 
         return counted
 
@@ -97,10 +107,10 @@ def _bench_rank(rank: int, world_size: int, port: int, args: argparse.Namespace,
     )
     counter = _ByteCounter()
     # The backends call it through the module: (output, input, ...).
-    dist.all_to_all_single = counter.wrap(dist.all_to_all_single, 1)
+    dist.all_to_all_single = counter.all_to_all_single(dist.all_to_all_single)
     group = dist.group.WORLD
     shared_memory = make_row_transport("symmetric_memory", group)
-    shared_memory.exchange_no_grad = counter.wrap(shared_memory.exchange_no_grad, 0)
+    shared_memory.exchange_blocks = counter.exchange_blocks(shared_memory)
     rowwise = {
         "num_experts": args.experts,
         "capacity_factor": args.capacity_factor,

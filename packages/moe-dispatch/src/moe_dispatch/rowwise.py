@@ -2,20 +2,22 @@
 
 Every local expert owns a static input buffer of ``ep * capacity`` rows, one region of
 ``capacity`` rows per source rank. A source computes on the device (sort and prefix sums) the
-slot of each copy: ``source_rank * capacity + position of the copy among this source's copies
-to that expert``; copies at position >= capacity are dropped and counted. The source then lays
-out a send buffer ``[E, capacity, D]`` (global expert-major, so the block for rank p is
-contiguous) and a transport moves the fixed-size blocks. Nothing reads a count on the host.
+slot of each copy: ``global expert * capacity + position of the copy among this source's
+copies to that expert``; copies at position >= capacity are dropped and counted. Slots are
+global-expert-major, so the ``[L, capacity]`` block for rank p is contiguous. A transport hands
+the source, for each destination rank, the memory that rank will receive its block in (the
+peer's own buffer, for symmetric memory), and the source gathers its tokens straight into it.
+Nothing reads a count on the host.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from moe_dispatch.all_to_all import check_expert_parallel_args
@@ -38,12 +40,21 @@ ROW_TRANSPORT_NAMES: tuple[str, ...] = ("all_to_all", "symmetric_memory")
 
 
 class RowTransport(Protocol):
-    """Moves ``[ep * block_rows, D]``: block p to group rank p, block from rank s to block s."""
+    """Moves one fixed-size block from every group rank to every group rank (not autograd)."""
 
     name: str
 
-    def exchange(self, send_SD: Tensor) -> Tensor:
-        """Differentiable; the backward is the same exchange of the gradients."""
+    def exchange_blocks(
+        self,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        write_block: Callable[[int, Tensor], None],
+        read: Callable[[Tensor], Tensor],
+    ) -> Tensor:
+        """``write_block(p, dest)`` fills ``dest`` (``block_shape``) with the block for group
+        rank p; returns ``read(received)``, ``received`` being ``[ep, *block_shape]`` with
+        block s from rank s. ``read`` must copy what it keeps: the memory is reused."""
         ...
 
 
@@ -60,13 +71,150 @@ def make_row_transport(name: str, group: dist.ProcessGroup) -> RowTransport:
 
 
 @dataclass(frozen=True)
-class _RowwiseState:
-    slot_of_copy_TK: Tensor
-    """[T, K] int64: the send-buffer row of each copy (0 for dropped copies; masked)."""
-    kept_TK: Tensor
-    """[T, K] bool."""
-    topk_weight_TK: Tensor
+class _SlotPlan:
+    """Where every copy goes, for one dispatch (all on the device but the sizes)."""
+
+    slot_of_copy_F: Tensor
+    """[T * K] int64: the copy's slot among this source's ``E * capacity`` (0 if dropped)."""
+    kept_F: Tensor
+    """[T * K] bool."""
+    copy_of_slot_S: Tensor
+    """[E * capacity] int64: the copy in each slot, ``T * K`` for an unused slot."""
+    num_local: int
     capacity: int
+    rows_per_expert: int
+    """Rows of each local expert's group in the expert input: ``ep * capacity``, aligned."""
+    transport: RowTransport
+
+    @property
+    def block_rows(self) -> int:
+        """Slots one source sends one destination rank: ``L * capacity``."""
+        return self.num_local * self.capacity
+
+
+def _gather_into_blocks(
+    plan: _SlotPlan, rows_of_slot_S: Tensor, source_RD: Tensor
+) -> Callable[[int, Tensor], None]:
+    """``write_block`` that gathers ``source_RD[rows_of_slot_S]`` for block p into dest."""
+    block_rows = plan.block_rows
+
+    def write_block(peer: int, dest_LCD: Tensor) -> None:
+        index = rows_of_slot_S[peer * block_rows : (peer + 1) * block_rows]
+        torch.index_select(source_RD, 0, index, out=dest_LCD.view(block_rows, -1))
+
+    return write_block
+
+
+def _expert_groups_into_blocks(
+    plan: _SlotPlan, expert_rows_PD: Tensor
+) -> Callable[[int, Tensor], None]:
+    """``write_block`` that copies each local expert's region for source p into dest."""
+    groups_LRD = expert_rows_PD.view(plan.num_local, plan.rows_per_expert, -1)
+    capacity = plan.capacity
+
+    def write_block(source: int, dest_LCD: Tensor) -> None:
+        dest_LCD.copy_(groups_LRD[:, source * capacity : (source + 1) * capacity])
+
+    return write_block
+
+
+def _read_expert_groups(plan: _SlotPlan) -> Callable[[Tensor], Tensor]:
+    """``read`` that lays received ``[source, L, C, D]`` out as ``[L * rows_per_expert, D]``:
+    expert-major, slot ``source * C + position``; alignment rows exactly zero."""
+
+    def read(recv_PLCD: Tensor) -> Tensor:
+        ep, num_local, capacity, dim = recv_PLCD.shape
+        groups_LRD = recv_PLCD.new_empty(num_local, plan.rows_per_expert, dim)
+        groups_LRD[:, ep * capacity :].zero_()
+        regions_LPCD = groups_LRD[:, : ep * capacity].view(num_local, ep, capacity, dim)
+        regions_LPCD.copy_(recv_PLCD.transpose(0, 1))
+        return groups_LRD.view(-1, dim)
+
+    return read
+
+
+def _read_copies(plan: _SlotPlan) -> Callable[[Tensor], Tensor]:
+    """``read`` that takes each kept copy's slot from received ``[E * C, D]`` (0 if dropped:
+    a select, not a multiply, so whatever sits in unused slots, even NaN, stays out)."""
+
+    def read(recv_PLCD: Tensor) -> Tensor:
+        slots_SD = recv_PLCD.view(-1, recv_PLCD.shape[-1])
+        rows_FD = slots_SD.index_select(0, plan.slot_of_copy_F)
+        return torch.where(plan.kept_F.unsqueeze(1), rows_FD, 0)
+
+    return read
+
+
+def _with_zero_row(rows_ND: Tensor) -> Tensor:
+    """``rows_ND`` and one zero row after them (what unused slots gather)."""
+    return torch.cat([rows_ND, rows_ND.new_zeros(1, rows_ND.shape[1])])
+
+
+class _DispatchRows(torch.autograd.Function):
+    """x [T, D] -> expert input [L * rows_per_expert, D]; backward sends the slots' gradients
+    back and sums each token's kept copies."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, plan: _SlotPlan, top_k: int) -> Tensor:  # type: ignore[override]
+        ctx.plan, ctx.top_k = plan, top_k
+        num_tokens, dim = x_TD.shape
+        copies = plan.copy_of_slot_S
+        token_of_slot_S = torch.where(copies < num_tokens * top_k, copies // top_k, num_tokens)
+        return plan.transport.exchange_blocks(
+            (plan.num_local, plan.capacity, dim),
+            x_TD.dtype,
+            x_TD.device,
+            _gather_into_blocks(plan, token_of_slot_S, _with_zero_row(x_TD)),
+            _read_expert_groups(plan),
+        )
+
+    @staticmethod
+    def backward(ctx, grad_expert_input_PD: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        plan, top_k = ctx.plan, ctx.top_k
+        dim = grad_expert_input_PD.shape[1]
+        grad_copies_FD = plan.transport.exchange_blocks(
+            (plan.num_local, plan.capacity, dim),
+            grad_expert_input_PD.dtype,
+            grad_expert_input_PD.device,
+            _expert_groups_into_blocks(plan, grad_expert_input_PD.contiguous()),
+            _read_copies(plan),
+        )
+        return grad_copies_FD.view(-1, top_k, dim).sum(1), None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """Expert output [L * rows_per_expert, D] -> each copy's row at its source [T * K, D]
+    (zero if dropped); backward gathers the copies' gradients into their slots."""
+
+    @staticmethod
+    def forward(ctx, expert_output_PD: Tensor, plan: _SlotPlan) -> Tensor:  # type: ignore[override]
+        ctx.plan = plan
+        dim = expert_output_PD.shape[1]
+        return plan.transport.exchange_blocks(
+            (plan.num_local, plan.capacity, dim),
+            expert_output_PD.dtype,
+            expert_output_PD.device,
+            _expert_groups_into_blocks(plan, expert_output_PD.contiguous()),
+            _read_copies(plan),
+        )
+
+    @staticmethod
+    def backward(ctx, grad_copies_FD: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        plan = ctx.plan
+        dim = grad_copies_FD.shape[1]
+        return plan.transport.exchange_blocks(
+            (plan.num_local, plan.capacity, dim),
+            grad_copies_FD.dtype,
+            grad_copies_FD.device,
+            _gather_into_blocks(plan, plan.copy_of_slot_S, _with_zero_row(grad_copies_FD)),
+            _read_expert_groups(plan),
+        ), None
+
+
+@dataclass(frozen=True)
+class _RowwiseState:
+    plan: _SlotPlan
+    topk_weight_TK: Tensor
 
 
 class RowwiseDispatcher:
@@ -138,45 +286,39 @@ class RowwiseDispatcher:
                 f"RowwiseDispatcher.dispatch: {num_tokens} tokens exceed max_tokens_per_rank="
                 f"{self.max_tokens_per_rank}"
             )
-        num_experts, num_local, ep = self.num_experts, self.num_local_experts, self.ep
+        num_experts, num_local = self.num_experts, self.num_local_experts
         capacity = self.capacity(num_tokens, top_k)
-        device, dim = x_TD.device, x_TD.shape[1]
+        device = x_TD.device
 
         expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
         position_F = position_in_expert(expert_of_copy_F, num_experts)
         kept_F = position_F < capacity
-        # Send row = global expert * capacity + position: [E, C] is [ep, L, C] by destination.
         slot_of_copy_F = torch.where(kept_F, expert_of_copy_F * capacity + position_F, 0)
-
-        # Gather formulation: each send slot reads its token, unused slots read a zero row (T).
+        # Each slot's copy; dropped copies go to a trash slot past the end, cut off after.
+        num_copies = num_tokens * top_k
         num_slots = num_experts * capacity
-        trash_slot = num_slots
-        token_of_slot_S = torch.full((num_slots + 1,), num_tokens, dtype=torch.int64, device=device)
-        token_of_copy_F = torch.arange(num_tokens * top_k, device=device) // top_k
-        token_of_slot_S.scatter_(
-            0, torch.where(kept_F, slot_of_copy_F, trash_slot), token_of_copy_F
+        copy_of_slot_S = torch.full((num_slots + 1,), num_copies, dtype=torch.int64, device=device)
+        copy_of_slot_S.scatter_(
+            0,
+            torch.where(kept_F, slot_of_copy_F, num_slots),
+            torch.arange(num_copies, device=device),
         )
-        x_padded_TD = torch.cat([x_TD, x_TD.new_zeros(1, dim)])
-        send_SD = x_padded_TD.index_select(0, token_of_slot_S[:num_slots])
-
-        recv_SD = self.transport.exchange(send_SD)
-        # Received [source, L, C] -> expert buffers [L, source * C]: slot = source * C + pos.
-        recv_PLCD = recv_SD.view(ep, num_local, capacity, dim)
-        buffers_LRD = recv_PLCD.transpose(0, 1).reshape(num_local, ep * capacity, dim)
         rows_per_expert = self.rows_per_expert(num_tokens, top_k)
-        padding_rows = rows_per_expert - ep * capacity
-        expert_input_PD = F.pad(buffers_LRD, (0, 0, 0, padding_rows)).view(-1, dim)
+        plan = _SlotPlan(
+            slot_of_copy_F=slot_of_copy_F,
+            kept_F=kept_F,
+            copy_of_slot_S=copy_of_slot_S[:num_slots],
+            num_local=num_local,
+            capacity=capacity,
+            rows_per_expert=rows_per_expert,
+            transport=self.transport,
+        )
+        expert_input_PD = _DispatchRows.apply(x_TD, plan, top_k)
         tokens_per_expert_L = torch.full(
             (num_local,), rows_per_expert, dtype=torch.int64, device=device
         )
-        num_copies = num_tokens * top_k
         handle = DispatchHandle(
-            state=_RowwiseState(
-                slot_of_copy_TK=slot_of_copy_F.view(num_tokens, top_k),
-                kept_TK=kept_F.view(num_tokens, top_k),
-                topk_weight_TK=topk_weight_TK,
-                capacity=capacity,
-            ),
+            state=_RowwiseState(plan=plan, topk_weight_TK=topk_weight_TK),
             dropped_copies=num_copies - kept_F.sum(),
             num_copies=num_copies,
         )
@@ -185,23 +327,17 @@ class RowwiseDispatcher:
     def combine(self, expert_output: Tensor, handle: DispatchHandle) -> Tensor:
         """Send the expert buffers back; each source reads its kept copies' slots, weighted."""
         state = state_of(handle, _RowwiseState, "RowwiseDispatcher")
-        num_tokens, top_k = state.kept_TK.shape
-        num_local, ep, capacity = self.num_local_experts, self.ep, state.capacity
-        rows_per_expert = self.rows_per_expert(num_tokens, top_k)
-        if expert_output.dim() != 2 or expert_output.shape[0] != num_local * rows_per_expert:
+        plan = state.plan
+        num_tokens, top_k = state.topk_weight_TK.shape
+        if (
+            expert_output.dim() != 2
+            or expert_output.shape[0] != plan.num_local * plan.rows_per_expert
+        ):
             raise ValueError(
                 f"RowwiseDispatcher.combine: expert_output must be "
-                f"[{num_local * rows_per_expert}, D] as dispatch gave, got "
+                f"[{plan.num_local * plan.rows_per_expert}, D] as dispatch gave, got "
                 f"{tuple(expert_output.shape)}"
             )
-        dim = expert_output.shape[1]
-        buffers_LRD = expert_output.reshape(num_local, rows_per_expert, dim)[:, : ep * capacity]
-        send_PLCD = buffers_LRD.reshape(num_local, ep, capacity, dim).transpose(0, 1)
-        y_back_SD = self.transport.exchange(send_PLCD.reshape(ep * num_local * capacity, dim))
-        # Only kept copies' slots are read, so unused slots (and what experts left there) never
-        # leak; a select, not a multiply, so even NaN there stays out.
-        y_TKD = y_back_SD.index_select(0, state.slot_of_copy_TK.reshape(-1))
-        y_TKD = y_TKD.view(num_tokens, top_k, dim)
-        y_TKD = torch.where(state.kept_TK.unsqueeze(2), y_TKD, 0)
+        y_TKD = _CombineRows.apply(expert_output, plan).view(num_tokens, top_k, -1)
         weight_TK = state.topk_weight_TK.to(y_TKD.dtype)
         return torch.bmm(weight_TK.unsqueeze(1), y_TKD).squeeze(1)

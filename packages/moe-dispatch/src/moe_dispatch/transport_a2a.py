@@ -3,6 +3,8 @@ transport of the rowwise dispatcher (CPU, and the GPU fallback)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -62,15 +64,28 @@ def exchange_rows(
 class PaddedAllToAllTransport:
     """Fixed-size blocks over ``all_to_all_single`` with even splits: never syncs the host.
 
-    ``exchange(send)`` takes ``[ep * block_rows, D]``: block p goes to group rank p, and the
-    block received from rank s lands at block s of the result (same shape).
+    The blocks are written into a local send buffer, exchanged, and read from the receive
+    buffer (a transport of the rowwise dispatcher; see ``RowTransport``).
     """
 
     name = "all_to_all"
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
+        self.ep = group.size()
 
-    def exchange(self, send_SD: Tensor) -> Tensor:
-        """Differentiable even all-to-all of ``send_SD`` (rows divisible by the group size)."""
-        return exchange_rows(send_SD, None, None, self.group)
+    def exchange_blocks(
+        self,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        write_block: Callable[[int, Tensor], None],
+        read: Callable[[Tensor], Tensor],
+    ) -> Tensor:
+        """``write_block(p, send[p])`` for every rank p, exchange, ``read(received)``."""
+        send_PB = torch.empty((self.ep, *block_shape), dtype=dtype, device=device)
+        for peer in range(self.ep):
+            write_block(peer, send_PB[peer])
+        recv_PB = torch.empty_like(send_PB)
+        dist.all_to_all_single(recv_PB, send_PB, group=self.group)
+        return read(recv_PB)

@@ -1,9 +1,9 @@
 """Symmetric-memory transport of the rowwise dispatcher: ranks write straight into peers' memory.
 
-Every rank of the EP group holds one receive buffer ``[ep, block_rows, D]`` that its peers can
-write. An exchange is: barrier (peers have finished reading the buffer's last contents), copy
-block p of the send buffer into block ``my_rank`` of rank p's buffer, barrier (every write into
-this rank's buffer has landed), copy the local buffer out. No split sizes, no host reads of
+Every rank of the EP group holds one receive buffer ``[ep, *block_shape]`` that its peers can
+write. An exchange is: barrier (peers have finished reading the buffer's last contents), write
+the block for rank p straight into block ``my_rank`` of rank p's buffer, barrier (every write
+into this rank's buffer has landed), read this rank's buffer. No split sizes, no host reads of
 tensor values. One algorithm over two kinds of memory, chosen by the tensors' device:
 
 - CUDA: torch symmetric memory (``torch.distributed._symmetric_memory``: ``empty``,
@@ -23,6 +23,7 @@ import math
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -170,24 +171,13 @@ class _HostSharedBuffers:
         dist.barrier(group=self.group)
 
 
-class _SymmetricExchange(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, send_SD: Tensor, transport: SymmetricMemoryTransport) -> Tensor:  # type: ignore[override]
-        ctx.transport = transport
-        return transport.exchange_no_grad(send_SD)
-
-    @staticmethod
-    def backward(ctx, grad_recv_SD: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        # The exchange is its own inverse: block s came from rank s, so it goes back there.
-        return ctx.transport.exchange_no_grad(grad_recv_SD), None
-
-
 class SymmetricMemoryTransport:
     """Fixed-size blocks written straight into peers' buffers: torch symmetric memory for CUDA
     tensors (untested on a GPU), shared-memory files for CPU tensors. Peers share a node.
 
-    One receive buffer per (shape, dtype, device), allocated at its first exchange (a
+    One receive buffer per (block shape, dtype, device), allocated at its first exchange (a
     host-blocking collective) and reused: share one transport between the layers of a model.
+    A transport of the rowwise dispatcher; see ``RowTransport``.
     """
 
     name = "symmetric_memory"
@@ -219,17 +209,20 @@ class SymmetricMemoryTransport:
                 )
         return self._buffers[key]
 
-    def exchange_no_grad(self, send_SD: Tensor) -> Tensor:
-        """Block p of ``send_SD`` to rank p; block s of the result came from rank s."""
-        shape = (self.ep, send_SD.shape[0] // self.ep, *send_SD.shape[1:])
-        buffers = self._buffers_for(shape, send_SD.dtype, send_SD.device)
-        send_BRD = send_SD.contiguous().view(shape)
+    def exchange_blocks(
+        self,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        write_block: Callable[[int, Tensor], None],
+        read: Callable[[Tensor], Tensor],
+    ) -> Tensor:
+        """``write_block(p, dest)`` straight into rank p's buffer (block ``my_rank``), then
+        ``read(this rank's buffer)`` once every rank's writes have landed."""
+        buffers = self._buffers_for((self.ep, *block_shape), dtype, torch.device(device))
+        # Peers have finished reading the buffer's last contents.
         buffers.barrier()
         for peer in range(self.ep):
-            buffers.peer(peer)[self.rank].copy_(send_BRD[peer])
+            write_block(peer, buffers.peer(peer)[self.rank])
         buffers.barrier()
-        return buffers.local_BRD.clone().view(send_SD.shape)
-
-    def exchange(self, send_SD: Tensor) -> Tensor:
-        """Differentiable: the backward sends the gradient blocks back the same way."""
-        return _SymmetricExchange.apply(send_SD, self)
+        return read(buffers.local_BRD)
