@@ -3,7 +3,9 @@
 Runs in a one-rank NCCL group. The rowwise dispatcher is timed over its padded all-to-all
 transport and over symmetric memory; all_to_all is the reference. Every forward + backward
 of the rowwise backends runs under torch.cuda.set_sync_debug_mode("error"), which raises on
-any device-to-host synchronisation.
+any device-to-host synchronisation. The symmetric-memory run's output and input gradient
+must equal the padded all-to-all's bitwise (same algorithm, other transport). Exits 1 if any
+backend failed. ``--device cpu`` runs the same script on gloo (no sync check): a dry run.
 
     PYTHONPATH=packages/moe-kernels/src:packages/moe-dispatch/src python benchmarks/gpu_dispatch.py
 """
@@ -20,28 +22,38 @@ import torch.distributed as dist
 from moe_dispatch import AllToAllDispatcher, RowwiseDispatcher
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def run_backend(name, dispatcher, x, topk_idx, weight, steps, sync_free):
     def step():
         expert_input, _, handle = dispatcher.dispatch(x, topk_idx, weight)
         out = dispatcher.combine(expert_input * 1.0, handle)
         out.sum().backward()
+        return out.detach()
 
-    step()
-    torch.cuda.synchronize()
+    x.grad = None
+    result = (step(), x.grad.clone())
+    synchronize(x.device)
     error = None
+    sync_free = sync_free and x.device.type == "cuda"
     if sync_free:
         torch.cuda.set_sync_debug_mode("error")
     try:
         start = time.perf_counter()
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        synchronize(x.device)
         elapsed = (time.perf_counter() - start) / steps
     except RuntimeError as e:
         elapsed, error = float("nan"), str(e).splitlines()[0]
     finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return {"backend": name, "ms": elapsed * 1e3, "sync_free_checked": sync_free, "error": error}
+        if sync_free:
+            torch.cuda.set_sync_debug_mode("default")
+    row = {"backend": name, "ms": elapsed * 1e3, "sync_free_checked": sync_free, "error": error}
+    return row, result
 
 
 def main() -> None:
@@ -51,14 +63,15 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", type=Path, default=Path("bench_results/gpu_dispatch.json"))
     args = parser.parse_args()
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
     group = dist.new_group([0])
-    device = torch.device("cuda", 0)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     generator = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(args.tokens, args.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     scores = torch.rand(args.tokens, args.experts, device=device, generator=generator)
@@ -78,10 +91,13 @@ def main() -> None:
             True,
         ),
     ]
-    rows = []
+    rows, results = [], {}
     for name, dispatcher, sync_free in backends:
         try:
-            rows.append(run_backend(name, dispatcher, x, topk_idx, weight, args.steps, sync_free))
+            row, results[name] = run_backend(
+                name, dispatcher, x, topk_idx, weight, args.steps, sync_free
+            )
+            rows.append(row)
         except Exception as e:  # report and go on: one table for the whole check
             rows.append(
                 {
@@ -91,6 +107,16 @@ def main() -> None:
                     "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                 }
             )
+    if "rowwise/all_to_all" in results and "rowwise/symmetric_memory" in results:
+        same = all(
+            torch.equal(a, b)
+            for a, b in zip(
+                results["rowwise/all_to_all"], results["rowwise/symmetric_memory"], strict=True
+            )
+        )
+        for row in rows:
+            if row["backend"] == "rowwise/symmetric_memory" and not same and not row["error"]:
+                row["error"] = "output or gradient differs from rowwise/all_to_all"
     reference = rows[0]["ms"]
     print(f"{'backend':<26} {'ms/step':>9} {'vs a2a':>7}  sync-free  error")
     for row in rows:
@@ -103,6 +129,8 @@ def main() -> None:
         json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2)
     )
     dist.destroy_process_group()
+    if any(row["error"] for row in rows):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
