@@ -14,6 +14,9 @@ NUM_MICRO, MICRO, SEQ = 8, 2, 16
 
 
 def _config(ep: int, dispatcher: str):
+    """``dispatcher`` may name a rowwise transport: ``rowwise/symmetric_memory``."""
+    dispatcher, _, transport = dispatcher.partition("/")
+    parallel = {"ep": ep, "dispatcher": dispatcher, "rowwise_transport": transport or "all_to_all"}
     return config_from_dict(
         {
             "model": {
@@ -36,7 +39,7 @@ def _config(ep: int, dispatcher: str):
                 "global_batch_size": NUM_MICRO * MICRO,
                 "micro_batch_size": MICRO,
             },
-            "parallel": {"ep": ep, "dispatcher": dispatcher},
+            "parallel": parallel,
             "precision": {"compute_dtype": "float32"},
         }
     )
@@ -104,15 +107,27 @@ def _expert_parallel_steps(rank: int, world_size: int, cases: list[tuple]) -> di
                 (2, "rowwise"),
                 (2, "all_to_all", "full"),
                 (2, "rowwise", "selective"),
+                (2, "rowwise/symmetric_memory", "selective"),
             ],
         ),
-        (4, [(2, "all_to_all"), (2, "rowwise"), (4, "all_to_all"), (4, "rowwise")]),
-        (8, [(4, "all_to_all"), (4, "rowwise")]),
+        (
+            4,
+            [
+                (2, "all_to_all"),
+                (2, "rowwise"),
+                (2, "rowwise/symmetric_memory"),
+                (4, "all_to_all"),
+                (4, "rowwise"),
+                (4, "rowwise/symmetric_memory"),
+            ],
+        ),
+        (8, [(4, "all_to_all"), (4, "rowwise"), (4, "rowwise/symmetric_memory")]),
     ],
     ids=["world2", "world4", "world8"],
 )
 def test_outputs_and_gradients_match_single_process(single_process, world_size, cases):
-    """ep in {2, 4} with dp in {ep, 2 x ep}, both backends; recompute at ep 2."""
+    """ep in {2, 4} with dp in {ep, 2 x ep}, both backends (rowwise over both transports);
+    recompute at ep 2."""
     reference_logits, reference_grads = single_process
     per_case = run_distributed(_expert_parallel_steps, world_size, args=(cases,))
     per_rank = NUM_MICRO // world_size

@@ -46,9 +46,9 @@ def symm_mem_available() -> bool:
 
 
 class _PeerBuffers(Protocol):
-    """One ``[ep, block_rows, D]`` receive buffer per rank, writable by every rank."""
+    """One ``[ep, *block_shape]`` receive buffer per rank, writable by every rank."""
 
-    local_BRD: Tensor
+    local_PB: Tensor
 
     def peer(self, rank: int) -> Tensor:
         """Group rank ``rank``'s buffer, as this rank can write it."""
@@ -63,12 +63,16 @@ class _CudaSymmetricBuffers:
     """torch symmetric memory, allocated and rendezvoused once (both host-blocking)."""
 
     def __init__(
-        self, group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype, device
+        self,
+        group: dist.ProcessGroup,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.local_BRD = symm_mem.empty(*shape, dtype=dtype, device=device)
-        self._handle = symm_mem.rendezvous(self.local_BRD, group.group_name)
+        self.local_PB = symm_mem.empty(*shape, dtype=dtype, device=device)
+        self._handle = symm_mem.rendezvous(self.local_PB, group.group_name)
         self._peers = [self._handle.get_buffer(p, shape, dtype) for p in range(group.size())]
 
     def peer(self, rank: int) -> Tensor:
@@ -159,7 +163,7 @@ class _HostSharedBuffers:
                     f"rowwise transport symmetric_memory on CPU, rank {source} of the EP group: "
                     f"{message}; or use the all_to_all transport"
                 )
-        self.local_BRD = peers[rank]
+        self.local_PB = peers[rank]
         self._peers = peers
 
     def peer(self, rank: int) -> Tensor:
@@ -225,4 +229,4 @@ class SymmetricMemoryTransport:
         for peer in range(self.ep):
             write_block(peer, buffers.peer(peer)[self.rank])
         buffers.barrier()
-        return read(buffers.local_BRD)
+        return read(buffers.local_PB)
