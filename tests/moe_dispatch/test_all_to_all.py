@@ -228,10 +228,12 @@ def check_identity(run: IdentityRun, expected_tokens_per_expert: list[int]) -> N
     assert run.num_copies == run.x.shape[0] * TOP_K
 
 
-def copies_received(problem: Problem, rank: int, num_local: int) -> list[int]:
-    """Copies routed (by any rank) to each of this rank's experts, from the full routing."""
+def copies_received(problem: Problem, rank: int, num_local: int, alignment: int = 1) -> list[int]:
+    """Copies routed (by any rank) to each of this rank's experts, from the full routing,
+    rounded up to ``alignment`` (the group sizes of a dropless backend)."""
     first = rank * num_local
-    return [int((problem.topk_idx_NK == first + e).sum()) for e in range(num_local)]
+    counts = [int((problem.topk_idx_NK == first + e).sum()) for e in range(num_local)]
+    return [-(-count // alignment) * alignment for count in counts]
 
 
 def run_reference_problem(
@@ -283,11 +285,7 @@ def all_to_all_checks(rank: int, world_size: int) -> Report:
         for alignment in (1, 4):
             dispatcher = AllToAllDispatcher(NUM_EXPERTS, group, group_alignment=alignment)
             run = run_identity(dispatcher, problem, rank)
-            # Group sizes: the copies routed here, rounded up to the alignment.
-            expected = [
-                -(-count // alignment) * alignment
-                for count in copies_received(problem, rank, num_local)
-            ]
+            expected = copies_received(problem, rank, num_local, alignment)
             name = f"identity/{routing}/align{alignment}"
             record(report, rank, name, check_identity, run, expected)
 
