@@ -72,7 +72,17 @@ def test_pipeline_with_expert_and_data_parallel_matches_single_process(token_fil
         "pp2_ep2_dp2_sharded_optimizer": _config_data(
             token_file, tmp_path / "pp2ep2do", pp=2, distributed_optimizer=True, **ep2
         ),
+        "pp2_ep2_dp2_rowwise_shared_memory": _config_data(
+            token_file,
+            tmp_path / "pp2ep2shm",
+            pp=2,
+            ep=2,
+            dispatcher="rowwise",
+            rowwise_transport="symmetric_memory",
+        ),
     }
+    # Rowwise buffers: capacity 4 x the even share is more than any expert can receive.
+    cases["pp2_ep2_dp2_rowwise_shared_memory"]["model"]["moe"]["capacity_factor"] = 4.0
     per_rank = run_distributed(train_cases, world_size=4, args=(cases,))
     for losses in per_rank:
         for name in cases:
