@@ -79,6 +79,7 @@ def symmetric_memory_checks(rank: int, world_size: int) -> Report:
     folder = shared_folder(rank)
     with mock.patch.object(transport_symm, "_shared_memory_folder", lambda: folder):
         transport = make_row_transport("symmetric_memory", group)
+        transport.connect(torch.device("cpu"))  # one more buffer set: (1,) int64 blocks
         reference = PaddedAllToAllTransport(group)
         generator = torch.Generator().manual_seed(rank)
         runs, references = [], []
@@ -92,12 +93,16 @@ def symmetric_memory_checks(rank: int, world_size: int) -> Report:
         record(report, rank, "symm/same_blocks", check_same_blocks, runs, references)
         dist.barrier()
         buffers = len(transport._buffers)
-        record(report, rank, "symm/files_removed", check_files_removed, folder, buffers, 3)
+        record(report, rank, "symm/files_removed", check_files_removed, folder, buffers, 4)
 
-    # Ranks on different hosts: each rank sees only its own folder.
+    # Ranks on different hosts: each rank sees only its own folder. connect() finds out.
     own_folder = Path(tempfile.mkdtemp(prefix="moe-shm-test-"))
     with mock.patch.object(transport_symm, "_shared_memory_folder", lambda: own_folder):
-        message = setup_error(SymmetricMemoryTransport(group), 8)
+        try:
+            SymmetricMemoryTransport(group).connect(torch.device("cpu"))
+            message = ""
+        except RuntimeError as error:
+            message = str(error)
     words = ("rank 0 of the EP group", "cannot map a peer's buffer", "share one host", "all_to_all")
     record(report, rank, "symm/separate_hosts", check_error, message, *words)
     record(report, rank, "symm/separate_hosts_files", check_files_removed, own_folder, 0, 0)
@@ -140,7 +145,9 @@ def test_one_buffer_set_per_shape_and_no_files_left_behind(reports: list[Report]
     assert_report_passed(reports, "symm/files_removed")
 
 
-def test_ranks_that_cannot_share_memory_stop_with_one_clear_line(reports: list[Report]) -> None:
+def test_ranks_that_cannot_share_memory_stop_at_connect_with_one_clear_line(
+    reports: list[Report],
+) -> None:
     assert_report_passed(reports, "symm/separate_hosts")
 
 

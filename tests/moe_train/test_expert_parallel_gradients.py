@@ -175,3 +175,36 @@ def test_deepep_without_deepep_is_one_clear_error_on_every_rank(tmp_path):
     assert messages[0] == messages[1]
     assert not (tmp_path / "run").exists()
     assert "DeepEP" in messages[0] and "all_to_all or rowwise" in messages[0]
+
+
+def _symmetric_memory_across_hosts(rank: int, world_size: int, run_dir: str) -> str:
+    """Each rank sees only its own shared-memory folder, as ranks on two hosts would."""
+    import tempfile
+    from pathlib import Path
+    from unittest import mock
+
+    import moe_dispatch.transport_symm as transport_symm
+    from moe_train.errors import ConfigError
+    from moe_train.train import train
+
+    config = _config(2, "rowwise/symmetric_memory")
+    config.data.paths = ["builtin:stdlib"]
+    config.train.run_dir = run_dir
+    config.model.vocab_size = 320  # the byte-level built-in data
+    own_folder = Path(tempfile.mkdtemp(prefix="moe-shm-test-"))
+    with mock.patch.object(transport_symm, "_shared_memory_folder", lambda: own_folder):
+        try:
+            train(config)
+        except ConfigError as e:
+            return str(e)
+    return "no error"
+
+
+def test_symmetric_memory_across_hosts_is_one_clear_error_on_every_rank(tmp_path):
+    run_dir = str(tmp_path / "run")
+    messages = run_distributed(_symmetric_memory_across_hosts, world_size=2, args=(run_dir,))
+    assert messages[0] == messages[1]
+    assert "\n" not in messages[0]
+    for words in ("parallel.rowwise_transport", "share one host", "use the all_to_all transport"):
+        assert words in messages[0], messages[0]
+    assert not (tmp_path / "run").exists()

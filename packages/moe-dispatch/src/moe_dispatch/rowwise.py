@@ -44,6 +44,11 @@ class RowTransport(Protocol):
 
     name: str
 
+    def connect(self, device: torch.device) -> None:
+        """Set up what the first exchange would (a collective), raising ``RuntimeError`` with
+        one line on every rank if this group cannot use the transport."""
+        ...
+
     def exchange_blocks(
         self,
         block_shape: tuple[int, ...],

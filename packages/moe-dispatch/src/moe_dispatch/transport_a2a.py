@@ -74,6 +74,9 @@ class PaddedAllToAllTransport:
         self.group = group
         self.ep = group.size()
 
+    def connect(self, device: torch.device) -> None:
+        """Nothing to set up: the process group is the transport."""
+
     def exchange_blocks(
         self,
         block_shape: tuple[int, ...],

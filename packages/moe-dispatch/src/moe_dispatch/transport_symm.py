@@ -213,6 +213,25 @@ class SymmetricMemoryTransport:
                 )
         return self._buffers[key]
 
+    def connect(self, device: torch.device) -> None:
+        """Exchange one value per rank now (collective; reads it back on the host): ranks that
+        cannot reach each other's memory fail here, all with one line, not in a forward."""
+        device = torch.device(device)
+        received_P1 = self.exchange_blocks(
+            (1,),
+            torch.int64,
+            device,
+            lambda peer, dest: dest.fill_(self.rank),
+            lambda received: received.clone(),
+        )
+        expected_P1 = torch.arange(self.ep, device=device).unsqueeze(1)
+        if not torch.equal(received_P1, expected_P1):
+            raise RuntimeError(
+                f"rowwise transport symmetric_memory on {device.type}: rank {self.rank} "
+                f"received {received_P1.flatten().tolist()} from its peers, not their ranks "
+                f"{list(range(self.ep))}; use the all_to_all transport"
+            )
+
     def exchange_blocks(
         self,
         block_shape: tuple[int, ...],

@@ -81,9 +81,12 @@ def dispatcher_factory(config: Config, runtime: Runtime) -> DispatcherFactory:
             "max_tokens_per_rank": config.data.micro_batch_size * config.data.seq_len,
         }
         if name == "rowwise":
-            kwargs["row_transport"] = make_row_transport(
-                parallel.rowwise_transport, runtime.layout.ep_group
-            )
+            transport = make_row_transport(parallel.rowwise_transport, runtime.layout.ep_group)
+            try:
+                transport.connect(runtime.device)
+            except RuntimeError as e:
+                raise ConfigError(f"parallel.rowwise_transport: {e}") from e
+            kwargs["row_transport"] = transport
 
     def build(layer: int) -> Dispatcher:
         try:
