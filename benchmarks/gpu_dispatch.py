@@ -34,6 +34,8 @@ def run_backend(name, dispatcher, x, topk_idx, weight, steps, sync_free):
         out.sum().backward()
         return out.detach()
 
+    if isinstance(dispatcher, RowwiseDispatcher):
+        dispatcher.transport.connect(x.device)  # a clear error if the memory path is broken
     x.grad = None
     result = (step(), x.grad.clone())
     synchronize(x.device)
