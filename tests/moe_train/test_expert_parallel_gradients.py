@@ -149,11 +149,12 @@ def test_outputs_and_gradients_match_single_process(single_process, world_size, 
                 )
 
 
-def _deepep_without_library(rank: int, world_size: int, run_dir: str) -> str:
+def _config_error_of_training(dispatcher: str, run_dir: str) -> str:
+    """The ConfigError that training on the built-in data at ep 2 stops with, as text."""
     from moe_train.errors import ConfigError
     from moe_train.train import train
 
-    config = _config(2, "deepep")
+    config = _config(2, dispatcher)
     config.data.paths = ["builtin:stdlib"]
     config.train.run_dir = run_dir
     config.model.vocab_size = 320  # the byte-level built-in data
@@ -162,6 +163,10 @@ def _deepep_without_library(rank: int, world_size: int, run_dir: str) -> str:
     except ConfigError as e:
         return str(e)
     return "no error"
+
+
+def _deepep_without_library(rank: int, world_size: int, run_dir: str) -> str:
+    return _config_error_of_training("deepep", run_dir)
 
 
 def test_deepep_without_deepep_is_one_clear_error_on_every_rank(tmp_path):
@@ -184,20 +189,10 @@ def _symmetric_memory_across_hosts(rank: int, world_size: int, run_dir: str) -> 
     from unittest import mock
 
     import moe_dispatch.transport_symm as transport_symm
-    from moe_train.errors import ConfigError
-    from moe_train.train import train
 
-    config = _config(2, "rowwise/symmetric_memory")
-    config.data.paths = ["builtin:stdlib"]
-    config.train.run_dir = run_dir
-    config.model.vocab_size = 320  # the byte-level built-in data
     own_folder = Path(tempfile.mkdtemp(prefix="moe-shm-test-"))
     with mock.patch.object(transport_symm, "_shared_memory_folder", lambda: own_folder):
-        try:
-            train(config)
-        except ConfigError as e:
-            return str(e)
-    return "no error"
+        return _config_error_of_training("rowwise/symmetric_memory", run_dir)
 
 
 def test_symmetric_memory_across_hosts_is_one_clear_error_on_every_rank(tmp_path):
