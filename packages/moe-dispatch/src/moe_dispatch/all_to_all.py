@@ -21,7 +21,7 @@ from moe_dispatch.capacity import (
     check_capacity_factor,
     keep_mask_within_capacity,
 )
-from moe_dispatch.protocol import DispatchHandle, check_routing, state_of
+from moe_dispatch.protocol import DispatchHandle, check_expert_output, check_routing, state_of
 from moe_dispatch.transport_a2a import exchange_rows
 from moe_kernels import Permutation, permute, unpermute
 
@@ -134,11 +134,7 @@ class AllToAllDispatcher:
         """Return expert outputs to their source ranks; weighted sum per token, [T, D]."""
         state = state_of(handle, _AllToAllState, "AllToAllDispatcher")
         num_rows = state.recv_permutation.source_token.shape[0]
-        if expert_output.dim() != 2 or expert_output.shape[0] != num_rows:
-            raise ValueError(
-                f"AllToAllDispatcher.combine: expert_output must be [{num_rows}, D] as dispatch "
-                f"gave, got {tuple(expert_output.shape)}"
-            )
+        check_expert_output("AllToAllDispatcher", expert_output, num_rows)
         # Alignment padding rows are never read (index_select only picks received rows).
         y_recv_RD = expert_output.index_select(0, state.recv_permutation.row_of_copy)
         y_sent_SD = exchange_rows(y_recv_RD, state.send_splits, state.recv_splits, self.group)

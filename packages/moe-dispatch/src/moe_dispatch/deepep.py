@@ -42,7 +42,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_dispatch.all_to_all import check_expert_parallel_args
-from moe_dispatch.protocol import BackendUnavailable, DispatchHandle, check_routing, state_of
+from moe_dispatch.protocol import (
+    BackendUnavailable,
+    DispatchHandle,
+    check_expert_output,
+    check_routing,
+    state_of,
+)
 from moe_kernels import Permutation, permute, unpermute
 
 __all__ = ["DeepEPDispatcher", "deep_ep_module"]
@@ -273,11 +279,7 @@ class DeepEPDispatcher:
         """
         state = state_of(handle, _DeepEPState, "DeepEPDispatcher")
         num_rows = state.permutation.source_token.shape[0]
-        if expert_output.dim() != 2 or expert_output.shape[0] != num_rows:
-            raise ValueError(
-                f"DeepEPDispatcher.combine: expert_output must be [{num_rows}, H] as dispatch "
-                f"gave, got {tuple(expert_output.shape)}"
-            )
+        check_expert_output("DeepEPDispatcher", expert_output, num_rows)
         width = expert_output.shape[1]
         _check_row_width("combine", "expert_output", width)
         if width > state.max_hidden:

@@ -73,6 +73,15 @@ def check_routing(backend: str, topk_idx_TK: Tensor, topk_weight_TK: Tensor) -> 
     return topk_idx_TK.shape[0], topk_idx_TK.shape[1]
 
 
+def check_expert_output(backend: str, expert_output: Tensor, num_rows: int) -> None:
+    """ValueError naming `backend` unless `expert_output` is [num_rows, H], as dispatch gave."""
+    if expert_output.dim() != 2 or expert_output.shape[0] != num_rows:
+        raise ValueError(
+            f"{backend}.combine: expert_output must be [{num_rows}, H] as dispatch gave, got "
+            f"{tuple(expert_output.shape)}"
+        )
+
+
 def state_of(handle: DispatchHandle, state_type: type[StateT], backend: str) -> StateT:
     """The backend state in `handle`; TypeError if another backend made the handle."""
     if not isinstance(handle.state, state_type):

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from moe_dispatch.all_to_all import check_expert_parallel_args
 from moe_dispatch.capacity import capacity_per_expert, position_in_expert
-from moe_dispatch.protocol import DispatchHandle, check_routing, state_of
+from moe_dispatch.protocol import DispatchHandle, check_expert_output, check_routing, state_of
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
 from moe_dispatch.transport_symm import SymmetricMemoryTransport
 
@@ -334,15 +334,8 @@ class RowwiseDispatcher:
         state = state_of(handle, _RowwiseState, "RowwiseDispatcher")
         plan = state.plan
         num_tokens, top_k = state.topk_weight_TK.shape
-        if (
-            expert_output.dim() != 2
-            or expert_output.shape[0] != plan.num_local * plan.rows_per_expert
-        ):
-            raise ValueError(
-                f"RowwiseDispatcher.combine: expert_output must be "
-                f"[{plan.num_local * plan.rows_per_expert}, D] as dispatch gave, got "
-                f"{tuple(expert_output.shape)}"
-            )
+        num_rows = plan.num_local * plan.rows_per_expert
+        check_expert_output("RowwiseDispatcher", expert_output, num_rows)
         y_TKD = _CombineRows.apply(expert_output, plan).view(num_tokens, top_k, -1)
         weight_TK = state.topk_weight_TK.to(y_TKD.dtype)
         return torch.bmm(weight_TK.unsqueeze(1), y_TKD).squeeze(1)
