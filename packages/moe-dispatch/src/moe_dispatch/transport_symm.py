@@ -1,10 +1,11 @@
 """Symmetric-memory transport of the rowwise dispatcher: ranks write straight into peers' memory.
 
-Every rank of the EP group holds one receive buffer ``[ep, *block_shape]`` that its peers can
-write. An exchange is: barrier (peers have finished reading the buffer's last contents), write
-the block for rank p straight into block ``my_rank`` of rank p's buffer, barrier (every write
-into this rank's buffer has landed), read this rank's buffer. No split sizes, no host reads of
-tensor values. One algorithm over two kinds of memory, chosen by the tensors' device:
+Every rank of the EP group holds two alternating receive buffers ``[ep, *block_shape]`` that
+its peers can write. An exchange writes the block for rank p straight into block ``my_rank``
+of rank p's buffer, passes one barrier (every write into this rank's buffer has landed), and
+reads this rank's buffer. One barrier suffices because exchanges alternate buffers: a buffer
+written now was last read two exchanges ago, and every peer finished that read before it
+entered the previous exchange's barrier. No split sizes, no host reads of tensor values. One algorithm over two kinds of memory, chosen by the tensors' device:
 
 - CUDA: torch symmetric memory (``torch.distributed._symmetric_memory``: ``empty``,
   ``rendezvous``, ``get_buffer``, the device-side ``barrier``); peer-to-peer stores over NVLink,
@@ -46,7 +47,7 @@ def symm_mem_available() -> bool:
 
 
 class _PeerBuffers(Protocol):
-    """One ``[ep, *block_shape]`` receive buffer per rank, writable by every rank."""
+    """One receive buffer per rank (any shape), writable by every rank."""
 
     local_PB: Tensor
 
@@ -179,8 +180,9 @@ class SymmetricMemoryTransport:
     """Fixed-size blocks written straight into peers' buffers: torch symmetric memory for CUDA
     tensors (untested on a GPU), shared-memory files for CPU tensors. Peers share a node.
 
-    One receive buffer per (block shape, dtype, device), allocated at its first exchange (a
-    host-blocking collective) and reused: share one transport between the layers of a model.
+    Two alternating receive buffers per (block shape, dtype, device), allocated at their first
+    exchange (a host-blocking collective) and reused: share one transport between the layers
+    of a model.
     A transport of the rowwise dispatcher; see ``RowTransport``.
     """
 
@@ -191,10 +193,15 @@ class SymmetricMemoryTransport:
         self.ep = group.size()
         self.rank = dist.get_rank(group)
         self._buffers: dict[tuple, _PeerBuffers] = {}
+        """(shape, dtype, device) -> buffers ``[2, ep, *block_shape]`` on every rank."""
+        self._exchanges: dict[tuple, int] = {}
+        """Exchanges so far per key: their parity picks the buffer."""
 
-    def _buffers_for(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> _PeerBuffers:
+    def _next_buffer(
+        self, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> tuple[_PeerBuffers, int]:
+        """The buffers for these blocks and which of the two this exchange uses."""
+        shape = (2, self.ep, *block_shape)
         key = (shape, dtype, device)
         if key not in self._buffers:
             if device.type == "cuda":
@@ -211,7 +218,10 @@ class SymmetricMemoryTransport:
                     f"rowwise transport symmetric_memory moves cuda or cpu tensors, not "
                     f"{device.type}; use the all_to_all transport"
                 )
-        return self._buffers[key]
+            self._exchanges[key] = 0
+        which = self._exchanges[key] % 2
+        self._exchanges[key] += 1
+        return self._buffers[key], which
 
     def connect(self, device: torch.device) -> None:
         """Exchange one value per rank now (collective; reads it back on the host): ranks that
@@ -242,10 +252,8 @@ class SymmetricMemoryTransport:
     ) -> Tensor:
         """``write_block(p, dest)`` straight into rank p's buffer (block ``my_rank``), then
         ``read(this rank's buffer)`` once every rank's writes have landed."""
-        buffers = self._buffers_for((self.ep, *block_shape), dtype, torch.device(device))
-        # Peers have finished reading the buffer's last contents.
-        buffers.barrier()
+        buffers, which = self._next_buffer(block_shape, dtype, torch.device(device))
         for peer in range(self.ep):
-            write_block(peer, buffers.peer(peer)[self.rank])
+            write_block(peer, buffers.peer(peer)[which, self.rank])
         buffers.barrier()
-        return read(buffers.local_PB)
+        return read(buffers.local_PB[which])
