@@ -1,10 +1,12 @@
-"""Router properties against values worked out by hand on a small case."""
+"""Router outputs against values worked out by hand and a float64 reference of the router."""
 
 import math
 
 import pytest
 import torch
+from torch import Tensor
 
+from assertions import assert_close_report
 from moe_train.config import MoEConfig
 from moe_train.model import Router
 
@@ -42,12 +44,84 @@ def test_z_loss_matches_hand_computation():
     assert out.z_loss.item() == pytest.approx(sum(v * v for v in lse) / 3, rel=1e-6)
 
 
-def test_topk_weights_are_scores_and_renormalise_when_asked():
+def test_softmax_topk_weights_are_the_chosen_probabilities():
     plain = _router(top_k=2)(TOKENS)
     expected = [sorted(_softmax(*row), reverse=True) for row in TOKENS.tolist()]
     torch.testing.assert_close(plain.topk_weight_TK, torch.tensor(expected), rtol=1e-6, atol=0)
-    sigmoid = _router(top_k=1, router="sigmoid", normalize_topk=True)(TOKENS)
-    assert sigmoid.topk_weight_TK.flatten().tolist() == pytest.approx([1.0, 1.0, 1.0])
+
+
+def _sigmoid_router_reference(
+    x_TD: Tensor, weight_ED: Tensor, bias_E: Tensor, top_k: int, normalize: bool
+) -> dict:
+    """The sigmoid router written out token by token in float64.
+
+    Scores are sigmoid(logits); the top k of score + bias are chosen (largest first); their
+    combine weights are the bare scores (the bias never enters them), rescaled to sum to one
+    when `normalize`. The load-balancing loss uses the scores normalised over all experts as
+    the routing probabilities.
+    """
+    logits = (x_TD.double() @ weight_ED.double().T).tolist()
+    bias = bias_E.double().tolist()
+    num_tokens, num_experts = len(logits), len(bias)
+    idx, weights, copies = [], [], [0.0] * num_experts
+    mean_prob = [0.0] * num_experts
+    z_sum = 0.0
+    for row in logits:
+        scores = [1 / (1 + math.exp(-v)) for v in row]
+        chosen = sorted(range(num_experts), key=lambda e: scores[e] + bias[e], reverse=True)
+        chosen = chosen[:top_k]
+        chosen_scores = [scores[e] for e in chosen]
+        if normalize:
+            total = sum(chosen_scores)
+            chosen_scores = [s / total for s in chosen_scores]
+        idx.append(chosen)
+        weights.append(chosen_scores)
+        for e in chosen:
+            copies[e] += 1
+        for e in range(num_experts):
+            mean_prob[e] += scores[e] / sum(scores) / num_tokens
+        z_sum += math.log(sum(math.exp(v) for v in row)) ** 2
+    fraction = [c / (num_tokens * top_k) for c in copies]
+    return {
+        "idx": idx,
+        "weights": torch.tensor(weights, dtype=torch.float64),
+        "copies": copies,
+        "lb_loss": num_experts * sum(f * p for f, p in zip(fraction, mean_prob, strict=True)),
+        "z_loss": z_sum / num_tokens,
+    }
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_sigmoid_router_matches_float64_reference(top_k, normalize, with_bias):
+    torch.manual_seed(top_k * 4 + normalize * 2 + with_bias)
+    config = MoEConfig(num_experts=6, top_k=top_k, router="sigmoid", normalize_topk=normalize)
+    router = Router(d_model=8, config=config)
+    with torch.no_grad():
+        router.gate.weight.normal_(0, 0.5)
+        if with_bias:  # large enough to override the scores' own order for many tokens
+            router.expert_bias.copy_(torch.randn(6) * 0.5)
+    x_TD = torch.randn(40, 8)
+    out = router(x_TD)
+    ref = _sigmoid_router_reference(
+        x_TD, router.gate.weight.detach(), router.expert_bias, top_k, normalize
+    )
+    got_idx = out.topk_idx_TK.tolist()
+    for token, (got, want) in enumerate(zip(got_idx, ref["idx"], strict=True)):
+        assert got == want, f"token {token}: chose experts {got}, reference {want}"
+    assert_close_report(
+        out.topk_weight_TK, ref["weights"], rtol=1e-5, atol=1e-7, name="topk_weight_TK"
+    )
+    assert out.copies_per_expert.tolist() == ref["copies"]
+    for name in ("lb_loss", "z_loss"):
+        got = getattr(out, name).item()
+        assert got == pytest.approx(ref[name], rel=1e-5), f"{name} {got} vs reference {ref[name]}"
+    if with_bias:  # the bias must have changed the choice somewhere, or it went untested
+        unbiased = _sigmoid_router_reference(
+            x_TD, router.gate.weight.detach(), torch.zeros(6), top_k, normalize
+        )
+        assert unbiased["idx"] != ref["idx"]
 
 
 def test_bias_update_moves_against_load():

@@ -31,7 +31,19 @@ def test_metrics_file_and_resolved_config(tmp_path, make_config):
     for record in records:
         assert record.keys() >= REQUIRED_METRICS
         assert all(math.isfinite(record[k]) for k in REQUIRED_METRICS)
-        assert record["expert_load_max_over_mean"] >= 1.0
+        # Copies at the busiest expert over the mean copies per expert, in the busiest layer.
+        # The busiest expert holds a whole number of copies, at least the mean and at most
+        # one per token of the step (a token's top-k experts are distinct): 8 x 32 tokens,
+        # top 2 of 4 experts give a mean of 128, so the ratio is some k / 128, 128 <= k <= 256.
+        moe = config.model.moe
+        step_tokens = config.data.global_batch_size * config.data.seq_len
+        mean_copies = step_tokens * moe.top_k / moe.num_experts
+        busiest = record["expert_load_max_over_mean"] * mean_copies
+        assert abs(busiest - round(busiest)) < 1e-6 and mean_copies <= busiest <= step_tokens, (
+            f"step {record['step']}: expert_load_max_over_mean="
+            f"{record['expert_load_max_over_mean']} means {busiest} copies at the busiest expert; "
+            f"expected a whole number from {mean_copies} to {step_tokens}"
+        )
         assert record["dropped_token_frac"] == 0.0
         assert record["mfu"] > 0
     assert [r["loss"] for r in records] == result.losses
