@@ -8,11 +8,12 @@ phases:
    tokens/s is the median of its own `metrics.jsonl` records over the timed steps (all ranks).
 2. Memory: the same model, optimizer, gradient reducer and pipeline, built the way the trainer
    builds them, run for `--probe-warmup` steps, then 3 instrumented steps whose forward and
-   backward are the trainer's own (`_accumulate_gradients`, or the pipeline schedule):
+   backward are the trainer's own (`StepRunner`'s phases: forward and backward, reduction and
+   clipping, statistics, the update):
    - params: bytes of this rank's parameters;
    - grads: bytes freed when the step drops its gradients (`zero_grad`): the `.grad` tensors,
      or the distributed optimizer's reduced shards;
-   - optim: torch AdamW's state tensors, or `DistributedAdamW.state_bytes()`;
+   - optim: the optimizer's `state_bytes()` (AdamW's moments, whole or sharded);
    - activations: bytes held for backward after the forward of this rank's first micro-batch
      of a step (the model's forward, or this rank's first pipeline-stage forward); the least
      over the instrumented steps, since caches keyed by shapes (routing changes the expert
@@ -51,7 +52,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_parallel import DistributedAdamW, clip_grad_norm
 from moe_train.config import Config, load_config
 from moe_train.data import TokenDataset
 from moe_train.train import read_metrics, train
@@ -203,30 +203,18 @@ def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | DistributedAdamW) -> int:
-    if isinstance(optimizer, DistributedAdamW):
-        return optimizer.state_bytes()
-    return _tensor_bytes(
-        value
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    )
-
-
 def probe_memory(config: Config, warm_steps: int) -> RankMemory:
     """Build the trainer's model, optimizer and reducer on the CPU and measure one step."""
     runtime = start_runtime(config, CPU)
     try:
         return _probe(config, runtime, warm_steps)
     finally:
-        runtime.close()
+        runtime.close(clean=True)
 
 
 def _probe(config: Config, runtime: Runtime, warm_steps: int) -> RankMemory:
-    # The trainer's own StepRunner (construction and step), minus files; the update is
-    # spelled out to read the gradient memory between the optimizer step and zero_grad.
-    layout = runtime.layout
+    # The trainer's own StepRunner, construction and step phases (`StepRunner.train_step`
+    # spelled out to read the gradient memory between the optimizer step and zero_grad).
     keep_freed_host_memory()
     data, train_cfg = config.data, config.train
     dataset = TokenDataset(data.paths, data.seq_len)
@@ -234,13 +222,11 @@ def _probe(config: Config, runtime: Runtime, warm_steps: int) -> RankMemory:
     gc.collect()
     baseline = in_use_bytes()
     runner = StepRunner(config, runtime)
-    model, optimizer, reducer, pipeline = (
-        runner.model,
-        runner.optimizer,
-        runner.reducer,
-        runner.pipeline,
-    )
-    sharded, grad_clip = runner.sharded, runner.grad_clip
+    model, optimizer, pipeline = runner.model, runner.optimizer, runner.pipeline
+    # Replicated AdamW keeps the .grad tensors as views of persistent reduction buckets (dp >
+    # 1) that zero_grad keeps: count the tensors. The distributed optimizer frees its reduced
+    # shards: count what zero_grad releases.
+    sharded = config.parallel.distributed_optimizer
     probe = FirstForwardProbe([s.submod for s in pipeline.stages] if pipeline else [model])
     model.train()
 
@@ -256,33 +242,21 @@ def _probe(config: Config, runtime: Runtime, warm_steps: int) -> RankMemory:
         with tracker if measured else contextlib.nullcontext():
             tracker.phase = "forward/backward"
             lm_loss_sum = runner.forward_backward(mine)
-            tracker.phase = "reducer.finish"
-            reducer.finish()
-            tracker.phase = "clip and optimizer step"
+            tracker.phase = "reduction and clipping"
+            runner.reduce_and_clip()
             if not sharded:
                 grad_tensor_bytes = _tensor_bytes(
                     p.grad for p in model.parameters() if p.grad is not None
                 )
-            lr = lr_at(step, config.optim, train_cfg.max_steps)
-            if sharded:
-                optimizer.clip_grad_norm_(grad_clip)
-                optimizer.step(lr)
-                with_grads = in_use_bytes()
-                optimizer.zero_grad()
-                # Gradient memory: what dropping the gradients frees (a difference across the
-                # whole step would also count caches that grow with new routing shapes).
-                released = with_grads - in_use_bytes()
-            else:
-                clip_grad_norm(model, grad_clip, layout)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.step()
-                # With dp > 1 the .grad tensors are views of persistent reduction buckets:
-                # count the tensors (zero_grad keeps the buckets).
-                released = grad_tensor_bytes
-                reducer.zero_grad()
             tracker.phase = "step statistics"
-            runner.step_stats(lm_loss_sum)
+            stats = runner.step_stats(lm_loss_sum)
+            tracker.phase = "optimizer step"
+            runner.apply(lr_at(step, config.optim, train_cfg.max_steps), stats)
+            with_grads = in_use_bytes()
+            optimizer.zero_grad()
+            # Gradient memory: what dropping the gradients frees (a difference across the
+            # whole step would also count caches that grow with new routing shapes).
+            released = grad_tensor_bytes if not sharded else with_grads - in_use_bytes()
         if measured:
             samples["grads"].append(released)
             samples["activations"].append(probe.held)
@@ -293,7 +267,7 @@ def _probe(config: Config, runtime: Runtime, warm_steps: int) -> RankMemory:
     return RankMemory(
         params=_tensor_bytes(iter(params)),
         grads=samples["grads"][-1],
-        optim=_optimizer_state_bytes(optimizer),
+        optim=optimizer.state_bytes(),
         # Caches keyed by shapes (routing changes the expert group sizes every step) can only
         # add to a forward's difference: the least of the measured steps is the cleanest.
         activations=min(samples["activations"]),

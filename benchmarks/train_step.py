@@ -60,15 +60,14 @@ def profile_step(config: Config, peak: float) -> dict:
         )
 
         def step() -> None:
-            runner.forward_backward(runner.my_micro_batches(batch))
-            runner.update(1e-4)
+            runner.train_step(batch, 1e-4)
 
         for _ in range(2):
             step()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             step()
     finally:
-        runtime.close()
+        runtime.close(clean=True)
     seconds = dict.fromkeys([name for name, _ in TIME_CLASSES] + ["other"], 0.0)
     for event in prof.key_averages():
         name = next((c for c, pattern in TIME_CLASSES if pattern.fullmatch(event.key)), "other")

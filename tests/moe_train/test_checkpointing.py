@@ -27,9 +27,8 @@ def test_resume_continues_bitwise(tmp_path, make_config):
     same_dir = {"resume": str(step4), "interval": 4}
     with pytest.raises(ConfigError, match="already holds checkpoints after step 4"):
         train(make_config(tmp_path / "b", train={"max_steps": 8}, checkpoint=same_dir))
-    again = train(
-        make_config(tmp_path / "b", train={"max_steps": 8}, checkpoint={"resume": str(step4)})
-    )
+    no_saves = {"resume": str(step4), "interval": 0, "interval_minutes": 0}
+    again = train(make_config(tmp_path / "b", train={"max_steps": 8}, checkpoint=no_saves))
     assert again.run_dir == first.run_dir
     assert again.losses == uninterrupted[4:]
     assert [r["loss"] for r in read_metrics(first.run_dir / "metrics.jsonl")] == uninterrupted

@@ -25,6 +25,7 @@ from moe_parallel.layout import (
     check_layout,
     single_process_layout,
 )
+from moe_parallel.replicated_optimizer import ReplicatedAdamW, TrainingOptimizer
 
 __version__ = "0.1.0"
 
@@ -33,8 +34,10 @@ __all__ = [
     "GradientReducer",
     "Layout",
     "LayoutError",
+    "ReplicatedAdamW",
     "StatePiece",
     "StateRequest",
+    "TrainingOptimizer",
     "build_layout",
     "check_layout",
     "clip_grad_norm",

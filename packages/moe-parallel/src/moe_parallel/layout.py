@@ -12,6 +12,7 @@ Within a pipeline stage:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -88,10 +89,14 @@ def single_process_layout() -> Layout:
     return Layout(1, 0, 1, 1, 1, None, None, None, None)
 
 
-def build_layout(pp: int, ep: int, num_experts: int | None = None) -> Layout:
+def build_layout(
+    pp: int, ep: int, num_experts: int | None = None, timeout: timedelta | None = None
+) -> Layout:
     """The layout of this rank in the default process group (one process if there is none).
 
     Every rank must call this at the same point: it creates the process groups collectively.
+    `timeout` bounds how long a collective of these groups waits for a rank (None: torch's
+    default for new groups, which is not the default group's own timeout).
     """
     if not dist.is_initialized():
         check_layout(1, pp, ep, num_experts)
@@ -102,18 +107,24 @@ def build_layout(pp: int, ep: int, num_experts: int | None = None) -> Layout:
     mine: dict[str, ProcessGroup | None] = {}
     for stage in range(pp):
         base = stage * dp
-        _join(mine, "dp", rank, [base + d for d in range(dp)])
+        _join(mine, "dp", rank, [base + d for d in range(dp)], timeout)
         for block in range(edp):
-            _join(mine, "ep", rank, [base + block * ep + e for e in range(ep)])
+            _join(mine, "ep", rank, [base + block * ep + e for e in range(ep)], timeout)
         for e in range(ep):
-            _join(mine, "edp", rank, [base + block * ep + e for block in range(edp)])
+            _join(mine, "edp", rank, [base + block * ep + e for block in range(edp)], timeout)
     for d in range(dp):
-        _join(mine, "pp", rank, [stage * dp + d for stage in range(pp)])
+        _join(mine, "pp", rank, [stage * dp + d for stage in range(pp)], timeout)
     return Layout(world_size, rank, pp, dp, ep, mine["dp"], mine["ep"], mine["edp"], mine["pp"])
 
 
-def _join(mine: dict[str, ProcessGroup | None], kind: str, rank: int, ranks: list[int]) -> None:
+def _join(
+    mine: dict[str, ProcessGroup | None],
+    kind: str,
+    rank: int,
+    ranks: list[int],
+    timeout: timedelta | None,
+) -> None:
     # new_group is collective over the whole world: every rank creates every group.
-    group = dist.new_group(ranks)
+    group = dist.new_group(ranks, timeout=timeout)
     if rank in ranks:
         mine[kind] = group

@@ -160,7 +160,7 @@ class OptimConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on norms or biases)."""
     warmup_steps: int = 10
-    """Steps of linear warmup from 0 to lr."""
+    """Steps of linear warmup up to lr (warmup step s, 0-based, runs at lr * (s + 1) / warmup_steps)."""
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio on the last step."""
     grad_clip: float | None = 1.0
@@ -193,9 +193,14 @@ class TrainConfig:
     """Peak matmul FLOP/s for MFU; null measures it at start-up (or looks up a known GPU)."""
     progress: bool = True
     """Show a live progress line (loss, tokens/s, MFU, ETA) on stderr."""
+    max_skipped_steps: int = 5
+    """A step whose loss or gradient norm is not finite is skipped (no update); after this
+    many such steps in a row the run stops, its last good checkpoint intact. 0 stops at the
+    first one."""
 
     def validate(self, path: str) -> None:
         _positive(self, path, "max_steps", "log_interval")
+        _non_negative(self, path, "max_skipped_steps")
         if self.seed < 0:
             raise ConfigError(f"{path}.seed={self.seed} must be >= 0")
         if self.peak_flops is not None and self.peak_flops <= 0:
@@ -223,9 +228,12 @@ class ParallelConfig:
     """Shard optimizer state over each gradient-reduction group."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute in backward."""
+    timeout_s: float = 600.0
+    """Seconds a collective waits for the other ranks (NCCL and gloo) before the run stops
+    with an error that a rank was lost; a rank that dies outright is noticed sooner."""
 
     def validate(self, path: str) -> None:
-        _positive(self, path, "ep", "pp", "virtual_stages")
+        _positive(self, path, "ep", "pp", "virtual_stages", "timeout_s")
 
 
 @dataclass(kw_only=True)
@@ -256,17 +264,32 @@ class PrecisionConfig:
 class CheckpointConfig:
     dir: str | None = None
     """Checkpoint directory; null means RUN_DIR/checkpoints."""
-    interval: int = 0
-    """Save every this many steps; 0 saves none."""
+    interval: int = 500
+    """Save every this many steps (0: not by steps). While checkpointing is on (this or
+    interval_minutes is not 0) a run also saves after its last step and when a signal stops
+    it."""
+    interval_minutes: float = 30.0
+    """Also save when this many minutes have passed since the last save or the start,
+    whichever of the two intervals comes first (0: not by time)."""
     keep_last: int = 3
     """Committed checkpoints to keep."""
     resume: str = "never"
-    """auto (newest committed checkpoint in dir, if any), never, or a checkpoint path."""
+    """auto (continue in train.run_dir from its newest committed checkpoint, if any; the
+    command to relaunch a preempted job), never (a new run; a taken run_dir gets a numbered
+    suffix), or a checkpoint path (or a directory of checkpoints: its newest)."""
+    allow_config_change: bool = False
+    """Let a resumed run change keys that alter the model or which samples a step sees
+    (model.*, data.paths, data.seq_len, data.global_batch_size, train.seed)."""
     async_save: bool = False
     """Copy the state off the training tensors and write it while training goes on."""
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the run saves checkpoints at all."""
+        return bool(self.interval or self.interval_minutes)
+
     def validate(self, path: str) -> None:
-        _non_negative(self, path, "interval")
+        _non_negative(self, path, "interval", "interval_minutes")
         _positive(self, path, "keep_last")
         if not self.resume:
             raise ConfigError(f"{path}.resume is empty; use auto, never or a checkpoint path")

@@ -3,6 +3,15 @@
 from moe_train.train.metrics import read_metrics
 from moe_train.train.peak import measure_matmul_peak, peak_flops
 from moe_train.train.schedule import lr_at
+from moe_train.train.signals import PREEMPTED_EXIT
 from moe_train.train.trainer import TrainResult, train
 
-__all__ = ["TrainResult", "lr_at", "measure_matmul_peak", "peak_flops", "read_metrics", "train"]
+__all__ = [
+    "PREEMPTED_EXIT",
+    "TrainResult",
+    "lr_at",
+    "measure_matmul_peak",
+    "peak_flops",
+    "read_metrics",
+    "train",
+]

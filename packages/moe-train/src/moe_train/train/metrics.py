@@ -32,11 +32,11 @@ class Progress:
     """A progress line with loss, tokens/s, MFU and ETA: redrawn in place on a terminal,
     printed about 50 times per run otherwise."""
 
-    def __init__(self, max_steps: int, enabled: bool, stream: TextIO = sys.stderr) -> None:
+    def __init__(self, max_steps: int, enabled: bool, stream: TextIO | None = None) -> None:
         self.max_steps = max_steps
         self.enabled = enabled
-        self.stream = stream
-        self.interactive = stream.isatty()
+        self.stream = stream or sys.stderr
+        self.interactive = self.stream.isatty()
         self.every = 1 if self.interactive else max(1, math.ceil(max_steps / 50))
         self.start = time.perf_counter()
 

@@ -17,9 +17,18 @@ import torch.distributed as dist
 
 from moe_parallel import Layout, LayoutError, build_layout, check_layout
 from moe_train.config import Config
-from moe_train.errors import ConfigError, MoeTrainError
+from moe_train.errors import ConfigError, MoeTrainError, RankLost
 
-DISTRIBUTED_TIMEOUT = timedelta(minutes=10)
+LOST_PEER_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "timed out",
+    "Timeout",
+    "NCCL communicator was aborted",
+)
+"""What gloo's and NCCL's errors say when a peer process died or stopped answering."""
 
 
 @dataclass
@@ -83,20 +92,47 @@ class Runtime:
             raise error_type(message)
         return value
 
-    def raise_if_any(self, error: str | None) -> None:
-        """Raise on every rank if any rank had `error` (so no rank waits for the others)."""
+    def raise_if_any(
+        self, error: str | None, error_type: type[MoeTrainError] = MoeTrainError
+    ) -> None:
+        """Raise `error_type` on every rank if any rank had `error` (the first rank's
+        message), so no rank goes on to wait for the others."""
         errors = [error]
         if self.distributed:
             errors = [None] * self.layout.world_size
             dist.all_gather_object(errors, error)
         for message in errors:
             if message is not None:
-                raise MoeTrainError(message)
+                raise error_type(message)
 
-    def close(self) -> None:
-        if self.owns_process_group and dist.is_initialized():
+    def close(self, *, clean: bool) -> None:
+        """Leave the process group this runtime joined. After a failure (`clean=False`) no
+        rank waits for the others: the group is torn down at once, which the other ranks see
+        as a lost peer in their next collective."""
+        if not (self.owns_process_group and dist.is_initialized()):
+            return
+        if clean:
             dist.barrier()
-            dist.destroy_process_group()
+        dist.destroy_process_group()
+
+
+def lost_rank_error(error: BaseException, timeout_s: float) -> RankLost | None:
+    """A one-line RankLost for a collective that failed because another rank died, failed on
+    its own, or stopped answering; None for any other error."""
+    text = str(error)
+    if not (
+        isinstance(error, dist.DistError)
+        or (isinstance(error, RuntimeError) and any(m in text for m in LOST_PEER_MARKERS))
+    ):
+        return None
+    first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    # gloo's messages open with a source location and go on with advice after a period.
+    detail = first_line.split("] ", 1)[-1].split(". ", 1)[0]
+    if any(m in text for m in ("Timed out", "timed out", "Timeout")):
+        cause = f"another rank did not answer within parallel.timeout_s={timeout_s:g}"
+    else:
+        cause = "another rank was lost (it died, was killed, or failed: see its own output)"
+    return RankLost(f"{cause}: {detail}")
 
 
 def launched_world_size() -> int:
@@ -145,7 +181,13 @@ def start_runtime(config: Config, device: torch.device | None = None) -> Runtime
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=DISTRIBUTED_TIMEOUT)
+        timeout = timedelta(seconds=config.parallel.timeout_s)
+        dist.init_process_group(backend, timeout=timeout)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    layout = build_layout(config.parallel.pp, config.parallel.ep, config.model.moe.num_experts)
+    layout = build_layout(
+        config.parallel.pp,
+        config.parallel.ep,
+        config.model.moe.num_experts,
+        timeout=timedelta(seconds=config.parallel.timeout_s),
+    )
     return Runtime(device=device, layout=layout, owns_process_group=owns_process_group)

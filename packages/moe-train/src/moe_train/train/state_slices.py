@@ -1,4 +1,4 @@
-"""Trainer checkpoints through moe-checkpoint: global tensors, whatever the layout.
+"""What a checkpoint holds of a rank's training state: global tensors, whatever the layout.
 
 Tensor names: the model's own (`blocks.3.ffn.experts.w_down_EHD`, with every expert) and
 `optim.exp_avg.<param>`, `optim.exp_avg_sq.<param>`, `optim.step.<param>` for AdamW. Owners:
@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from moe_checkpoint import OwnedSlice, SliceRequest, load_into, load_slices
-from moe_parallel import DistributedAdamW, Layout, StateRequest, is_expert_parameter
+from moe_checkpoint import CheckpointError, OwnedSlice, SliceRequest, load_into, load_slices
+from moe_parallel import Layout, StateRequest, TrainingOptimizer, is_expert_parameter
 from moe_train.model import Transformer
 
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
@@ -51,9 +51,6 @@ def _slice(
     return OwnedSlice.whole(name, tensor.detach())
 
 
-Optimizer = torch.optim.Optimizer | DistributedAdamW
-
-
 def _global_placement(model: Transformer, name: str) -> tuple[tuple[int, ...], int]:
     """Global shape of parameter `name` and the global flat offset of this rank's part."""
     param = model.get_parameter(name)
@@ -63,10 +60,10 @@ def _global_placement(model: Transformer, name: str) -> tuple[tuple[int, ...], i
     return (num_experts, *param.shape[1:]), _first_expert(model, name) * param[0].numel()
 
 
-def _sharded_optimizer_slices(
-    model: Transformer, optimizer: DistributedAdamW, layout: Layout
+def _optimizer_slices(
+    model: Transformer, optimizer: TrainingOptimizer, layout: Layout
 ) -> list[OwnedSlice]:
-    """The moments of this rank's optimizer shards (each element has exactly one owner)."""
+    """The moments this rank owns (each element has exactly one owner) and the step count."""
     slices = []
     for piece in optimizer.state_pieces():
         global_shape, offset = _global_placement(model, piece.name)
@@ -87,65 +84,54 @@ def _sharded_optimizer_slices(
     return slices
 
 
-def training_slices(
-    model: Transformer, optimizer: Optimizer, layout: Layout, *, owned_only: bool
-) -> list[OwnedSlice]:
-    """The pieces of model and optimizer state this rank holds (`owned_only`: writes).
-
-    With the distributed optimizer the moments come from its shards (for saving only:
-    `load_training_state` fills them through the optimizer).
-    """
+def model_slices(model: Transformer, layout: Layout, *, owned_only: bool) -> list[OwnedSlice]:
+    """Parameters and buffers this rank holds (`owned_only`: those it writes)."""
     num_experts = model.config.moe.num_experts
-    sharded = isinstance(optimizer, DistributedAdamW)
-    slices = _sharded_optimizer_slices(model, optimizer, layout) if sharded else []
+    slices = []
     for name, tensor in _named_state(model):
         expert = isinstance(tensor, nn.Parameter) and is_expert_parameter(tensor)
         owner = layout.edp_rank == 0 if expert else layout.dp_rank == 0
         if owned_only and not owner:
             continue
         slices.append(_slice(model, name, tensor, num_experts, expert))
-        if sharded:
-            continue
-        state = optimizer.state.get(tensor) if isinstance(tensor, nn.Parameter) else None
-        if state is None:
-            continue
-        for key in OPTIM_STATES:
-            piece = _slice(model, name, state[key], num_experts, expert)
-            slices.append(
-                OwnedSlice(f"optim.{key}.{name}", piece.global_shape, piece.flat_start, piece.data)
-            )
-        if not owned_only or layout.dp_rank == 0:  # one scalar: written once
-            slices.append(OwnedSlice.whole(f"optim.step.{name}", state["step"].reshape(())))
     return slices
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW's state (zeros) for every parameter, so a checkpoint can fill it."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p not in optimizer.state or not optimizer.state[p]:
-                optimizer.state[p] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
-                    "exp_avg": torch.zeros_like(p),
-                    "exp_avg_sq": torch.zeros_like(p),
-                }
+def saved_slices(
+    model: Transformer, optimizer: TrainingOptimizer, layout: Layout
+) -> list[OwnedSlice]:
+    """What this rank writes into a checkpoint: its owned model and optimizer pieces."""
+    return model_slices(model, layout, owned_only=True) + _optimizer_slices(
+        model, optimizer, layout
+    )
 
 
 def load_training_state(
-    ckpt_dir: Path, model: Transformer, optimizer: Optimizer, layout: Layout
-) -> None:
-    """Fill this rank's model and optimizer tensors from `ckpt_dir` (any saving layout).
+    ckpt_dir: Path, model: Transformer, optimizer: TrainingOptimizer, layout: Layout
+) -> str | None:
+    """Fill this rank's model and optimizer state from `ckpt_dir` (any saving layout).
 
-    Collective with the distributed optimizer (it gathers the loaded shards).
+    Collective (the distributed optimizer gathers the loaded shards): every rank reaches the
+    same collectives even when its reads fail, and gets back its error message (a checksum,
+    size or name mismatch) instead of an exception, for the caller to share with the others.
     """
-    if not isinstance(optimizer, DistributedAdamW):
-        init_optimizer_state(optimizer)
-        load_into(ckpt_dir, training_slices(model, optimizer, layout, owned_only=False))
-        return
-    model_slices = training_slices(model, optimizer, layout, owned_only=False)
-    load_into(ckpt_dir, [s for s in model_slices if category_of(s.name) == "model"])
+    errors: list[str] = []
+
+    def guarded(read: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
+        if errors:
+            return fallback()
+        try:
+            return read()
+        except CheckpointError as e:
+            errors.append(str(e))
+            return fallback()
+
+    guarded(lambda: load_into(ckpt_dir, model_slices(model, layout, owned_only=False)), list)
     first_param = next(name for name, p in model.named_parameters() if p.requires_grad)
-    (step,) = load_slices(ckpt_dir, [SliceRequest.whole(f"optim.step.{first_param}", ())])
+    (step,) = guarded(
+        lambda: load_slices(ckpt_dir, [SliceRequest.whole(f"optim.step.{first_param}", ())]),
+        lambda: [torch.zeros(())],
+    )
 
     def read(requests: list[StateRequest]) -> list[Tensor]:
         slice_requests = []
@@ -157,9 +143,13 @@ def load_training_state(
             slice_requests.append(
                 SliceRequest(name, global_shape, offset + request.flat_start, request.numel)
             )
-        return load_slices(ckpt_dir, slice_requests)
+        return guarded(
+            lambda: load_slices(ckpt_dir, slice_requests),
+            lambda: [torch.zeros(r.numel) for r in requests],
+        )
 
     optimizer.load_state(int(step.item()), read)
+    return errors[0] if errors else None
 
 
 def encode_rng_state() -> dict[str, Any]:

@@ -10,6 +10,7 @@ benchmarks drive the same steps.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,9 +20,9 @@ from torch import nn
 from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher, make_row_transport
 from moe_parallel import (
     DistributedAdamW,
-    GradientReducer,
     Layout,
-    clip_grad_norm,
+    ReplicatedAdamW,
+    TrainingOptimizer,
     decay_matrices,
 )
 from moe_train.config import Config
@@ -33,36 +34,23 @@ from moe_train.train.runtime import Runtime
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_optimizer(
-    model: nn.Module, config: Config, layout: Layout
-) -> torch.optim.Optimizer | DistributedAdamW:
-    """AdamW with weight decay on matrices only (not norms, not biases).
+def build_optimizer(model: nn.Module, config: Config, layout: Layout) -> TrainingOptimizer:
+    """AdamW with weight decay on matrices only (not norms, not biases), which also reduces
+    the gradients over the replicas.
 
     With `parallel.distributed_optimizer` its FP32 state is sharded over each gradient
-    reduction group, and it reduces the gradients itself (reduce-scatter).
+    reduction group (gradients reduce-scattered); otherwise every replica holds it whole.
     """
     optim = config.optim
-    if config.parallel.distributed_optimizer:
-        return DistributedAdamW(
-            model,
-            layout,
-            lr=optim.lr,
-            betas=tuple(optim.betas),
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-            decays=decay_matrices,
-        )
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": optim.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
+    optimizer_class = DistributedAdamW if config.parallel.distributed_optimizer else ReplicatedAdamW
+    return optimizer_class(
+        model,
+        layout,
         lr=optim.lr,
         betas=tuple(optim.betas),
         eps=optim.eps,
-        fused=True,
+        weight_decay=optim.weight_decay,
+        decays=decay_matrices,
     )
 
 
@@ -116,12 +104,19 @@ class StepStats:
     """Largest over MoE layers of (copies of the busiest expert / mean copies per expert)."""
     dropped_fraction: float
     """Token copies dropped by the capacity limit over copies routed, all layers."""
+    expert_copies_LE: torch.Tensor | None = None
+    """Copies routed to each expert of each MoE layer over the step (float64), or None
+    without MoE layers; the balancing bias update's input."""
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.lm_loss)
 
 
 def accumulate_gradients(
     model: Transformer,
     micro_batches: torch.Tensor,
-    reducer: GradientReducer | DistributedAdamW,
+    reducer: TrainingOptimizer,
     autocast: Callable[[], contextlib.AbstractContextManager],
     num_micro: int,
 ) -> torch.Tensor:
@@ -143,7 +138,7 @@ def accumulate_gradients(
 def reduce_step_stats(
     model: Transformer, lm_loss_sum: torch.Tensor, num_micro: int, runtime: Runtime
 ) -> StepStats:
-    """Sum losses and routing statistics over all ranks (one all-reduce); update the biases.
+    """Sum losses and routing statistics over all ranks (one all-reduce).
 
     Every rank contributes a row for every MoE layer of the whole model (zeros for layers it
     does not hold), so ranks on different pipeline stages reduce tensors of the same shape.
@@ -159,8 +154,6 @@ def reduce_step_stats(
     totals = runtime.sum_over_world(torch.cat([lm_loss_sum.reshape(1), rows.flatten()]))
     rows = totals[1:].view_as(rows)[model_config.dense_layers :]
     copies_LE = rows[:, :num_experts]
-    for index, layer in held.items():
-        layer.router.update_bias(copies_LE[index - model_config.dense_layers])
     if not len(rows):
         return StepStats(totals[0].item() / num_micro, 0.0, 0.0, 1.0, 0.0)
     dropped, routed, lb_sum, z_sum = rows[:, num_experts:].sum(dim=0).tolist()
@@ -171,7 +164,28 @@ def reduce_step_stats(
         z_loss=z_sum / (num_micro * len(rows)),
         load_max_over_mean=load_ratio,
         dropped_fraction=dropped / routed if routed else 0.0,
+        expert_copies_LE=copies_LE,
     )
+
+
+def update_balancing_biases(model: Transformer, copies_LE: torch.Tensor | None) -> None:
+    """Step each MoE router's balancing bias from its layer's copies per expert."""
+    if copies_LE is None:
+        return
+    for index, layer in model.moe_layers().items():
+        layer.router.update_bias(copies_LE[index - model.config.dense_layers])
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one training step did."""
+
+    stats: StepStats
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    applied: bool
+    """False when the step was skipped: the loss or gradient norm was not finite, so the
+    weights, optimizer moments and balancing biases were left as they were."""
 
 
 class StepRunner:
@@ -212,12 +226,6 @@ class StepRunner:
         ).to(device)
         self.model.set_aux_loss_scale(1.0 / self.num_micro)
         self.optimizer = build_optimizer(self.model, config, layout)
-        self.sharded = isinstance(self.optimizer, DistributedAdamW)
-        self.reducer: GradientReducer | DistributedAdamW = (
-            self.optimizer
-            if self.sharded
-            else GradientReducer(self.model, layout.dp_group, layout.edp_group)
-        )
         self.pipeline = (
             PipelineRunner(
                 self.model,
@@ -254,24 +262,32 @@ class StepRunner:
         if self.pipeline is not None:
             return self.pipeline.forward_backward(micro_batches)
         return accumulate_gradients(
-            self.model, micro_batches, self.reducer, self.autocast, self.num_micro
+            self.model, micro_batches, self.optimizer, self.autocast, self.num_micro
         )
 
-    def update(self, lr: float) -> torch.Tensor:
-        """Finish the gradient reduction, clip globally, step, clear; returns the norm."""
-        self.reducer.finish()
-        if self.sharded:
-            grad_norm = self.optimizer.clip_grad_norm_(self.grad_clip)
-            self.optimizer.step(lr)
-            self.optimizer.zero_grad()
-            return grad_norm
-        grad_norm = clip_grad_norm(self.model, self.grad_clip, self.runtime.layout)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.reducer.zero_grad()  # keeps the gradient views into the reduction buckets
-        return grad_norm
+    def reduce_and_clip(self) -> float:
+        """Finish the gradient reduction and clip globally; returns the norm before clipping."""
+        self.optimizer.finish()
+        return float(self.optimizer.clip_grad_norm_(self.grad_clip))
 
     def step_stats(self, lm_loss_sum: torch.Tensor) -> StepStats:
-        """The step's losses and routing figures over all ranks (updates the expert biases)."""
+        """The step's losses and routing figures over all ranks."""
         return reduce_step_stats(self.model, lm_loss_sum, self.num_micro, self.runtime)
+
+    def apply(self, lr: float, stats: StepStats) -> None:
+        """The update: the optimizer step and the balancing biases."""
+        self.optimizer.step(lr)
+        update_balancing_biases(self.model, stats.expert_copies_LE)
+
+    def train_step(self, batch: torch.Tensor, lr: float) -> StepResult:
+        """One step on a global batch. A step whose global loss or gradient norm is not
+        finite is skipped: nothing is updated (every rank sees the same global figures, so
+        every rank decides the same)."""
+        lm_loss_sum = self.forward_backward(self.my_micro_batches(batch))
+        grad_norm = self.reduce_and_clip()
+        stats = self.step_stats(lm_loss_sum)
+        applied = stats.finite and math.isfinite(grad_norm)
+        if applied:
+            self.apply(lr, stats)
+        self.optimizer.zero_grad()
+        return StepResult(stats, grad_norm, applied)

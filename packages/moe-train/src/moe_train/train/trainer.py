@@ -1,4 +1,10 @@
-"""The single-process training loop."""
+"""The training loop, in phases: setup, resume, step, log and save.
+
+`train` runs it in one process or as one rank of a distributed launch (every rank calls it).
+Each step ends with one small collective that the loop needs anyway (step time and peak
+memory over the ranks); it also carries the stop requests (signals) and rank 0's clock for
+time-based saves, so every rank stops and saves after the same step.
+"""
 
 from __future__ import annotations
 
@@ -7,48 +13,68 @@ import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 
-from moe_checkpoint import CheckpointError, read_trainer_state
 from moe_train.config import Config, dump_config
 from moe_train.data import TokenDataset
-from moe_train.errors import DataError, MoeTrainError
-from moe_train.model import (
-    Transformer,
-    count_params,
-    flops_per_token,
-)
+from moe_train.errors import DataError, MoeTrainError, TrainingDiverged
+from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.train.checkpointing import (
-    load_training_state,
-    restore_rng_state,
-)
-from moe_train.train.host_memory import keep_freed_host_memory
-from moe_train.train.metrics import MetricsLog, Progress
-from moe_train.train.peak import peak_flops
-from moe_train.train.run_files import (
-    PeriodicSaver,
+    Checkpoints,
     check_no_newer_checkpoints,
     checkpoint_root,
     find_resume_checkpoint,
-    prepare_run_dir,
-    truncate_metrics,
+    read_resume_state,
 )
-from moe_train.train.runtime import Runtime, start_runtime
+from moe_train.train.config_changes import Change, check_resume_config
+from moe_train.train.host_memory import keep_freed_host_memory
+from moe_train.train.metrics import MetricsLog, Progress
+from moe_train.train.peak import peak_flops
+from moe_train.train.run_dir import prepare_run_dir, truncate_metrics
+from moe_train.train.runtime import Runtime, lost_rank_error, start_runtime
 from moe_train.train.schedule import lr_at
-from moe_train.train.step import DTYPES, StepRunner
+from moe_train.train.signals import StopRequests
+from moe_train.train.step import DTYPES, StepResult, StepRunner
 
 
 @dataclass
 class TrainResult:
     run_dir: Path
-    """Where metrics.jsonl and config.yaml were written."""
+    """Where metrics.jsonl, config.yaml and (by default) the checkpoints are."""
     losses: list[float]
-    """LM loss of every step."""
+    """LM loss of every step this call ran (NaN or inf for a skipped step)."""
     model: Transformer
     """The trained model (this rank's part of it)."""
     is_main: bool = True
     """True on the rank that wrote the files (rank 0)."""
+    start_step: int = 0
+    """The step this call started at (the resumed checkpoint's, or 0)."""
+    end_step: int = 0
+    """Steps done when it ended: train.max_steps, or fewer when a signal stopped it."""
+    stopped_by: str | None = None
+    """The signal that stopped the run before train.max_steps (e.g. 'SIGTERM'), or None."""
+    checkpoint: Path | None = None
+    """The newest committed checkpoint of the run when it ended, if any."""
+    already_finished: bool = False
+    """The resumed checkpoint was already at train.max_steps: nothing ran."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A committed checkpoint to continue from, read and checked on rank 0."""
+
+    path: Path
+    state: dict[str, Any]
+    """Its trainer_state.json."""
+    changes: list[Change]
+    """Config keys that differ from the checkpoint's (all allowed)."""
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -59,125 +85,262 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def train(config: Config, *, device: torch.device | None = None) -> TrainResult:
-    """Train `config.model` on `config.data` for `config.train.max_steps` steps.
+    """Train `config.model` on `config.data` up to `config.train.max_steps` steps.
 
-    Runs in one process, or as one rank of a torchrun launch (each rank calls this).
+    Runs in one process, or as one rank of a torchrun (or cluster launcher) launch: each
+    rank calls this. A stop signal ends it early after a checkpoint (`stopped_by`).
     """
     runtime = start_runtime(config, device)
+    clean = False
+    trainer: Trainer | None = None
     try:
-        return _train(config, runtime)
+        with StopRequests(announce=runtime.is_main) as stops:
+            trainer = Trainer(config, runtime, stops)
+            result = trainer.run()
+        clean = True
+        return result
+    except RuntimeError as e:
+        lost = lost_rank_error(e, config.parallel.timeout_s) if runtime.distributed else None
+        if lost is None:
+            raise
+        last = trainer.checkpoints.last_committed if trainer and trainer.checkpoints else None
+        where = f"; the newest checkpoint is {last}" if last else ""
+        raise type(lost)(f"{lost}{where}") from e
     finally:
-        runtime.close()
+        runtime.close(clean=clean)
 
 
-def _train(config: Config, runtime: Runtime) -> TrainResult:
-    device, layout = runtime.device, runtime.layout
-    if device.type == "cpu":
-        keep_freed_host_memory()
-    compute_dtype = DTYPES[config.precision.compute_dtype]
-    data, train_cfg = config.data, config.train
+class Trainer:
+    """One rank's training run. Construction is the setup and resume phases; `run` the rest."""
 
-    dataset = TokenDataset(
-        data.paths, data.seq_len, cache_dir=Path(data.cache_dir) if data.cache_dir else None
-    )
-    if dataset.vocab_size > config.model.vocab_size:
-        raise DataError(
-            f"data.paths hold token ids up to {dataset.vocab_size - 1} but "
-            f"model.vocab_size={config.model.vocab_size}; set model.vocab_size >= "
-            f"{dataset.vocab_size}"
+    def __init__(self, config: Config, runtime: Runtime, stops: StopRequests) -> None:
+        self.config, self.runtime, self.stops = config, runtime, stops
+        self.checkpoints: Checkpoints | None = None
+        self._setup()
+        self.start_step = self.resume.step if self.resume else 0
+        self.skipped_steps = int(self.resume.state.get("skipped_steps", 0)) if self.resume else 0
+        self.bad_streak = 0
+        self.losses: list[float] = []
+        if self.already_finished:
+            return
+        self._open_files()
+        if self.resume is not None:
+            self._resume()
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        config, runtime = self.config, self.runtime
+        if runtime.device.type == "cpu":
+            keep_freed_host_memory()
+        data = config.data
+        self.dataset = TokenDataset(
+            data.paths, data.seq_len, cache_dir=Path(data.cache_dir) if data.cache_dir else None
         )
-
-    # Measured before seeding: the measurement draws random numbers.
-    peak, peak_source = peak_flops(compute_dtype, device, train_cfg.peak_flops)
-    peak = runtime.mean_over_world(peak)
-    torch.manual_seed(train_cfg.seed)
-    # Built before anything is written, so a backend that cannot run leaves no run directory.
-    runner = StepRunner(config, runtime)
-    model, optimizer = runner.model, runner.optimizer
-
-    resume_from = runtime.on_main(lambda: find_resume_checkpoint(config))
-    run_dir = runtime.on_main(
-        lambda: prepare_run_dir(train_cfg.run_dir, resuming=resume_from is not None)
-    )
-    if runtime.is_main:
-        dump_config(config, run_dir / "config.yaml")
-    progress = Progress(train_cfg.max_steps, train_cfg.progress and runtime.is_main)
-    params = count_params(config.model)
-    tokens_per_step = data.global_batch_size * data.seq_len
-    step_flops = flops_per_token(config.model, data.seq_len) * tokens_per_step
-    progress.message(
-        f"run_dir {run_dir} | {params.total / 1e6:.1f}M params ({params.active / 1e6:.1f}M "
-        f"active) | {tokens_per_step} tokens/step | world {layout.describe()} | peak "
-        f"{peak / 1e12:.2f} TFLOP/s per rank ({peak_source})"
-    )
-
-    start_step = 0
-    if resume_from is not None:
-        error = None
-        try:
-            load_training_state(resume_from, model, optimizer, layout)
-            trainer_state = read_trainer_state(resume_from)
-        except CheckpointError as e:
-            error = str(e)
-        runtime.raise_if_any(error)
-        start_step = trainer_state["step"]
-        restore_rng_state(trainer_state["rng"])
-        progress.message(f"resumed from {resume_from} at step {start_step}")
-    runtime.on_main(
-        lambda: check_no_newer_checkpoints(
-            checkpoint_root(config, run_dir), start_step, config.checkpoint.interval
-        )
-    )
-    if runtime.is_main:
-        truncate_metrics(run_dir / "metrics.jsonl", start_step)
-    metrics = MetricsLog(run_dir / "metrics.jsonl") if runtime.is_main else None
-    saver = PeriodicSaver(
-        config, checkpoint_root(config, run_dir), model, optimizer, dataset, runtime
-    )
-    losses: list[float] = []
-    model.train()
-    try:
-        for step in range(start_step, train_cfg.max_steps):
-            start = time.perf_counter()
-            batch = dataset.batch(step, data.global_batch_size, train_cfg.seed)
-            lm_loss_sum = runner.forward_backward(runner.my_micro_batches(batch))
-            lr = lr_at(step, config.optim, train_cfg.max_steps)
-            grad_norm = runner.update(lr)
-            step_stats = runner.step_stats(lm_loss_sum)
-            loss_lm = step_stats.lm_loss
-            losses.append(loss_lm)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            step_time, peak_mem = runtime.max_over_world(
-                [time.perf_counter() - start, float(peak_memory_bytes(device))]
+        if self.dataset.vocab_size > config.model.vocab_size:
+            raise DataError(
+                f"data.paths hold token ids up to {self.dataset.vocab_size - 1} but "
+                f"model.vocab_size={config.model.vocab_size}; set model.vocab_size >= "
+                f"{self.dataset.vocab_size}"
             )
-            record = {
-                "step": step,
-                "loss": loss_lm,
-                "lb_loss": step_stats.lb_loss,
-                "z_loss": step_stats.z_loss,
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                "tokens_per_s": tokens_per_step / step_time,
-                "mfu": step_flops / step_time / (peak * layout.world_size),
-                "expert_load_max_over_mean": step_stats.load_max_over_mean,
-                "dropped_token_frac": step_stats.dropped_fraction,
-                "peak_mem_bytes": int(peak_mem),
-                "step_time_s": step_time,
-            }
-            logged = step % train_cfg.log_interval == 0 or step == train_cfg.max_steps - 1
-            if metrics is not None and (logged or not math.isfinite(loss_lm)):
-                metrics.write(record)
-            progress.update(step, record)
-            if math.isfinite(loss_lm):
-                saver.after_step(step)
-            else:
-                raise MoeTrainError(
-                    f"the loss became {loss_lm} at step {step}; lower optim.lr "
-                    f"(now {config.optim.lr}) or set optim.grad_clip"
-                )
-        saver.finish()
-    finally:
-        if metrics is not None:
-            metrics.close()
-    return TrainResult(run_dir=run_dir, losses=losses, model=model, is_main=runtime.is_main)
+        # Measured before seeding: the measurement draws random numbers.
+        compute_dtype = DTYPES[config.precision.compute_dtype]
+        peak, self.peak_source = peak_flops(compute_dtype, runtime.device, config.train.peak_flops)
+        self.peak = runtime.mean_over_world(peak)
+        torch.manual_seed(config.train.seed)
+        # Built before anything is written, so a backend that cannot run leaves no run directory.
+        self.runner = StepRunner(config, runtime)
+        self.resume: ResumePoint | None = runtime.on_main(lambda: _find_resume_point(config))
+        self.already_finished = bool(self.resume and self.resume.step >= config.train.max_steps)
+        self.run_dir: Path = runtime.on_main(lambda: _open_run_dir(config, self.resume))
+
+    def _open_files(self) -> None:
+        config, runtime = self.config, self.runtime
+        root = checkpoint_root(config, self.run_dir)
+        self.checkpoints = Checkpoints(
+            config, root, self.runner.model, self.runner.optimizer, self.dataset, runtime
+        )
+        if self.resume is not None:
+            self.checkpoints.last_committed = self.resume.path
+        if config.checkpoint.enabled:
+            runtime.on_main(lambda: check_no_newer_checkpoints(root, self.start_step))
+        if runtime.is_main:
+            dump_config(config, self.run_dir / "config.yaml")
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.start_step)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl") if runtime.is_main else None
+        self.progress = Progress(config.train.max_steps, config.train.progress and runtime.is_main)
+        params = count_params(config.model)
+        data = config.data
+        self.tokens_per_step = data.global_batch_size * data.seq_len
+        self.step_flops = flops_per_token(config.model, data.seq_len) * self.tokens_per_step
+        self.progress.message(
+            f"run_dir {self.run_dir} | {params.total / 1e6:.1f}M params "
+            f"({params.active / 1e6:.1f}M active) | {self.tokens_per_step} tokens/step | world "
+            f"{runtime.layout.describe()} | peak {self.peak / 1e12:.2f} TFLOP/s per rank "
+            f"({self.peak_source})"
+        )
+
+    # ---- resume ------------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        assert self.resume is not None and self.checkpoints is not None
+        self.checkpoints.load(self.resume.path)
+        changes = ", ".join(c.describe() for c in self.resume.changes)
+        saved_layout = self.resume.state.get("topology")
+        layout = self.runtime.layout.describe()
+        moved = f"; layout {saved_layout} -> {layout}" if saved_layout not in (None, layout) else ""
+        self.progress.message(
+            f"resumed from {self.resume.path} at step {self.start_step}"
+            + (f"; changed: {changes}" if changes else "")
+            + moved
+        )
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def run(self) -> TrainResult:
+        """The step, log and save phases, step after step, until train.max_steps or a stop."""
+        max_steps = self.config.train.max_steps
+        stopped_by = None
+        next_step = self.start_step
+        if not self.already_finished:
+            self.runner.model.train()
+            try:
+                for step in range(self.start_step, max_steps):
+                    result, flags = self._step(step)
+                    next_step = step + 1
+                    self._check_bad_streak(step, result)
+                    if flags["stop"] and next_step < max_steps:
+                        stopped_by = self.stops.signal_name or "a signal on another rank"
+                    self._save(next_step, time_due=flags["time_due"], stop=bool(stopped_by))
+                    if stopped_by:
+                        break
+                self.checkpoints.finish()
+            finally:
+                if self.metrics is not None:
+                    self.metrics.close()
+        return TrainResult(
+            run_dir=self.run_dir,
+            losses=self.losses,
+            model=self.runner.model,
+            is_main=self.runtime.is_main,
+            start_step=self.start_step,
+            end_step=next_step,
+            stopped_by=stopped_by,
+            checkpoint=self.checkpoints.last_committed if self.checkpoints else self.resume.path,
+            already_finished=self.already_finished,
+        )
+
+    def _step(self, step: int) -> tuple[StepResult, dict[str, bool]]:
+        """The step phase, then the log phase; returns the step and the ranks' agreed flags."""
+        config, runtime = self.config, self.runtime
+        start = time.perf_counter()
+        batch = self.dataset.batch(step, config.data.global_batch_size, config.train.seed)
+        lr = lr_at(step, config.optim, config.train.max_steps)
+        result = self.runner.train_step(batch, lr)
+        self.losses.append(result.stats.lm_loss)
+        if not result.applied:
+            self.skipped_steps += 1
+        if runtime.device.type == "cuda":
+            torch.cuda.synchronize(runtime.device)
+        time_due = runtime.is_main and self.checkpoints.due_by_time()
+        step_time, peak_mem, stop, time_due = runtime.max_over_world(
+            [
+                time.perf_counter() - start,
+                float(peak_memory_bytes(runtime.device)),
+                float(self.stops.requested),
+                float(time_due),
+            ]
+        )
+        self._log(step, lr, result, step_time, int(peak_mem))
+        return result, {"stop": stop > 0, "time_due": time_due > 0}
+
+    def _log(self, step: int, lr: float, result: StepResult, step_time: float, peak: int) -> None:
+        stats, train_cfg = result.stats, self.config.train
+        record = {
+            "step": step,
+            "loss": _finite_or_none(stats.lm_loss),
+            "lb_loss": _finite_or_none(stats.lb_loss),
+            "z_loss": _finite_or_none(stats.z_loss),
+            "lr": lr,
+            "grad_norm": _finite_or_none(result.grad_norm),
+            "tokens_per_s": self.tokens_per_step / step_time,
+            "mfu": self.step_flops / step_time / (self.peak * self.runtime.layout.world_size),
+            "expert_load_max_over_mean": stats.load_max_over_mean,
+            "dropped_token_frac": stats.dropped_fraction,
+            "peak_mem_bytes": peak,
+            "step_time_s": step_time,
+            "skipped_steps": self.skipped_steps,
+        }
+        logged = step % train_cfg.log_interval == 0 or step == train_cfg.max_steps - 1
+        if self.metrics is not None and (logged or not result.applied):
+            self.metrics.write(record)
+        if not result.applied:
+            self.progress.message(
+                f"step {step} skipped: loss {stats.lm_loss}, grad_norm {result.grad_norm} "
+                f"({self.bad_streak + 1} in a row, train.max_skipped_steps="
+                f"{train_cfg.max_skipped_steps})"
+            )
+        self.progress.update(step, {**record, "loss": stats.lm_loss})
+
+    def _check_bad_streak(self, step: int, result: StepResult) -> None:
+        """Stop when more than train.max_skipped_steps steps in a row were skipped."""
+        self.bad_streak = 0 if result.applied else self.bad_streak + 1
+        limit = self.config.train.max_skipped_steps
+        if self.bad_streak <= limit:
+            return
+        last = self.checkpoints.last_committed
+        kept = f"the newest checkpoint is {last}" if last else "no checkpoint was saved"
+        raise TrainingDiverged(
+            f"the loss or gradient norm was not finite in {self.bad_streak} steps in a row "
+            f"(the last: step {step}, loss {result.stats.lm_loss}, grad_norm "
+            f"{result.grad_norm}), more than train.max_skipped_steps={limit}; stopped, and "
+            f"{kept}: lower optim.lr (now {self.config.optim.lr}) or set optim.grad_clip"
+        )
+
+    # ---- save --------------------------------------------------------------------------
+
+    def _save(self, next_step: int, *, time_due: bool, stop: bool) -> None:
+        """The save phase: by steps, by time, after the last step, and before a stop."""
+        checkpoints = self.checkpoints
+        if not checkpoints.enabled:
+            return
+        last = next_step == self.config.train.max_steps
+        if last or stop or time_due or checkpoints.due_by_steps(next_step):
+            loop_state = {"skipped_steps": self.skipped_steps}
+            checkpoints.save(next_step, loop_state)
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no NaN or infinity: a non-finite figure is written as null."""
+    return value if math.isfinite(value) else None
+
+
+def _find_resume_point(config: Config) -> ResumePoint | None:
+    """The checkpoint to continue from, with the config changes it allows (rank 0)."""
+    path = find_resume_checkpoint(config)
+    if path is None:
+        return None
+    state = read_resume_state(path)
+    if not isinstance(state.get("config"), dict) or "step" not in state:
+        raise MoeTrainError(f"{path}/trainer_state.json holds no step or config to resume")
+    changes = check_resume_config(
+        state["config"], config.to_dict(), path, config.checkpoint.allow_config_change
+    )
+    return ResumePoint(path, state, changes)
+
+
+def _open_run_dir(config: Config, resume: ResumePoint | None) -> Path:
+    """The run directory (rank 0). With resume=auto it is train.run_dir itself, also when a
+    job was stopped before its first checkpoint, as long as it holds the same run."""
+    auto = config.checkpoint.resume == "auto"
+    saved_config = Path(config.train.run_dir) / "config.yaml"
+    if auto and resume is None and saved_config.is_file():
+        try:
+            saved = yaml.safe_load(saved_config.read_text())
+        except yaml.YAMLError as e:
+            raise MoeTrainError(f"{saved_config} is not valid YAML; move it away") from e
+        if isinstance(saved, dict):
+            check_resume_config(
+                saved, config.to_dict(), saved_config, config.checkpoint.allow_config_change
+            )
+    return prepare_run_dir(config.train.run_dir, reuse=auto or resume is not None)

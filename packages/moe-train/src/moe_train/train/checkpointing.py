@@ -1,0 +1,200 @@
+"""The trainer's checkpoints: where they live, when they are written, and what resume loads.
+
+Everything the loop does with checkpoints goes through `Checkpoints`: `read_state` and `load`
+on resume, `due` after each step, `save`, and `finish` at the end. The tensors themselves
+(which rank writes and reads which piece) are `state_slices`' business.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_checkpoint import (
+    CheckpointError,
+    SaveHandle,
+    latest_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+    read_trainer_state,
+    save_checkpoint,
+)
+from moe_parallel import TrainingOptimizer
+from moe_train.config import Config
+from moe_train.data import TokenDataset
+from moe_train.errors import ConfigError, MoeTrainError, TrainingDiverged
+from moe_train.model import Transformer
+from moe_train.train.runtime import Runtime
+from moe_train.train.state_slices import (
+    category_of,
+    encode_rng_state,
+    load_training_state,
+    restore_rng_state,
+    saved_slices,
+)
+
+
+def checkpoint_root(config: Config, run_dir: Path | str) -> Path:
+    """Where checkpoints go: checkpoint.dir, or RUN_DIR/checkpoints."""
+    return Path(config.checkpoint.dir) if config.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
+def find_resume_checkpoint(config: Config) -> Path | None:
+    """The committed checkpoint that checkpoint.resume asks for, or None to start afresh."""
+    resume = config.checkpoint.resume
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(checkpoint_root(config, config.train.run_dir))
+    path = Path(resume)
+    if (path / "COMMITTED").is_file():
+        return path
+    if path.is_dir() and (found := latest_checkpoint(path)) is not None:
+        return found
+    raise ConfigError(
+        f"checkpoint.resume={resume} is not a committed checkpoint (no COMMITTED marker) "
+        f"nor a directory holding one; use auto, never or a checkpoint path"
+    )
+
+
+def check_no_newer_checkpoints(root: Path, start_step: int) -> None:
+    """Refuse to run on from `start_step` when saving would meet committed later steps."""
+    newer = [p for p in list_checkpoints(root) if _checkpoint_step(p) > start_step]
+    if newer:
+        raise ConfigError(
+            f"{root} already holds checkpoints after step {start_step} ({newer[-1].name}); "
+            f"resuming from step {start_step} would save over that history: set checkpoint.dir "
+            f"to another directory, or resume from {newer[-1]}"
+        )
+
+
+def _checkpoint_step(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def read_resume_state(path: Path) -> dict[str, Any]:
+    """trainer_state.json of a checkpoint to resume from (errors as MoeTrainError)."""
+    try:
+        return read_trainer_state(path)
+    except CheckpointError as e:
+        raise MoeTrainError(str(e)) from e
+
+
+class Checkpoints:
+    """Saves and loads this rank's part of the training state under `root`.
+
+    Saves every checkpoint.interval steps, or checkpoint.interval_minutes after the last
+    save, after the last step and when a signal stops the run; keeps checkpoint.keep_last.
+    Never writes a checkpoint that holds a non-finite value.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        root: Path,
+        model: Transformer,
+        optimizer: TrainingOptimizer,
+        dataset: TokenDataset,
+        runtime: Runtime,
+    ) -> None:
+        self.config = config
+        self.root = root
+        self.model = model
+        self.optimizer = optimizer
+        self.dataset = dataset
+        self.runtime = runtime
+        self.last_committed: Path | None = latest_checkpoint(root) if runtime.is_main else None
+        """The newest committed checkpoint this run saved or resumed from (rank 0 only)."""
+        self._pending: SaveHandle | None = None
+        self._last_save_time = time.monotonic()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.checkpoint.enabled
+
+    def load(self, path: Path) -> None:
+        """Fill the model, optimizer and RNG from `path`, checking every byte read; a failure
+        on any rank raises the same one-line error on every rank."""
+        error = load_training_state(path, self.model, self.optimizer, self.runtime.layout)
+        self.runtime.raise_if_any(error)
+        restore_rng_state(read_resume_state(path)["rng"])
+        self.last_committed = path
+        self._last_save_time = time.monotonic()
+
+    def due_by_steps(self, next_step: int) -> bool:
+        """Whether the state in which step `next_step` starts is due for a step-based save."""
+        interval = self.config.checkpoint.interval
+        return bool(interval) and next_step % interval == 0
+
+    def due_by_time(self) -> bool:
+        """Whether checkpoint.interval_minutes have passed since the last save (this rank's
+        clock: the loop takes rank 0's answer)."""
+        minutes = self.config.checkpoint.interval_minutes
+        return bool(minutes) and time.monotonic() - self._last_save_time >= 60 * minutes
+
+    def save(self, next_step: int, loop_state: dict[str, Any]) -> Path:
+        """Checkpoint the state in which step `next_step` starts (every rank calls this).
+
+        `loop_state` (JSON-able) is stored in trainer_state.json with the step, data
+        position, RNG state, config and topology."""
+        self._complete_pending()
+        self._check_finite(next_step)
+        data, layout = self.config.data, self.runtime.layout
+        trainer_state = {
+            "step": next_step,
+            "data": self.dataset.state(next_step, data.global_batch_size),
+            "rng": encode_rng_state(),
+            "config": self.config.to_dict(),
+            "topology": layout.describe(),
+            "saved_at": time.time(),
+            **loop_state,
+        }
+        handle = save_checkpoint(
+            self.root,
+            next_step,
+            saved_slices(self.model, self.optimizer, layout),
+            category_of,
+            trainer_state,
+            asynchronous=self.config.checkpoint.async_save,
+        )
+        self._last_save_time = time.monotonic()
+        path = self.root / f"step_{next_step:08d}"
+        if self.config.checkpoint.async_save:
+            self._pending = handle
+        else:
+            self.last_committed = path
+            self._prune()
+        return path
+
+    def finish(self) -> None:
+        """Commit a save still in flight (every rank calls this)."""
+        self._complete_pending()
+
+    def _check_finite(self, next_step: int) -> None:
+        """Raise on every rank if any rank's state to be saved holds a NaN or infinity."""
+        error = None
+        for piece in saved_slices(self.model, self.optimizer, self.runtime.layout):
+            if piece.data.is_floating_point() and not bool(torch.isfinite(piece.data).all()):
+                error = (
+                    f"tensor {piece.name} holds non-finite values after step {next_step - 1}; "
+                    f"not saving it (the newest good checkpoint stays as it is): lower optim.lr "
+                    f"(now {self.config.optim.lr}) or set optim.grad_clip"
+                )
+                break
+        self.runtime.raise_if_any(error, TrainingDiverged)
+
+    def _complete_pending(self) -> None:
+        if self._pending is not None:
+            handle, self._pending = self._pending, None
+            self.last_committed = handle.wait()
+            self._prune()
+
+    def _prune(self) -> None:
+        if self.runtime.is_main:
+            try:
+                prune_checkpoints(self.root, self.config.checkpoint.keep_last)
+            except (CheckpointError, OSError) as e:  # never fatal: the new one is committed
+                print(f"warning: could not remove old checkpoints in {self.root}: {e}")

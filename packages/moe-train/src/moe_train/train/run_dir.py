@@ -1,0 +1,43 @@
+"""The run directory and its metrics file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from moe_train.errors import ConfigError
+
+
+def prepare_run_dir(requested: str, *, reuse: bool) -> Path:
+    """The run directory: `requested` when `reuse` (a resumed run continues in it) or when it
+    is free, else the first free `requested.N` (a finished run is never overwritten)."""
+    path = Path(requested)
+    candidate, n = path, 1
+    while not reuse and candidate.exists() and any(candidate.iterdir()):
+        candidate = path.with_name(f"{path.name}.{n}")
+        n += 1
+    try:
+        candidate.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"train.run_dir={requested} cannot be created: {e.strerror}") from e
+    return candidate
+
+
+def truncate_metrics(path: Path, start_step: int) -> None:
+    """Keep only the records of steps before `start_step` (a resumed run rewrites the rest)."""
+    if not path.exists():
+        return
+    kept = [
+        line for line in path.read_text().splitlines(keepends=True) if _step_of(line) < start_step
+    ]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62  # an unreadable line (a crash mid-write) is dropped

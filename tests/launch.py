@@ -1,0 +1,141 @@
+"""Start real training processes as users do: under torchrun, or one process per rank with
+RANK / WORLD_SIZE / MASTER_ADDR set by hand (as SLURM's srun and other cluster launchers do).
+
+    procs = start_ranks(config_path, world_size=2)       # [rank 0, rank 1]
+    wait_for_records(run_dir / "metrics.jsonl", 3, procs)
+    procs[1].send_signal(signal.SIGKILL)
+    outcome = finish(procs[0], timeout=60)                # (returncode, stdout, stderr, seconds)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from distributed import free_port
+from training import small_config_data
+
+TESTS = Path(__file__).parent
+
+
+def write_config(path: Path, run_dir: Path, token_file: Path, **sections: dict) -> Path:
+    """The small test config (tests/training.py) as a YAML file."""
+    path.write_text(yaml.safe_dump(small_config_data(run_dir, token_file, **sections)))
+    return path
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def start_ranks(
+    config: Path, world_size: int, *overrides: str, script: Path | None = None
+) -> list[subprocess.Popen]:
+    """`moe-train train CONFIG` once per rank, each told its place through the environment
+    (no torchrun); `script` replaces the moe_train.cli module (a test wrapper around it)."""
+    port = str(free_port())
+    entry = [str(script)] if script else ["-m", "moe_train.cli"]
+    return [
+        subprocess.Popen(
+            [sys.executable, *entry, "train", str(config), *overrides],
+            env=_env(
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+
+
+def start_torchrun(config: Path, nproc: int, *overrides: str) -> subprocess.Popen:
+    """torchrun --standalone --nproc-per-node NPROC -m moe_train.cli train CONFIG ..."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "moe_train.cli",
+            "train",
+            str(config),
+            *overrides,
+        ],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_records(
+    metrics: Path, count: int, procs: list[subprocess.Popen], timeout: float = 120
+) -> None:
+    """Wait until `metrics` holds `count` records (fail early if a process ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= count:
+            return
+        ended = [p for p in procs if p.poll() is not None]
+        if ended:
+            _, err = ended[0].communicate()
+            raise AssertionError(f"a process ended early ({ended[0].returncode}):\n{err[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"{metrics} did not reach {count} records within {timeout} s")
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    """From the call of `finish` to the process's exit."""
+
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("error: ")]
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> Outcome:
+    """Wait for `proc` (killed and reported if it outlives `timeout`)."""
+    start = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"process still running after {timeout} s:\n{err[-3000:]}") from None
+    return Outcome(proc.returncode, out, err, time.monotonic() - start)
+
+
+def children(pid: int) -> list[int]:
+    """Process ids whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # The command name (in parentheses) may hold spaces: the parent pid follows it.
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
