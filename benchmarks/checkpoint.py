@@ -1,14 +1,18 @@
 """Checkpoint save / load throughput and async-save stall, against raw file I/O of the same bytes.
 
 In one run, interleaved (the machines are shared and noisy, so ratios matter): a raw write
-(one file, sequential ``write`` + ``fsync``) and raw read of the same bytes, against
-``save_checkpoint`` (synchronous: every byte written, fsynced, hashed, committed) and
-``load_into`` (into preallocated tensors); and the training stall of an asynchronous save (time
-until ``save_checkpoint`` returns, steady state: its staging buffer is reused) against the
-synchronous save time. Reads are cold: both files are dropped from the page cache first
-(``posix_fadvise(DONTNEED)`` after ``fsync``). Temporary files are removed at the end.
+(one file, sequential ``write`` + ``fsync``) and raw read of the same bytes (no checks), against
+``save_checkpoint`` (synchronous: every byte written, fsynced, hashed, committed),
+``load_into`` (into preallocated tensors; every byte read is checked against its chunk's CRC32)
+and ``verify_checkpoint`` (every file's sha256 and chunk CRC32s); and the training stall of an
+asynchronous save (time until ``save_checkpoint`` returns, steady state: its staging buffer is
+reused) against the synchronous save time. Reads are cold: the files are dropped from the page
+cache first (``posix_fadvise(DONTNEED)`` after ``fsync``). ``--chunk-kib`` with several sizes
+also times verified loads of checkpoints saved with the other checksum chunk sizes. Temporary
+files are removed at the end.
 
     uv run python benchmarks/checkpoint.py            # ~1 GiB, writes bench_results/checkpoint.json
+    uv run python benchmarks/checkpoint.py --chunk-kib 1024 256 4096   # chunk size sweep
     uv run python benchmarks/checkpoint.py --dcp      # also DCP's HuggingFaceStorageWriter, 2 ranks
 """
 
@@ -27,9 +31,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from moe_checkpoint import OwnedSlice, load_into, release_staging_memory, save_checkpoint
+from moe_checkpoint import (
+    OwnedSlice,
+    load_into,
+    release_staging_memory,
+    save_checkpoint,
+    verify_checkpoint,
+)
 
-TARGETS = {"save_over_raw_write": 0.5, "async_stall_over_sync_save": 0.1}
+TARGETS = {
+    "save_over_raw_write": 0.5,
+    "verified_load_over_raw_read": 0.5,
+    "async_stall_over_sync_save": 0.1,
+}
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:
@@ -78,6 +92,28 @@ def _checkpoint_files(ckpt_dir: Path) -> list[Path]:
     return sorted(ckpt_dir.glob("*.safetensors"))
 
 
+def _timed_load(path: Path, slices: list[OwnedSlice], targets: list[Tensor]) -> float:
+    """Cold `load_into` of every tensor into `targets`, checked against the sources."""
+    _drop_from_page_cache(_checkpoint_files(path))
+    for target in targets:
+        target.zero_()
+    start = time.perf_counter()
+    load_into(
+        path,
+        [OwnedSlice(s.name, s.global_shape, 0, t) for s, t in zip(slices, targets, strict=True)],
+    )
+    seconds = time.perf_counter() - start
+    assert all(torch.equal(s.data, t) for s, t in zip(slices, targets, strict=True))
+    return seconds
+
+
+def _timed_verify(path: Path) -> float:
+    _drop_from_page_cache(_checkpoint_files(path))
+    start = time.perf_counter()
+    verify_checkpoint(path)
+    return time.perf_counter() - start
+
+
 def run(args: argparse.Namespace, work_dir: Path) -> dict:
     numel = int(args.gib * 2**30 / 4 / args.tensors)
     generator = torch.Generator().manual_seed(0)
@@ -87,17 +123,27 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict:
     slices = [OwnedSlice.whole(f"layers.{i}.weight", t) for i, t in enumerate(tensors)]
     root = work_dir / "checkpoints"
     raw_path = work_dir / "raw.bin"
+    chunk_bytes = [kib * 1024 for kib in args.chunk_kib]
     times: dict[str, list[float]] = {
-        k: [] for k in ("raw_write", "save", "raw_read", "load", "async_stall", "async_total")
+        k: []
+        for k in ("raw_write", "save", "raw_read", "load", "verify", "async_stall", "async_total")
     }
+    for size in chunk_bytes[1:]:
+        times[f"load_chunk_{size // 1024}k"] = []
     step = 0
 
-    def save(asynchronous: bool) -> tuple[float, float, Path]:
+    def save(asynchronous: bool, chunk: int = chunk_bytes[0]) -> tuple[float, float, Path]:
         nonlocal step
         step += 1
         start = time.perf_counter()
         handle = save_checkpoint(
-            root, step, slices, lambda name: "model", {"step": step}, asynchronous=asynchronous
+            root,
+            step,
+            slices,
+            lambda name: "model",
+            {"step": step},
+            asynchronous=asynchronous,
+            checksum_chunk_bytes=chunk,
         )
         returned = time.perf_counter()
         path = handle.wait()
@@ -107,22 +153,16 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict:
     shutil.rmtree(save(asynchronous=True)[2])
     _raw_write(raw_path, tensors)
     os.remove(raw_path)
+    others = {size: save(asynchronous=False, chunk=size)[2] for size in chunk_bytes[1:]}
     for _ in range(args.reps):
         times["raw_write"].append(_raw_write(raw_path, tensors))
         _, save_time, path = save(asynchronous=False)
         times["save"].append(save_time)
         times["raw_read"].append(_raw_read(raw_path, targets))
-        _drop_from_page_cache(_checkpoint_files(path))
-        start = time.perf_counter()
-        load_into(
-            path,
-            [
-                OwnedSlice(s.name, s.global_shape, 0, t)
-                for s, t in zip(slices, targets, strict=True)
-            ],
-        )
-        times["load"].append(time.perf_counter() - start)
-        assert all(torch.equal(a, b) for a, b in zip(tensors, targets, strict=True))
+        times["load"].append(_timed_load(path, slices, targets))
+        for size, other in others.items():
+            times[f"load_chunk_{size // 1024}k"].append(_timed_load(other, slices, targets))
+        times["verify"].append(_timed_verify(path))
         shutil.rmtree(path)
         stall, total, path = save(asynchronous=True)
         times["async_stall"].append(stall)
@@ -135,15 +175,22 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict:
         "bytes": nbytes,
         "tensors": args.tensors,
         "reps": args.reps,
+        "checksum_chunk_bytes": chunk_bytes[0],
         "median_s": median,
         "samples_s": times,
         "raw_write_gbps": nbytes / median["raw_write"] / 1e9,
         "save_gbps": nbytes / median["save"] / 1e9,
         "raw_read_gbps": nbytes / median["raw_read"] / 1e9,
-        "load_gbps": nbytes / median["load"] / 1e9,
+        "verified_load_gbps": nbytes / median["load"] / 1e9,
+        "verify_gbps": nbytes / median["verify"] / 1e9,
         "save_over_raw_write": median["raw_write"] / median["save"],
-        "load_over_raw_read": median["raw_read"] / median["load"],
+        "verified_load_over_raw_read": median["raw_read"] / median["load"],
+        "verify_over_raw_read": median["raw_read"] / median["verify"],
         "async_stall_over_sync_save": median["async_stall"] / median["save"],
+        "verified_load_over_raw_read_by_chunk_kib": {
+            kib: median["raw_read"] / median["load" if i == 0 else f"load_chunk_{kib}k"]
+            for i, kib in enumerate(args.chunk_kib)
+        },
         "targets": TARGETS,
     }
     if args.dcp:
@@ -205,6 +252,13 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="checkpoint size in GiB")
     parser.add_argument("--tensors", type=int, default=16)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--chunk-kib",
+        type=int,
+        nargs="+",
+        default=[1024],
+        help="checksum chunk size of the main checkpoint; more sizes add verified-load rows",
+    )
     parser.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
     parser.add_argument("--out", default="bench_results/checkpoint.json")
     parser.add_argument("--dcp", action="store_true", help="also time DCP's HF writer (slow)")
@@ -217,37 +271,39 @@ def main() -> None:
         shutil.rmtree(work_dir, ignore_errors=True)
     gb = result["bytes"] / 1e9
     median = result["median_s"]
-    print(f"checkpoint I/O: {gb:.2f} GB of fp32 in {args.tensors} tensors, median of {args.reps}")
-    print(f"{'operation':<34} {'median s':>9} {'GB/s':>7} {'ratio':>7} {'target':>7}")
+    print(
+        f"checkpoint I/O: {gb:.2f} GB of fp32 in {args.tensors} tensors, median of {args.reps}, "
+        f"checksum chunks of {args.chunk_kib[0]} KiB"
+    )
+    print(f"{'operation':<38} {'median s':>9} {'GB/s':>7} {'ratio':>7} {'target':>7}")
     rows = [
-        ("raw write + fsync", median["raw_write"], result["raw_write_gbps"], None, None),
+        ("raw write + fsync", median["raw_write"], None, None),
+        ("save_checkpoint (sync)", median["save"], result["save_over_raw_write"], ">=0.50"),
+        ("raw read (cold, unchecked)", median["raw_read"], None, None),
         (
-            "save_checkpoint (sync)",
-            median["save"],
-            result["save_gbps"],
-            result["save_over_raw_write"],
+            "load_into (cold, verified)",
+            median["load"],
+            result["verified_load_over_raw_read"],
             ">=0.50",
         ),
-        ("raw read (cold)", median["raw_read"], result["raw_read_gbps"], None, None),
-        ("load_into (cold)", median["load"], result["load_gbps"], result["load_over_raw_read"], ""),
+    ]
+    by_chunk = result["verified_load_over_raw_read_by_chunk_kib"]
+    for kib in args.chunk_kib[1:]:
+        rows.append((f"  same, {kib} KiB chunks", median[f"load_chunk_{kib}k"], by_chunk[kib], ""))
+    rows += [
+        ("verify_checkpoint (cold)", median["verify"], result["verify_over_raw_read"], ""),
         (
             "async save: stall until return",
             median["async_stall"],
-            None,
             result["async_stall_over_sync_save"],
             "<=0.10",
         ),
-        (
-            "async save: return + wait",
-            median["async_total"],
-            gb / median["async_total"],
-            None,
-            None,
-        ),
+        ("async save: return + wait", median["async_total"], None, None),
     ]
-    for name, seconds, gbps, ratio, target in rows:
+    for name, seconds, ratio, target in rows:
+        gbps = f"{gb / seconds:.2f}" if not name.startswith("async save: stall") else ""
         print(
-            f"{name:<34} {seconds:>9.3f} {'' if gbps is None else f'{gbps:.2f}':>7} "
+            f"{name:<38} {seconds:>9.3f} {gbps:>7} "
             f"{'' if ratio is None else f'{ratio:.2f}':>7} {target or '':>7}"
         )
     if "dcp" in result:

@@ -2,10 +2,13 @@
 exactly at other world sizes; inconsistent ownership fails on every rank without a hang.
 
 One spawn of four processes: ranks 0-1 save as a group of two (``group=``), then all four
-load other slices (and save again, cut differently); the test process loads at world 1.
+load other slices (and save again, cut differently), and read their own expert rows of a copy
+damaged in one rank's rows; the test process loads at world 1.
 """
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -29,6 +32,8 @@ from moe_checkpoint import (
 E, H, D = 4, 6, 5
 MASTER_NUMEL = 77
 MAX_FILE_BYTES = 512  # several files per category, some written by several ranks
+CHUNK = 64  # checksum chunk bytes: ranks' pieces start and end inside chunks
+SAVE = {"max_file_bytes": MAX_FILE_BYTES, "checksum_chunk_bytes": CHUNK}
 
 
 def _category(name: str) -> str:
@@ -102,7 +107,7 @@ def _error_of(call) -> str | None:
 def _save_as_pair(rank: int, root: str, pair: dist.ProcessGroup) -> dict:
     """Ranks 0 and 1 save steps 1 (sync) and 2 (async), then try three broken saves."""
     results = {}
-    save = dict(group=pair, max_file_bytes=MAX_FILE_BYTES)
+    save = dict(group=pair, **SAVE)
     slices = owned_slices(reference_tensors(), rank, 2, shift=3)
     save_checkpoint(root, 1, slices, _category, {"topology": {"dp": 2}}, **save)
 
@@ -129,6 +134,11 @@ def _save_as_pair(rank: int, root: str, pair: dist.ProcessGroup) -> dict:
     # A problem only one rank can see is reported by every rank.
     bad_category = {} if rank == 1 else _category
     results["local"] = _error_of(lambda: save_checkpoint(root, 3, slices, bad_category, {}, **save))
+    results["chunks"] = _error_of(
+        lambda: save_checkpoint(
+            root, 3, slices, _category, {}, group=pair, checksum_chunk_bytes=CHUNK * (1 + rank)
+        )
+    )
     return results
 
 
@@ -151,7 +161,7 @@ def _load_at_four(rank: int, world_size: int, root: str, root4: str) -> dict:
     load_into(ckpt, mine)
     # The same tensors saved by four ranks, cut differently, give byte-identical files.
     resaved = owned_slices(tensors, rank, world_size, shift=2)
-    path = save_checkpoint(root4, 2, resaved, _category, {}, max_file_bytes=MAX_FILE_BYTES).wait()
+    path = save_checkpoint(root4, 2, resaved, _category, {}, **SAVE).wait()
     return {
         "expert_row": _plain(row),
         "master_shard": _plain(shard),
@@ -160,11 +170,31 @@ def _load_at_four(rank: int, world_size: int, root: str, root4: str) -> dict:
     }
 
 
+def _read_rows_of_damaged_copy(rank: int, root4: str) -> str | None:
+    """Rank 0 copies the checkpoint and flips a byte in expert row 3's last chunk (bytes
+    [448, 480) of the tensor, which no other row touches); each rank then reads its own row."""
+    ckpt = Path(root4).parent / "damaged" / "step_00000002"
+    name = "layers.0.experts.w1"
+    if rank == 0:
+        shutil.copytree(Path(root4) / "step_00000002", ckpt)
+    dist.barrier()
+    record = json.loads((ckpt / "index.json").read_text())["tensors"][name]
+    if rank == 0:
+        data = bytearray((ckpt / record["file"]).read_bytes())
+        data[record["byte_range"][0] + 7 * CHUNK + 5] ^= 0x10
+        (ckpt / record["file"]).write_bytes(bytes(data))
+    dist.barrier()
+    return _error_of(
+        lambda: load_slices(ckpt, [SliceRequest.rows(name, (E, H, D), rank, rank + 1)])
+    )
+
+
 def _save_at_two_then_load_at_four(rank: int, world_size: int, root: str, root4: str) -> dict:
     pair = dist.new_group([0, 1])  # every rank takes part in creating a group
     results = _save_as_pair(rank, root, pair) if rank < 2 else {}
     dist.barrier()
     results.update(_load_at_four(rank, world_size, root, root4))
+    results["damaged_row"] = _read_rows_of_damaged_copy(rank, root4)
     return results
 
 
@@ -192,6 +222,7 @@ def test_save_at_two_ranks_load_at_one_and_four(tmp_path):
         ),
         ("gap", "tensor 'layers.0.experts.w1': elements [30, 60) of 120 are owned by no rank"),
         ("local", "rank 1: tensor 'layers.0.experts.w1' has no category"),
+        ("chunks", "the ranks save different checksum_chunk_bytes: [64, 128] (by rank)"),
     ]:
         assert per_rank[0][key] == per_rank[1][key] == message, (key, per_rank[0][key])
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
@@ -222,6 +253,23 @@ def test_save_at_two_ranks_load_at_one_and_four(tmp_path):
         for piece in owned_slices(reference_tensors(2.0), rank, 4, shift=2):
             got = _tensor(loaded["owned"][f"{piece.name}@{piece.flat_start}"])
             assert torch.equal(got, piece.data), f"rank {rank} load_into {piece.name}"
+    # Four ranks, cut differently, give the same files and the same chunk checksums.
     resaved = Path(per_rank[0]["resaved"])
     for file in (root / "step_00000002").glob("*.safetensors"):
         assert file.read_bytes() == (resaved / file.name).read_bytes(), f"{file.name} differs"
+    by_two = json.loads((root / "step_00000002" / "index.json").read_text())
+    by_four = json.loads((resaved / "index.json").read_text())
+    assert (by_two["saved_world_size"], by_four["saved_world_size"]) == (2, 4)
+    for key in ("tensors", "files", "chunk_bytes"):
+        assert by_two[key] == by_four[key], key
+
+    # Only rank 3 reads the damaged chunk; ranks 0-2 read their rows undisturbed.
+    assert [r["damaged_row"] is None for r in per_rank] == [True, True, True, False]
+    record = by_four["tensors"]["layers.0.experts.w1"]
+    begin, end = record["byte_range"]
+    pattern = (
+        rf".*/{record['file']}: tensor 'layers.0.experts.w1': checksum mismatch in chunk 7 "
+        rf"\(file bytes \[{begin + 7 * CHUNK}, {end}\)\): crc32 [0-9a-f]{{8}}, "
+        r"index.json records [0-9a-f]{8}"
+    )
+    assert re.fullmatch(pattern, per_rank[3]["damaged_row"]), per_rank[3]["damaged_row"]

@@ -2,6 +2,7 @@
 finding and pruning checkpoints, asynchronous saves, and ownership errors."""
 
 import base64
+import json
 import os
 import time
 from pathlib import Path
@@ -90,9 +91,12 @@ def test_round_trip_is_exact_and_plain_safetensors_reads_global_tensors(tmp_path
     verify_checkpoint(path)
 
 
-def test_files_are_byte_identical_whatever_the_ownership(tmp_path):
+def test_files_and_index_are_byte_identical_whatever_the_ownership(tmp_path):
+    """Whole tensors saved synchronously, or pieces cut across checksum chunks saved
+    asynchronously: the same files and the same index.json, chunk checksums included."""
     tensors = _tensors()
-    whole = _save(tmp_path / "whole", 1, tensors, max_file_bytes=200).wait()
+    chunked = dict(max_file_bytes=200, checksum_chunk_bytes=28)  # cuts inside chunks
+    whole = _save(tmp_path / "whole", 1, tensors, **chunked).wait()
     w1 = tensors["layers.0.experts.w1"]
     flat = tensors["optim.step"]
     pieces = [
@@ -107,10 +111,13 @@ def test_files_are_byte_identical_whatever_the_ownership(tmp_path):
         OwnedSlice("optim.step", (2,), 0, flat[:1]),
     ]
     split = save_checkpoint(
-        tmp_path / "split", 1, pieces, _category, {"step": 1}, max_file_bytes=200
+        tmp_path / "split", 1, pieces, _category, {"step": 1}, asynchronous=True, **chunked
     ).wait()
     for file in whole.glob("*.safetensors"):
         assert file.read_bytes() == (split / file.name).read_bytes(), file.name
+    assert (whole / "index.json").read_bytes() == (split / "index.json").read_bytes()
+    index = json.loads((whole / "index.json").read_text())
+    assert len(index["tensors"]["layers.0.experts.w1"]["chunk_crc32"]) == 18 * 8  # 480 bytes
 
 
 def test_slices_and_load_into(tmp_path):
@@ -315,6 +322,8 @@ def test_bad_categories_and_trainer_state_are_reported(tmp_path):
         save_checkpoint(tmp_path, 1, w, {"w": "a/b"}, {})
     with pytest.raises(CheckpointError, match="trainer_state is not JSON-serialisable"):
         save_checkpoint(tmp_path, 1, w, {"w": "model"}, {"rng": torch.get_rng_state()})
+    with pytest.raises(CheckpointError, match="checksum_chunk_bytes=0 must be a positive integer"):
+        save_checkpoint(tmp_path, 1, w, {"w": "model"}, {}, checksum_chunk_bytes=0)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from distributed import run_distributed
 from moe_train.cli import main
 from moe_train.config import Config, config_from_dict
-from moe_train.errors import ConfigError, TrainingDiverged
+from moe_train.errors import ConfigError, MoeTrainError, TrainingDiverged
 from moe_train.train import read_metrics, train
 from moe_train.train.step import StepRunner
 
@@ -274,3 +274,53 @@ def test_a_bad_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path, make_
     (losses0, skipped), (losses1, _) = run_distributed(_skip_on_one_rank, 2, args=(data,))
     assert skipped == [0, 1, 1]
     assert losses0 == losses1
+
+
+def _resume_with_rank_1_unable_to_read(rank: int, world_size: int, data: dict) -> str | None:
+    from moe_checkpoint import CheckpointError
+    from moe_train.errors import MoeTrainError
+    from moe_train.train import state_slices
+
+    def unreadable(ckpt, requests):
+        raise CheckpointError(f"{ckpt}/optim-00001-of-00001.safetensors: planted checksum error")
+
+    with pytest.MonkeyPatch.context() as patch:
+        if rank == 1:
+            patch.setattr(state_slices, "load_slices", unreadable)
+        try:
+            train(config_from_dict(data))
+        except MoeTrainError as e:
+            return str(e)
+    return None
+
+
+def test_a_read_failing_on_one_rank_stops_every_rank_with_its_line(tmp_path, make_config):
+    """The distributed optimizer's load is collective: a rank whose reads fail still meets
+    the others there, then every rank raises the failing rank's error (no rank waits)."""
+    saved = train(make_config(tmp_path / "single", train={"max_steps": 2}))
+    data = make_config(
+        tmp_path / "dp2",
+        train={"max_steps": 4},
+        checkpoint={"resume": str(saved.checkpoint)},
+        parallel={"distributed_optimizer": True},
+    ).to_dict()
+    messages = run_distributed(_resume_with_rank_1_unable_to_read, 2, args=(data,), timeout=90)
+    assert messages[0] == messages[1] and "planted checksum error" in messages[0], messages
+
+
+def test_a_flipped_byte_stops_the_resume_with_one_line_naming_file_and_tensor(
+    tmp_path, make_config
+):
+    saved = train(make_config(tmp_path / "saved", train={"max_steps": 2}))
+    largest = max(saved.checkpoint.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    size = largest.stat().st_size
+    with open(largest, "r+b") as f:  # one byte in the middle of the tensor data
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    resume = make_config(tmp_path / "resumed", checkpoint={"resume": str(saved.checkpoint)})
+    with pytest.raises(MoeTrainError) as failed:
+        train(resume)
+    message = str(failed.value)
+    assert largest.name in message and "tensor" in message and "\n" not in message, message

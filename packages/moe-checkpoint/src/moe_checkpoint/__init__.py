@@ -14,6 +14,7 @@ from moe_checkpoint.manage import (
     list_checkpoints,
     prune_checkpoints,
     read_trainer_state,
+    resolve_checkpoint,
     verify_checkpoint,
 )
 from moe_checkpoint.plan import OwnedSlice
@@ -34,6 +35,7 @@ __all__ = [
     "prune_checkpoints",
     "read_trainer_state",
     "release_staging_memory",
+    "resolve_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",
 ]

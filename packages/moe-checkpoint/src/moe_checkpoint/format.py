@@ -10,7 +10,6 @@ that is what lets every rank write its own bytes straight into the final files.
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 from dataclasses import dataclass
@@ -127,6 +126,10 @@ class FileLayout:
     """Tensor name -> [begin, end) byte range within the whole file."""
     size: int
 
+    def tensor_ranges(self) -> list[tuple[str, int, int]]:
+        """``(name, begin, end)`` of each tensor, in file order."""
+        return [(name, begin, end) for name, (begin, end) in self.byte_ranges.items()]
+
 
 def encode_header(specs: list[TensorSpec]) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """The header bytes for tensors stored in this order, and each tensor's data range."""
@@ -180,17 +183,16 @@ def plan_files(specs: list[TensorSpec], max_file_bytes: int) -> list[FileLayout]
     return layouts
 
 
-def read_header(path: str, fd: int, file_size: int) -> dict[str, dict]:
-    """Parse a safetensors header; raises CheckpointError naming `path` if it is damaged."""
-    raw_length = os.pread(fd, 8, 0)
-    if len(raw_length) < 8:
-        raise CheckpointError(f"{path}: too short for a safetensors header")
-    (length,) = struct.unpack("<Q", raw_length)
-    if length > file_size - 8 or length > 100_000_000:
-        raise CheckpointError(f"{path}: safetensors header length {length} is impossible")
-    start = 8 + length
+def parse_header(path: str, raw: bytes) -> dict[str, dict]:
+    """Parse a file's whole safetensors header (`raw`: its first bytes, length prefix
+    included); each entry gains ``byte_range``, its data's range in the whole file. Raises
+    CheckpointError naming `path` if it is damaged."""
+    (length,) = struct.unpack("<Q", raw[:8]) if len(raw) >= 8 else (-1,)
+    if length != len(raw) - 8:
+        raise CheckpointError(f"{path}: safetensors header length {length} is not {len(raw) - 8}")
+    start = len(raw)
     try:
-        header = json.loads(os.pread(fd, length, 8))
+        header = json.loads(raw[8:])
         header.pop("__metadata__", None)
         for entry in header.values():
             begin, end = entry["data_offsets"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -13,10 +12,11 @@ import torch
 from torch import Tensor
 
 from moe_checkpoint.errors import CheckpointError
-from moe_checkpoint.fileio import CHUNK_BYTES, byte_view, read_at
+from moe_checkpoint.fileio import byte_view
 from moe_checkpoint.format import dtype_from_code, stored_dtype
-from moe_checkpoint.index import CheckpointIndex, check_header, read_index
+from moe_checkpoint.index import CheckpointIndex, TensorRecord, read_index
 from moe_checkpoint.plan import OwnedSlice
+from moe_checkpoint.reader import ByteRead, read_verified
 
 
 @dataclass(frozen=True)
@@ -49,17 +49,20 @@ class SliceRequest:
 def load_slices(ckpt_dir: str | os.PathLike, requests: Sequence[SliceRequest]) -> list[Tensor]:
     """Read the requested slices of a committed checkpoint, in its stored dtypes.
 
-    Checks first (and raises a one-line CheckpointError, changing nothing): the checkpoint is
-    committed, index.json parses, every file exists with its recorded size, each requested
-    tensor exists with the expected global shape, and the headers of the files read agree
-    with the index. Checksums are `verify_checkpoint`'s job (a full read of every file).
+    Checks (and raises a one-line CheckpointError naming the file, and the tensor for its
+    data; nothing on disk changes): the checkpoint is committed, index.json has the sha256
+    that ``COMMITTED`` records and parses, every file exists with its recorded size, each
+    requested tensor exists with the expected global shape, the header of each file read has
+    its recorded CRC32 and agrees with the index, and every checksum chunk read (the requested
+    range rounded out to whole chunks) has its recorded CRC32.
     """
     return _read(Path(ckpt_dir), requests, [None] * len(requests))
 
 
 def load_into(ckpt_dir: str | os.PathLike, slices: Sequence[OwnedSlice]) -> None:
     """Fill each slice's `data` (any dtype or device) with its elements from the checkpoint:
-    the mirror of `save_checkpoint` for the pieces this rank owns in the new topology."""
+    the mirror of `save_checkpoint` for the pieces this rank owns in the new topology. Checks
+    what `load_slices` checks; after an error the slices' contents are undefined."""
     requests = [
         SliceRequest(s.name, tuple(s.global_shape), s.flat_start, s.data.numel()) for s in slices
     ]
@@ -82,45 +85,33 @@ def _read(
     ckpt_dir: Path, requests: Sequence[SliceRequest], outs: list[Tensor | None]
 ) -> list[Tensor]:
     index = read_index(ckpt_dir)
-    plans = [_locate(ckpt_dir, index, request) for request in requests]
     results = []
-    for (_, _, numel, dtype), out, request in zip(plans, outs, requests, strict=True):
+    reads = []
+    for request, out in zip(requests, outs, strict=True):
+        record, flat_start, numel, dtype = _locate(ckpt_dir, index, request)
         if out is not None and out.dtype != dtype:
             out = None
         tensor = out if out is not None else torch.empty(numel, dtype=dtype)
         results.append(tensor.view(request.shape) if request.shape is not None else tensor)
-    fds: dict[str, int] = {}
-    try:
-        for file_name in sorted({file_name for file_name, *_ in plans}):
-            path = ckpt_dir / file_name
-            fds[file_name] = os.open(path, os.O_RDONLY)
-            check_header(path, fds[file_name], index)
-        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="moe-checkpoint-read") as pool:
-            reads = []
-            for (file_name, offset, _, _), result in zip(plans, results, strict=True):
-                view = byte_view(result)
-                for start in range(0, len(view), CHUNK_BYTES):
-                    reads.append(
-                        pool.submit(
-                            read_at,
-                            fds[file_name],
-                            view[start : start + CHUNK_BYTES],
-                            offset + start,
-                            ckpt_dir / file_name,
-                        )
-                    )
-            for read in reads:
-                read.result()
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+        begin = record.byte_range[0] + flat_start * dtype.itemsize
+        reads.append(
+            ByteRead(
+                ckpt_dir / record.file,
+                request.name,
+                record,
+                begin,
+                begin + numel * dtype.itemsize,
+                byte_view(tensor),
+            )
+        )
+    read_verified(index, reads)
     return results
 
 
 def _locate(
     ckpt_dir: Path, index: CheckpointIndex, request: SliceRequest
-) -> tuple[str, int, int, torch.dtype]:
-    """(file, byte offset, numel, dtype) of a request, after checking it against the index."""
+) -> tuple[TensorRecord, int, int, torch.dtype]:
+    """(index record, first element, numel, dtype) of a request, checked against the index."""
     record = index.tensors.get(request.name)
     if record is None:
         raise CheckpointError(f"tensor {request.name!r} is not in checkpoint {ckpt_dir}")
@@ -142,5 +133,4 @@ def _locate(
             f"tensor {request.name!r}: result shape {list(request.shape)} does not hold the "
             f"{numel} requested elements"
         )
-    dtype = dtype_from_code(record.dtype)
-    return record.file, record.byte_range[0] + request.flat_start * dtype.itemsize, numel, dtype
+    return record, request.flat_start, numel, dtype_from_code(record.dtype)

@@ -81,6 +81,8 @@ class SavePlan:
     owners: dict[str, list[Owner]]
     """Tensor name -> its owned ranges, sorted by start."""
     world_size: int
+    chunk_bytes: int
+    """Each tensor's bytes are checksummed in chunks of this size."""
 
     def data_owners(self, file_index: int) -> set[int]:
         """The ranks that write data into a file."""
@@ -92,7 +94,8 @@ class SavePlan:
         }
 
     def hasher(self, file_index: int) -> int:
-        """The rank that computes a file's sha256: its only writer, else ``index % world``."""
+        """The rank that computes a file's checksums: its only writer, else
+        ``index % world``."""
         writers = self.data_owners(file_index)
         return writers.pop() if len(writers) == 1 else file_index % self.world_size
 
@@ -126,7 +129,9 @@ def describe_slices(slices: Sequence[OwnedSlice], categories: Categories) -> lis
     return pieces
 
 
-def plan_save(pieces_by_rank: Sequence[Sequence[PieceInfo]], max_file_bytes: int) -> SavePlan:
+def plan_save(
+    pieces_by_rank: Sequence[Sequence[PieceInfo]], max_file_bytes: int, chunk_bytes: int
+) -> SavePlan:
     """Check that the ranks agree on every tensor and own each exactly once; lay out files."""
     tensors: dict[str, TensorSpec] = {}
     owners: dict[str, list[Owner]] = {}
@@ -147,7 +152,7 @@ def plan_save(pieces_by_rank: Sequence[Sequence[PieceInfo]], max_file_bytes: int
         _check_exact_cover(name, ranges, tensors[name].numel)
     files = plan_files(list(tensors.values()), max_file_bytes)
     file_of = {name: i for i, layout in enumerate(files) for name in layout.byte_ranges}
-    return SavePlan(tensors, files, file_of, owners, len(pieces_by_rank))
+    return SavePlan(tensors, files, file_of, owners, len(pieces_by_rank), chunk_bytes)
 
 
 def _describe(spec: TensorSpec) -> str:

@@ -19,8 +19,9 @@ A save, on every rank (``world_size == 1`` is just the degenerate case):
 2. Rank 0 creates ``ROOT/.tmp-step_N-<random>/`` and every file (header written, size set);
    an exchange acts as the barrier.
 3. Every rank writes its bytes (``os.pwrite`` on its own descriptor) and fsyncs. A file written
-   by one rank alone is hashed from memory by that rank while it writes; other files are
-   hashed after the next exchange, file ``i`` by rank ``i % world_size``.
+   by one rank alone is hashed (whole-file sha256, chunk CRC32s) from memory by that rank while
+   it writes; other files are hashed after the next exchange, file ``i`` by rank
+   ``i % world_size``, reading it once.
 4. ``SaveHandle.wait()``: an exchange (all bytes are down), the remaining hashes, an exchange
    gathering all hashes to rank 0, which writes ``index.json`` and ``trainer_state.json``
    (fsynced), renames the directory to ``ROOT/step_N`` and writes ``COMMITTED`` (fsynced, then
@@ -46,23 +47,25 @@ from typing import Any
 
 import torch.distributed as dist
 
+from moe_checkpoint.checksums import (
+    DEFAULT_CHUNK_BYTES,
+    FileChecksums,
+    checksum_file,
+    crc32_hex,
+    sha256_of_bytes,
+)
 from moe_checkpoint.comm import Communicator
 from moe_checkpoint.errors import CheckpointError
-from moe_checkpoint.fileio import (
-    fsync_path,
-    remove_dir,
-    sha256_of_bytes,
-    sha256_of_file,
-    write_at,
-    write_durable,
-)
+from moe_checkpoint.fileio import fsync_path, remove_dir, write_at, write_durable
 from moe_checkpoint.format import (
     COMMIT_MARKER,
     DEFAULT_MAX_FILE_BYTES,
     INDEX_FILE,
     TMP_PREFIX,
     TRAINER_STATE_FILE,
+    FileLayout,
     dtype_code,
+    natural_key,
     step_dir_name,
 )
 from moe_checkpoint.index import CheckpointIndex, FileRecord, TensorRecord, is_committed
@@ -102,7 +105,7 @@ class SaveHandle:
         self._comm = comm
         self._trainer_state_json = trainer_state_json
         self._thread: threading.Thread | None = None
-        self._hashes: dict[str, str] = {}
+        self._hashes: dict[str, FileChecksums] = {}
         self._write_error: str | None = None
         self._outcome: str | None = None  # "committed" or the error message
 
@@ -173,39 +176,29 @@ class SaveHandle:
     def _hash_files_from_disk(self) -> None:
         """Hash the files assigned to this rank that nobody hashed from memory."""
         mine = [
-            self._tmp_dir / layout.name
+            layout
             for index, layout in enumerate(self._plan.files)
             if self._plan.hasher(index) == self._comm.rank and layout.name not in self._hashes
         ]
-        with ThreadPoolExecutor(WRITE_THREADS) as pool:
-            for path, digest in zip(mine, pool.map(sha256_of_file, mine), strict=True):
-                self._hashes[path.name] = digest
 
-    def _commit(self, hashes: dict[str, str]) -> None:
+        def checksums(layout: FileLayout) -> FileChecksums:
+            path = self._tmp_dir / layout.name
+            return checksum_file(path, layout.tensor_ranges(), self._plan.chunk_bytes)
+
+        with ThreadPoolExecutor(WRITE_THREADS) as pool:
+            for layout, sums in zip(mine, pool.map(checksums, mine), strict=True):
+                self._hashes[layout.name] = sums
+
+    def _commit(self, hashes: dict[str, FileChecksums]) -> None:
         """Rank 0: index and trainer state, fsync, rename into place, then the marker."""
-        plan = self._plan
-        index = CheckpointIndex(
-            step=self.step,
-            saved_world_size=self._comm.world_size,
-            tensors={
-                name: TensorRecord(
-                    file=plan.files[plan.file_of[name]].name,
-                    shape=spec.shape,
-                    dtype=dtype_code(spec.dtype),
-                    category=spec.category,
-                    byte_range=plan.files[plan.file_of[name]].byte_ranges[name],
-                )
-                for name, spec in plan.tensors.items()
-            },
-            files={
-                layout.name: FileRecord(layout.size, hashes[layout.name]) for layout in plan.files
-            },
-        )
-        for layout in plan.files:  # the headers rank 0 wrote (data: fsynced by its writers)
+        trainer_state_json = self._trainer_state_json or b"{}"
+        index = _build_index(self.step, self._plan, hashes, trainer_state_json)
+        # The headers rank 0 wrote (the data: fsynced by its writers).
+        for layout in self._plan.files:
             fsync_path(self._tmp_dir / layout.name)
         index_json = index.to_json().encode()
         write_durable(self._tmp_dir / INDEX_FILE, index_json)
-        write_durable(self._tmp_dir / TRAINER_STATE_FILE, self._trainer_state_json or b"{}")
+        write_durable(self._tmp_dir / TRAINER_STATE_FILE, trainer_state_json)
         fsync_path(self._tmp_dir)
         if self.path.exists():
             if is_committed(self.path):
@@ -238,6 +231,7 @@ def save_checkpoint(
     group: dist.ProcessGroup | None = None,
     asynchronous: bool = False,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    checksum_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> SaveHandle:
     """Save the global tensors whose pieces the ranks own as ``root/step_NNNNNNNN``.
 
@@ -246,7 +240,9 @@ def save_checkpoint(
     slices of each tensor must cover it exactly once. Floating-point data is stored as float32,
     other dtypes as they are. `categories` maps each tensor name (mapping or function) to its
     file prefix (``model``, ``optim``, ...); files hold at most about `max_file_bytes` each.
-    `trainer_state` (JSON-able; rank 0's is written) goes to ``trainer_state.json``.
+    `trainer_state` (JSON-able; rank 0's is written) goes to ``trainer_state.json``. Each
+    tensor's bytes get a CRC32 per `checksum_chunk_bytes` chunk (the same on every rank), the
+    unit that readers read and check.
 
     Synchronous: returns once the checkpoint is committed. ``asynchronous=True``: copies the
     owned data (to pinned memory for CUDA tensors) before returning, writes in a background
@@ -268,6 +264,10 @@ def save_checkpoint(
     try:
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step={step!r} must be a non-negative integer")
+        if not isinstance(checksum_chunk_bytes, int) or checksum_chunk_bytes <= 0:
+            raise CheckpointError(
+                f"checksum_chunk_bytes={checksum_chunk_bytes!r} must be a positive integer"
+            )
         pieces = describe_slices(slices, categories)
         if comm.rank == 0:
             trainer_state_json = _encode_trainer_state(trainer_state)
@@ -278,12 +278,15 @@ def save_checkpoint(
             tmp_name = f"{TMP_PREFIX}{final_dir.name}-{secrets.token_hex(4)}"
     except CheckpointError as e:
         error = str(e)
-    gathered = comm.exchange((step, pieces, tmp_name), error)
-    steps = [rank_step for rank_step, _, _ in gathered]
-    if len(set(steps)) > 1:
-        raise CheckpointError(f"the ranks save different steps: {steps} (by rank)")
-    plan = plan_save([rank_pieces for _, rank_pieces, _ in gathered], max_file_bytes)
-    tmp_dir = root / gathered[0][2]
+    gathered = comm.exchange((step, checksum_chunk_bytes, pieces, tmp_name), error)
+    for position, name in ((0, "steps"), (1, "checksum_chunk_bytes")):
+        values = [rank_values[position] for rank_values in gathered]
+        if len(set(values)) > 1:
+            raise CheckpointError(f"the ranks save different {name}: {values} (by rank)")
+    plan = plan_save(
+        [rank_pieces for _, _, rank_pieces, _ in gathered], max_file_bytes, checksum_chunk_bytes
+    )
+    tmp_dir = root / gathered[0][3]
 
     error = None
     if comm.rank == 0:
@@ -336,6 +339,42 @@ def _encode_trainer_state(trainer_state: Mapping[str, Any] | None) -> bytes:
         return json.dumps(dict(trainer_state or {}), indent=1).encode()
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"trainer_state is not JSON-serialisable: {e}") from e
+
+
+def _build_index(
+    step: int, plan: SavePlan, hashes: dict[str, FileChecksums], trainer_state_json: bytes
+) -> CheckpointIndex:
+    """The index of a save whose every file is hashed; it depends only on the tensors and the
+    saving world size, never on who owned what (tensors in natural name order)."""
+    tensors = {}
+    for name in sorted(plan.tensors, key=natural_key):
+        spec = plan.tensors[name]
+        layout = plan.files[plan.file_of[name]]
+        tensors[name] = TensorRecord(
+            file=layout.name,
+            shape=spec.shape,
+            dtype=dtype_code(spec.dtype),
+            category=spec.category,
+            byte_range=layout.byte_ranges[name],
+            chunk_crc32=hashes[layout.name].chunk_crc32[name],
+        )
+    files = {
+        layout.name: FileRecord(
+            size=layout.size,
+            sha256=hashes[layout.name].sha256,
+            header_bytes=len(layout.header),
+            header_crc32=crc32_hex(layout.header),
+        )
+        for layout in plan.files
+    }
+    return CheckpointIndex(
+        step=step,
+        saved_world_size=plan.world_size,
+        chunk_bytes=plan.chunk_bytes,
+        trainer_state_sha256=sha256_of_bytes(trainer_state_json),
+        tensors=tensors,
+        files=files,
+    )
 
 
 def _create_files(tmp_dir: Path, plan: SavePlan) -> None:

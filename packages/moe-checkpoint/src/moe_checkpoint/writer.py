@@ -2,17 +2,17 @@
 
 Runs on the calling thread (synchronous saves) or a background thread (asynchronous ones) and
 uses no collectives. Files are written by a few threads at once (``os.pwrite`` and hashing
-release the GIL). A file this rank writes alone is hashed from memory as it is written: each
-small chunk is hashed right after ``pwrite`` copied it, while it is still in the CPU cache
-(measured on our 2-core machines: write + hash of 1 GiB in 1.0 s this way, 1.4 s with a
-separate hashing thread streaming from memory, 0.4 s for the write alone). Writeback starts
+release the GIL). A file this rank writes alone is hashed from memory as it is written (the
+whole file's sha256 and its tensors' chunk CRC32s): each small block is hashed right after
+``pwrite`` copied it, while it is still in the CPU cache (measured on our 2-core machines, for
+the sha256 alone: write + hash of 1 GiB in 1.0 s this way, 1.4 s with a separate hashing
+thread streaming from memory, 0.4 s for the write alone). Writeback starts
 early (an ``fdatasync`` every `FLUSH_BYTES`, on a helper thread) so the final ``fsync`` has
 little left and the disk works while the CPU writes and hashes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from moe_checkpoint.fileio import CHUNK_BYTES, HASH_CHUNK_BYTES, byte_view, write_at
+from moe_checkpoint.checksums import HASH_BLOCK_BYTES, FileChecksums, FileHasher
+from moe_checkpoint.fileio import CHUNK_BYTES, byte_view, write_at
 from moe_checkpoint.format import FileLayout
 from moe_checkpoint.plan import SavePlan
 
@@ -48,8 +49,8 @@ def write_owned_bytes(
     rank: int,
     placements: list[Placement],
     on_file_written: Callable[[], None] = lambda: None,
-) -> dict[str, str]:
-    """Write, fsync and close; returns the sha256 of the files written by this rank alone."""
+) -> dict[str, FileChecksums]:
+    """Write, fsync and close; returns the checksums of the files written by this rank alone."""
     by_file: dict[int, list[Placement]] = {}
     for placement in placements:
         by_file.setdefault(placement.file_index, []).append(placement)
@@ -63,43 +64,46 @@ def write_owned_bytes(
                 tmp_dir / plan.files[index].name,
                 plan.files[index],
                 by_file[index],
-                plan.data_owners(index) == {rank},
+                plan.chunk_bytes if plan.data_owners(index) == {rank} else None,
                 syncer,
                 on_file_written,
             )
             for index in sorted(by_file)
         }
-        digests = {name: future.result() for name, future in futures.items()}
-    return {name: digest for name, digest in digests.items() if digest is not None}
+        checksums = {name: future.result() for name, future in futures.items()}
+    return {name: sums for name, sums in checksums.items() if sums is not None}
 
 
 def _write_file(
     path: Path,
     layout: FileLayout,
     placements: list[Placement],
-    hash_it: bool,
+    chunk_bytes: int | None,
     syncer: ThreadPoolExecutor,
     on_file_written: Callable[[], None],
-) -> str | None:
-    """Write this rank's pieces of one file, hashing the whole file on the way if `hash_it`
-    (then the pieces cover everything after the header); fsync and close."""
+) -> FileChecksums | None:
+    """Write this rank's pieces of one file, and with `chunk_bytes` (then the pieces cover
+    everything after the header) hash the whole file on the way; fsync and close."""
     items = sorted(
         ((p.offset, _as_stored(p.data, p.dtype)) for p in placements), key=lambda i: i[0]
     )
-    digest = hashlib.sha256(layout.header) if hash_it else None
-    chunk_bytes = HASH_CHUNK_BYTES if hash_it else CHUNK_BYTES
+    hasher = None
+    if chunk_bytes is not None:
+        hasher = FileHasher(layout.tensor_ranges(), chunk_bytes)
+        hasher.update(0, memoryview(layout.header))
+    block_bytes = HASH_BLOCK_BYTES if hasher is not None else CHUNK_BYTES
     fd = os.open(path, os.O_WRONLY)
     try:
         unflushed = 0
         flush: Future[None] | None = None
         for offset, tensor in items:
             view = byte_view(tensor)
-            for start in range(0, len(view), chunk_bytes):
-                chunk = view[start : start + chunk_bytes]
-                write_at(fd, chunk, offset + start)
-                if digest is not None:
-                    digest.update(chunk)
-                unflushed += len(chunk)
+            for start in range(0, len(view), block_bytes):
+                block = view[start : start + block_bytes]
+                write_at(fd, block, offset + start)
+                if hasher is not None:
+                    hasher.update(offset + start, block)
+                unflushed += len(block)
                 if FLUSH_BYTES and unflushed >= FLUSH_BYTES and (flush is None or flush.done()):
                     flush = syncer.submit(os.fdatasync, fd)
                     unflushed = 0
@@ -109,7 +113,7 @@ def _write_file(
     finally:
         os.close(fd)
     on_file_written()
-    return digest.hexdigest() if digest is not None else None
+    return hasher.result() if hasher is not None else None
 
 
 def _as_stored(data: Tensor, dtype: torch.dtype) -> Tensor:

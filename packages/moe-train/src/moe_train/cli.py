@@ -39,40 +39,70 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect = commands.add_parser(
         "inspect",
-        help="show a checkpoint's step, topology and tensors, and verify its checksums",
-        description="Print what a checkpoint directory holds and check every file's sha256; "
-        "exit 2 when verification fails.",
+        help="show what a checkpoint holds and verify its checksums",
+        description="Show a checkpoint's step, save time, saving layout, data position, "
+        "sizes by category, model config and tensors, and check every chunk checksum and "
+        "file sha256; exit 2 when that fails. CKPT may be a checkpoints root: its newest "
+        "committed checkpoint is shown.",
     )
     inspect.add_argument("checkpoint", type=Path, metavar="CKPT")
-    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="a quick listing: read no tensor data, check no data checksums",
+    )
+    inspect.add_argument(
+        "--all", action="store_true", help="also list the optimizer tensors (optim.*)"
+    )
     return parser
 
 
-def _inspect(checkpoint: Path, as_json: bool) -> int:
-    from moe_checkpoint import CheckpointError, checkpoint_summary
+def _inspect(args: argparse.Namespace) -> int:
+    """Print the report; a failed verification then stops with its one-line error."""
+    from moe_train.inspect_report import build_report, format_report
 
-    try:
-        summary = checkpoint_summary(checkpoint)
-    except CheckpointError as e:
-        raise MoeTrainError(str(e)) from e
-    if as_json:
-        print(json.dumps(summary, indent=2))
-    else:
-        topology = summary["saved_topology"] or {"world_size": summary["saved_world_size"]}
-        print(f"checkpoint {summary['path']}")
-        print(f"step {summary['step']} | saved by {topology} | {summary['total_bytes']:,} bytes")
-        width = max((len(name) for name in summary["tensors"]), default=4)
-        print(f"{'tensor':<{width}}  {'shape':<20} {'dtype':<8} {'bytes':>14}  file")
-        for name, tensor in summary["tensors"].items():
-            shape = "x".join(str(d) for d in tensor["shape"]) or "scalar"
-            print(
-                f"{name:<{width}}  {shape:<20} {tensor['dtype']:<8} {tensor['bytes']:>14,}  "
-                f"{tensor['file']}"
-            )
-        print(f"checksums: {summary['verification']}")
-    if summary["verification"] != "ok":
-        _error_line(summary["verification"])
-        return USAGE_EXIT
+    report = build_report(args.checkpoint, verify=not args.no_verify, all_tensors=args.all)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    if report["verification"] not in ("ok", None):
+        sys.stdout.flush()
+        raise MoeTrainError(report["verification"])
+    return 0
+
+
+def _train(config_path: Path, overrides: list[str]) -> int:
+    """Train; exit 0 when the run reached train.max_steps (now or before), PREEMPTED_EXIT
+    when a signal stopped it early."""
+    from moe_train.config import load_config
+    from moe_train.train import PREEMPTED_EXIT, train
+
+    config = load_config(config_path, overrides)
+    result = train(config)
+    if not result.is_main:
+        return PREEMPTED_EXIT if result.stopped_by else 0
+    steps = config.train.max_steps
+    if result.already_finished:
+        print(
+            f"{result.run_dir} already finished: {result.checkpoint} is at step "
+            f"{result.start_step} (train.max_steps={steps}); nothing to do"
+        )
+        return 0
+    if result.stopped_by:
+        saved = (
+            f"saved {result.checkpoint}"
+            if result.checkpoint
+            else "nothing saved (checkpointing is off)"
+        )
+        print(
+            f"stopped by {result.stopped_by} after step {result.end_step} of {steps}; {saved}; "
+            f"relaunch with --checkpoint.resume=auto to continue"
+        )
+        return PREEMPTED_EXIT
+    final = f", final loss {result.losses[-1]:.4f}" if result.losses else ""
+    print(
+        f"done: {result.end_step - result.start_step} steps{final}, "
+        f"metrics in {result.run_dir / 'metrics.jsonl'}"
+    )
     return 0
 
 
@@ -80,21 +110,11 @@ def run(argv: list[str]) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "train":
-        from moe_train.config import load_config
-        from moe_train.train import train
-
-        config = load_config(args.config, extra)
-        result = train(config)
-        if result.is_main:
-            print(
-                f"done: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}, "
-                f"metrics in {result.run_dir / 'metrics.jsonl'}"
-            )
-        return 0
+        return _train(args.config, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "inspect":
-        return _inspect(args.checkpoint, args.json)
+        return _inspect(args)
     from moe_train.data import prepare_data
 
     meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer)
@@ -112,12 +132,13 @@ def _error_line(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: user errors print one line `error: ...` and exit 2."""
+    """Entry point: user errors print one line `error: ...` and exit with the error's code
+    (2 for bad input; see moe_train.errors)."""
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except MoeTrainError as e:
         _error_line(str(e))
-        return USAGE_EXIT
+        return e.exit_code
     except BrokenPipeError:  # output piped into a pager or head that closed early
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -20,6 +20,7 @@ from moe_checkpoint import (
     list_checkpoints,
     prune_checkpoints,
     read_trainer_state,
+    resolve_checkpoint,
     save_checkpoint,
 )
 from moe_parallel import TrainingOptimizer
@@ -49,15 +50,13 @@ def find_resume_checkpoint(config: Config) -> Path | None:
         return None
     if resume == "auto":
         return latest_checkpoint(checkpoint_root(config, config.train.run_dir))
-    path = Path(resume)
-    if (path / "COMMITTED").is_file():
-        return path
-    if path.is_dir() and (found := latest_checkpoint(path)) is not None:
-        return found
-    raise ConfigError(
-        f"checkpoint.resume={resume} is not a committed checkpoint (no COMMITTED marker) "
-        f"nor a directory holding one; use auto, never or a checkpoint path"
-    )
+    try:
+        return resolve_checkpoint(resume)
+    except CheckpointError as e:
+        raise ConfigError(
+            f"checkpoint.resume={resume} is not a committed checkpoint (no COMMITTED marker) "
+            f"nor a directory holding one; use auto, never or a checkpoint path"
+        ) from e
 
 
 def check_no_newer_checkpoints(root: Path, start_step: int) -> None:
@@ -106,8 +105,8 @@ class Checkpoints:
         self.optimizer = optimizer
         self.dataset = dataset
         self.runtime = runtime
-        self.last_committed: Path | None = latest_checkpoint(root) if runtime.is_main else None
-        """The newest committed checkpoint this run saved or resumed from (rank 0 only)."""
+        self.last_committed: Path | None = None
+        """The newest committed checkpoint this run saved or resumed from."""
         self._pending: SaveHandle | None = None
         self._last_save_time = time.monotonic()
 
@@ -152,14 +151,17 @@ class Checkpoints:
             "saved_at": time.time(),
             **loop_state,
         }
-        handle = save_checkpoint(
-            self.root,
-            next_step,
-            saved_slices(self.model, self.optimizer, layout),
-            category_of,
-            trainer_state,
-            asynchronous=self.config.checkpoint.async_save,
-        )
+        try:
+            handle = save_checkpoint(
+                self.root,
+                next_step,
+                saved_slices(self.model, self.optimizer, layout),
+                category_of,
+                trainer_state,
+                asynchronous=self.config.checkpoint.async_save,
+            )
+        except CheckpointError as e:  # raised alike on every rank
+            raise MoeTrainError(f"saving the checkpoint of step {next_step} failed: {e}") from e
         self._last_save_time = time.monotonic()
         path = self.root / f"step_{next_step:08d}"
         if self.config.checkpoint.async_save:
@@ -189,7 +191,10 @@ class Checkpoints:
     def _complete_pending(self) -> None:
         if self._pending is not None:
             handle, self._pending = self._pending, None
-            self.last_committed = handle.wait()
+            try:
+                self.last_committed = handle.wait()
+            except CheckpointError as e:  # raised alike on every rank
+                raise MoeTrainError(f"saving a checkpoint failed: {e}") from e
             self._prune()
 
     def _prune(self) -> None:
