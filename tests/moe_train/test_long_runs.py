@@ -90,7 +90,7 @@ def test_a_signal_saves_and_stops_and_auto_resume_continues_in_the_same_run_dir(
     second = train(
         make_config(
             tmp_path,
-            train={"max_steps": 6, "progress": True},
+            train={"max_steps": 6},
             checkpoint=auto,
             data={"micro_batch_size": 2},
         )
@@ -106,7 +106,7 @@ def test_a_signal_saves_and_stops_and_auto_resume_continues_in_the_same_run_dir(
     assert logged == list(range(6))
     assert not first.run_dir.with_name("run.1").exists()
     # More steps later: allowed and reported.
-    third = train(make_config(tmp_path, train={"max_steps": 7, "progress": True}, checkpoint=auto))
+    third = train(make_config(tmp_path, train={"max_steps": 7}, checkpoint=auto))
     assert third.start_step == 6 and len(third.losses) == 1
     assert "train.max_steps 6 -> 7" in capsys.readouterr().err
 
@@ -232,9 +232,11 @@ def test_too_many_bad_steps_stop_with_the_last_good_checkpoint_intact(
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(config.to_dict()))
     assert main(["train", str(config_path)]) == TrainingDiverged.exit_code
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "3 steps in a row" in err[0] and "step_00000004" in err[0], err
-    assert "train.max_skipped_steps=2" in err[0]
+    lines = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in lines if line.startswith("error: ")]
+    assert len(err) == 1 and "3 steps in a row" in err[0] and "step_00000004" in err[0], lines
+    assert "train.max_skipped_steps=2" in err[0] and lines[-1] == err[0]
+    assert sum("skipped: loss" in line for line in lines) == 3, lines  # one line per skip
     # Steps 2 and 3 were skipped (checkpoint 4 holds the state after step 1, as 2 does), and
     # the third bad step in a row stopped the run.
     assert committed_steps(tmp_path / "run") == [2, 4]

@@ -32,9 +32,19 @@ class Progress:
     """A progress line with loss, tokens/s, MFU and ETA: redrawn in place on a terminal,
     printed about 50 times per run otherwise."""
 
-    def __init__(self, max_steps: int, enabled: bool, stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        max_steps: int,
+        enabled: bool,
+        stream: TextIO | None = None,
+        *,
+        messages: bool | None = None,
+    ) -> None:
         self.max_steps = max_steps
         self.enabled = enabled
+        self.messages = enabled if messages is None else messages
+        """Whether `message` prints (run facts such as a resume or a skipped step), also
+        without the progress line."""
         self.stream = stream or sys.stderr
         self.interactive = self.stream.isatty()
         self.every = 1 if self.interactive else max(1, math.ceil(max_steps / 50))
@@ -59,7 +69,7 @@ class Progress:
         self.stream.flush()
 
     def message(self, text: str) -> None:
-        if self.enabled:
+        if self.messages:
             self.stream.write(text + "\n")
             self.stream.flush()
 

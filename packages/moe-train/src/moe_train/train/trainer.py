@@ -168,7 +168,11 @@ class Trainer:
             dump_config(config, self.run_dir / "config.yaml")
             truncate_metrics(self.run_dir / "metrics.jsonl", self.start_step)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl") if runtime.is_main else None
-        self.progress = Progress(config.train.max_steps, config.train.progress and runtime.is_main)
+        self.progress = Progress(
+            config.train.max_steps,
+            config.train.progress and runtime.is_main,
+            messages=runtime.is_main,
+        )
         params = count_params(config.model)
         data = config.data
         self.tokens_per_step = data.global_batch_size * data.seq_len
