@@ -161,14 +161,46 @@ class OptimConfig:
     """Decoupled weight decay on matrices (not on norms or biases)."""
     warmup_steps: int = 10
     """Steps of linear warmup up to lr (warmup step s, 0-based, runs at lr * (s + 1) / warmup_steps)."""
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    """Learning rate after the warmup: cosine or linear decay from lr to lr * min_lr_ratio over
+    decay_steps steps, then flat at that floor; wsd (warmup-stable-decay) holds lr until the
+    last decay_steps steps of the run, which decay linearly to the floor; constant holds lr."""
+    decay_steps: int | None = None
+    """Steps of the decay, the first at lr and the last at lr * min_lr_ratio (at least 2).
+    cosine, linear: the decay starts after the warmup, and null means up to the run's last
+    step (train.max_steps - warmup_steps steps), so raising train.max_steps on resume reshapes
+    the decay, past steps included; set it for a run that may be extended, whose later steps
+    then stay at the floor. wsd: the last this many steps of the run; required. constant: must
+    be null."""
     min_lr_ratio: float = 0.1
-    """Cosine decay ends at lr * min_lr_ratio on the last step."""
+    """The decay ends at lr * min_lr_ratio (not used by schedule=constant)."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this; null turns clipping off."""
 
     def validate(self, path: str) -> None:
         _positive(self, path, "lr", "eps")
         _non_negative(self, path, "weight_decay", "warmup_steps")
+        schedules = typing.get_args(typing.get_type_hints(OptimConfig)["schedule"])
+        if self.schedule not in schedules:
+            raise ConfigError(
+                f"{path}.schedule={self.schedule!r} must be one of "
+                f"{', '.join(repr(s) for s in schedules)}"
+            )
+        if self.decay_steps is not None and self.decay_steps < 2:
+            raise ConfigError(
+                f"{path}.decay_steps={self.decay_steps} must be at least 2 (the decay's first "
+                f"step runs at lr, its last at lr * min_lr_ratio), or null"
+            )
+        if self.schedule == "wsd" and self.decay_steps is None:
+            raise ConfigError(
+                f"{path}.schedule=wsd needs {path}.decay_steps, the length of the final decay "
+                f"(at least 2 steps, ending on the run's last step)"
+            )
+        if self.schedule == "constant" and self.decay_steps is not None:
+            raise ConfigError(
+                f"{path}.decay_steps={self.decay_steps} has no effect with "
+                f"{path}.schedule=constant; set it to null or pick a decaying schedule"
+            )
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"{path}.betas={self.betas} must be two numbers in [0, 1)")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -192,7 +224,9 @@ class TrainConfig:
     peak_flops: float | None = None
     """Peak matmul FLOP/s for MFU; null measures it at start-up (or looks up a known GPU)."""
     progress: bool = True
-    """Show a live progress line (loss, tokens/s, MFU, ETA) on stderr."""
+    """Print progress on stderr: a line redrawn after every step on a terminal, elsewhere one
+    line every log_interval steps (the start banner, run facts and the summary print either
+    way)."""
     max_skipped_steps: int = 5
     """A step whose loss or gradient norm is not finite is skipped (no update); after this
     many such steps in a row the run stops, its last good checkpoint intact. 0 stops at the
@@ -296,6 +330,27 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class EvalConfig:
+    paths: list[str] = field(default_factory=list)
+    """Held-out data, in the forms of data.paths (prepared directories, .npy token arrays or
+    builtin:stdlib), tokenized like the training data."""
+    interval: int = 0
+    """Evaluate every this many steps, and after the last step; 0 turns evaluation off."""
+    batches: int = 1
+    """Global batches (data.global_batch_size sequences each) per evaluation: the same ones,
+    in the same order, every time."""
+
+    def validate(self, path: str) -> None:
+        _non_negative(self, path, "interval")
+        _positive(self, path, "batches")
+        if self.interval and not self.paths:
+            raise ConfigError(
+                f"{path}.interval={self.interval} needs {path}.paths (held-out data, e.g. a "
+                f"directory written by moe-train prepare-data); or set {path}.interval=0"
+            )
+
+
+@dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The network."""
@@ -311,6 +366,8 @@ class Config:
     """Number formats."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
 
     def validate(self) -> None:
         for section in dataclasses.fields(self):
@@ -320,6 +377,14 @@ class Config:
             raise ConfigError(
                 f"model.moe.grouped_mm_backend={backend} has no effect with precision.mxfp8=true "
                 "(MXFP8 has its own grouped GEMM); leave it at torch or set precision.mxfp8=false"
+            )
+        optim, max_steps = self.optim, self.train.max_steps
+        wsd_steps = optim.warmup_steps + (optim.decay_steps or 0)
+        if optim.schedule == "wsd" and wsd_steps > max_steps:
+            raise ConfigError(
+                f"optim.warmup_steps={optim.warmup_steps} + optim.decay_steps="
+                f"{optim.decay_steps} must be at most train.max_steps={max_steps} with "
+                f"optim.schedule=wsd (its decay is the run's last decay_steps steps, after warmup)"
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,4 +1,23 @@
-"""Learning-rate schedule: linear warmup, then cosine decay to a floor."""
+"""Learning-rate schedules: linear warmup, then cosine, linear, warmup-stable-decay or constant.
+
+Every schedule starts with the same warmup: step s (0-based) of optim.warmup_steps runs at
+lr * (s + 1) / warmup_steps, so the first step already moves and the last warmup step is at the
+peak lr. A decay phase of D steps starting at step `start` then runs step start + i at
+
+    progress = min(1, i / max(1, D - 1))
+    cosine:  floor + (lr - floor) * (1 + cos(pi * progress)) / 2
+    linear:  floor + (lr - floor) * (1 - progress)
+
+with floor = lr * min_lr_ratio: its first step is at the peak, its last (start + D - 1) at the
+floor, and every later step stays at the floor.
+
+- cosine, linear: the decay starts after the warmup. D is optim.decay_steps, or, when that is
+  null, train.max_steps - warmup_steps (the decay ends on the run's last step, so the schedule
+  follows train.max_steps). With decay_steps set, no step's lr depends on train.max_steps.
+- wsd (warmup-stable-decay): the peak lr holds until the last optim.decay_steps steps of the
+  run, which decay linearly, the last step at the floor.
+- constant: the peak lr after the warmup.
+"""
 
 import math
 
@@ -6,10 +25,27 @@ from moe_train.config import OptimConfig
 
 
 def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based)."""
-    if step < optim.warmup_steps:
-        return optim.lr * (step + 1) / optim.warmup_steps
-    decay_steps = max(1, max_steps - optim.warmup_steps - 1)
-    progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+    """Learning rate of optimizer step `step` (0-based) of a run of `max_steps` steps, for an
+    `optim` that passed `OptimConfig.validate`."""
+    warmup = optim.warmup_steps
+    if step < warmup:
+        return optim.lr * (step + 1) / warmup
+    if optim.schedule == "constant":
+        return optim.lr
+    if optim.schedule == "wsd":
+        if optim.decay_steps is None:
+            raise ValueError("optim.schedule=wsd needs optim.decay_steps (see OptimConfig)")
+        decay_start = max_steps - optim.decay_steps
+        if step < decay_start:
+            return optim.lr
+        decay_steps = optim.decay_steps
+    else:
+        decay_start = warmup
+        decay_steps = max_steps - warmup if optim.decay_steps is None else optim.decay_steps
+    progress = min(1.0, (step - decay_start) / max(1, decay_steps - 1))
     floor = optim.lr * optim.min_lr_ratio
-    return floor + (optim.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if optim.schedule == "cosine":
+        return floor + (optim.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if optim.schedule in ("linear", "wsd"):
+        return floor + (optim.lr - floor) * (1 - progress)
+    raise ValueError(f"optim.schedule={optim.schedule!r} is not a schedule (see OptimConfig)")

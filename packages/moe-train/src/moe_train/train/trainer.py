@@ -30,8 +30,10 @@ from moe_train.train.checkpointing import (
     read_resume_state,
 )
 from moe_train.train.config_changes import Change, check_resume_config
+from moe_train.train.console import Console
+from moe_train.train.evaluate import Evaluator
 from moe_train.train.host_memory import keep_freed_host_memory
-from moe_train.train.metrics import MetricsLog, Progress
+from moe_train.train.metrics import MetricsLog
 from moe_train.train.peak import peak_flops
 from moe_train.train.run_dir import prepare_run_dir, truncate_metrics
 from moe_train.train.runtime import Runtime, lost_rank_error, start_runtime
@@ -150,6 +152,7 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         # Built before anything is written, so a backend that cannot run leaves no run directory.
         self.runner = StepRunner(config, runtime)
+        self.evaluator = Evaluator(config, self.runner, runtime) if config.eval.interval else None
         self.resume: ResumePoint | None = runtime.on_main(lambda: _find_resume_point(config))
         self.already_finished = bool(self.resume and self.resume.step >= config.train.max_steps)
         self.run_dir: Path = runtime.on_main(lambda: _open_run_dir(config, self.resume))
@@ -168,21 +171,67 @@ class Trainer:
             dump_config(config, self.run_dir / "config.yaml")
             truncate_metrics(self.run_dir / "metrics.jsonl", self.start_step)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl") if runtime.is_main else None
-        self.progress = Progress(
+        self.console = Console(
             config.train.max_steps,
-            config.train.progress and runtime.is_main,
-            messages=runtime.is_main,
+            config.train.log_interval,
+            enabled=runtime.is_main,
+            progress=config.train.progress,
+            world_size=runtime.layout.world_size,
         )
-        params = count_params(config.model)
         data = config.data
         self.tokens_per_step = data.global_batch_size * data.seq_len
         self.step_flops = flops_per_token(config.model, data.seq_len) * self.tokens_per_step
-        self.progress.message(
-            f"run_dir {self.run_dir} | {params.total / 1e6:.1f}M params "
-            f"({params.active / 1e6:.1f}M active) | {self.tokens_per_step} tokens/step | world "
-            f"{runtime.layout.describe()} | peak {self.peak / 1e12:.2f} TFLOP/s per rank "
-            f"({self.peak_source})"
-        )
+        self.console.banner(self._banner_rows(root))
+
+    def _banner_rows(self, checkpoint_dir: Path) -> list[tuple[str, str]]:
+        config, layout = self.config, self.runtime.layout
+        model, moe, data, ckpt = config.model, config.model.moe, config.data, config.checkpoint
+        params = count_params(model)
+        if self.resume is None:
+            start = "a new run"
+        else:
+            start = f"resumed from {self.resume.path} at step {self.resume.step}"
+        saves = []
+        if ckpt.interval:
+            saves.append(f"every {ckpt.interval} steps")
+        if ckpt.interval_minutes:
+            saves.append(f"every {ckpt.interval_minutes:g} min")
+        saving = f"{' or '.join(saves)} into {checkpoint_dir}" if saves else "off"
+        evaluation = config.eval
+        return [
+            ("run", f"{self.run_dir} ({start})"),
+            (
+                "model",
+                f"{params.total / 1e6:.1f}M params, {params.active / 1e6:.1f}M active: "
+                f"{model.n_layers} layers, d_model {model.d_model}, {moe.num_experts} experts "
+                f"top-{moe.top_k}",
+            ),
+            (
+                "data",
+                f"{', '.join(data.paths)}: {data.global_batch_size} x {data.seq_len} = "
+                f"{self.tokens_per_step:,} tokens per step",
+            ),
+            (
+                "layout",
+                f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}: pp "
+                f"{layout.pp}, dp {layout.dp}, ep "
+                f"{layout.ep} on {self.runtime.device.type}; peak {self.peak / 1e12:.2f} TFLOP/s "
+                f"per device ({self.peak_source})",
+            ),
+            (
+                "steps",
+                f"{config.train.max_steps} ({config.optim.schedule} schedule, peak lr {config.optim.lr:g})",
+            ),
+            ("checkpoints", saving),
+            (
+                "eval",
+                f"{evaluation.batches} x {config.data.global_batch_size} sequences of "
+                f"{', '.join(evaluation.paths)} every "
+                f"{evaluation.interval} steps"
+                if evaluation.interval
+                else "off",
+            ),
+        ]
 
     # ---- resume ------------------------------------------------------------------------
 
@@ -193,7 +242,7 @@ class Trainer:
         saved_layout = self.resume.state.get("topology")
         layout = self.runtime.layout.describe()
         moved = f"; layout {saved_layout} -> {layout}" if saved_layout not in (None, layout) else ""
-        self.progress.message(
+        self.console.message(
             f"resumed from {self.resume.path} at step {self.start_step}"
             + (f"; changed: {changes}" if changes else "")
             + moved
@@ -208,6 +257,7 @@ class Trainer:
         next_step = self.start_step
         if not self.already_finished:
             self.runner.model.train()
+            started = time.perf_counter()
             try:
                 for step in range(self.start_step, max_steps):
                     result, flags = self._step(step)
@@ -219,6 +269,8 @@ class Trainer:
                     if stopped_by:
                         break
                 self.checkpoints.finish()
+                last = self.checkpoints.last_committed
+                self.console.summary(time.perf_counter() - started, str(last) if last else None)
             finally:
                 if self.metrics is not None:
                     self.metrics.close()
@@ -235,9 +287,12 @@ class Trainer:
         )
 
     def _step(self, step: int) -> tuple[StepResult, dict[str, bool]]:
-        """The step phase, then the log phase; returns the step and the ranks' agreed flags."""
+        """The step phase (and evaluation when due), then the log phase; returns the step and
+        the ranks' agreed flags."""
         config, runtime = self.config, self.runtime
         start = time.perf_counter()
+        if runtime.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(runtime.device)
         batch = self.dataset.batch(step, config.data.global_batch_size, config.train.seed)
         lr = lr_at(step, config.optim, config.train.max_steps)
         result = self.runner.train_step(batch, lr)
@@ -246,19 +301,27 @@ class Trainer:
             self.skipped_steps += 1
         if runtime.device.type == "cuda":
             torch.cuda.synchronize(runtime.device)
+        step_time = time.perf_counter() - start
+        peak_mem = peak_memory_bytes(runtime.device)
+        eval_loss = None
+        if self.evaluator is not None and self.evaluator.due(step + 1):
+            eval_loss = self.evaluator.evaluate()
         time_due = runtime.is_main and self.checkpoints.due_by_time()
         step_time, peak_mem, stop, time_due = runtime.max_over_world(
-            [
-                time.perf_counter() - start,
-                float(peak_memory_bytes(runtime.device)),
-                float(self.stops.requested),
-                float(time_due),
-            ]
+            [step_time, float(peak_mem), float(self.stops.requested), float(time_due)]
         )
-        self._log(step, lr, result, step_time, int(peak_mem))
+        self._log(step, lr, result, step_time, int(peak_mem), eval_loss)
         return result, {"stop": stop > 0, "time_due": time_due > 0}
 
-    def _log(self, step: int, lr: float, result: StepResult, step_time: float, peak: int) -> None:
+    def _log(
+        self,
+        step: int,
+        lr: float,
+        result: StepResult,
+        step_time: float,
+        peak: int,
+        eval_loss: float | None,
+    ) -> None:
         stats, train_cfg = result.stats, self.config.train
         record = {
             "step": step,
@@ -274,17 +337,21 @@ class Trainer:
             "peak_mem_bytes": peak,
             "step_time_s": step_time,
             "skipped_steps": self.skipped_steps,
+            "tokens_seen": (step + 1) * self.tokens_per_step,
+            "time": time.time(),
         }
+        if eval_loss is not None:
+            record["eval_loss"] = _finite_or_none(eval_loss)
         logged = step % train_cfg.log_interval == 0 or step == train_cfg.max_steps - 1
-        if self.metrics is not None and (logged or not result.applied):
+        if self.metrics is not None and (logged or not result.applied or eval_loss is not None):
             self.metrics.write(record)
         if not result.applied:
-            self.progress.message(
+            self.console.message(
                 f"step {step} skipped: loss {stats.lm_loss}, grad_norm {result.grad_norm} "
                 f"({self.bad_streak + 1} in a row, train.max_skipped_steps="
                 f"{train_cfg.max_skipped_steps})"
             )
-        self.progress.update(step, {**record, "loss": stats.lm_loss})
+        self.console.step(record)
 
     def _check_bad_streak(self, step: int, result: StepResult) -> None:
         """Stop when more than train.max_skipped_steps steps in a row were skipped."""

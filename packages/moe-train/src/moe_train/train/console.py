@@ -1,0 +1,148 @@
+"""What a person reads while a run goes on: a start banner, progress lines, and a summary.
+
+On a terminal the progress line is redrawn in place after every step; elsewhere (a SLURM log,
+`| tee`) one line is printed every train.log_interval steps. Only rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+GIB = 2**30
+
+
+@dataclass
+class RunTotals:
+    """What the end-of-run summary reports, gathered as the run goes."""
+
+    steps: int = 0
+    """Steps this process ran."""
+    tokens: int = 0
+    """Tokens seen by the run so far (a resumed run counts its earlier steps)."""
+    tokens_here: float = 0.0
+    """Tokens of the steps this process ran."""
+    step_seconds: float = 0.0
+    peak_mem_bytes: int = 0
+    eval_losses: list[float] = field(default_factory=list)
+
+
+class Console:
+    """Banner, progress lines and summary on stderr (`enabled` on rank 0 only)."""
+
+    def __init__(
+        self,
+        max_steps: int,
+        log_interval: int,
+        *,
+        enabled: bool,
+        progress: bool,
+        world_size: int,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.max_steps, self.log_interval = max_steps, log_interval
+        self.enabled = enabled
+        """Whether anything is printed (run facts: banner, resume, skipped steps, summary)."""
+        self.progress = enabled and progress
+        """Whether progress lines are printed too."""
+        self.world_size = world_size
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty()
+        self.totals = RunTotals()
+        self._first_step_at: float | None = None
+        self._steps_here = 0
+        self._line_open = False
+
+    def message(self, text: str) -> None:
+        """One line of run facts (ends a live progress line first)."""
+        if self.enabled:
+            self._end_live_line()
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def banner(self, rows: list[tuple[str, str]]) -> None:
+        """The start banner: one `name  value` row per fact."""
+        width = max(len(name) for name, _ in rows)
+        self.message("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+
+    def step(self, record: dict[str, Any]) -> None:
+        """Account for one metrics row and print its progress line when due."""
+        now = time.perf_counter()
+        if self._first_step_at is None:
+            self._first_step_at = now - record["step_time_s"]
+        self._steps_here += 1
+        totals = self.totals
+        totals.steps += 1
+        totals.tokens = record["tokens_seen"]
+        totals.tokens_here += record["tokens_per_s"] * record["step_time_s"]
+        totals.step_seconds += record["step_time_s"]
+        totals.peak_mem_bytes = max(totals.peak_mem_bytes, record["peak_mem_bytes"])
+        if record.get("eval_loss") is not None:
+            totals.eval_losses.append(record["eval_loss"])
+        done = record["step"] + 1
+        due = done % self.log_interval == 0 or done == self.max_steps
+        if not self.progress or not (self.live or due or "eval_loss" in record):
+            return
+        # This process's own pace (a resumed run counts only the steps it ran).
+        eta = (now - self._first_step_at) / self._steps_here * (self.max_steps - done)
+        line = progress_line(record, self.max_steps, self.world_size, eta)
+        if self.live:
+            self.stream.write(f"\r\033[K{line}")
+            self._line_open = True
+            if done == self.max_steps:
+                self._end_live_line()
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def summary(self, wall_seconds: float, checkpoint: str | None) -> None:
+        """The end-of-run summary (one line)."""
+        totals = self.totals
+        parts = [f"{totals.steps} steps in {clock(wall_seconds)}", f"{totals.tokens:,} tokens seen"]
+        if totals.step_seconds:
+            mean = totals.tokens_here / totals.step_seconds / self.world_size
+            parts.append(f"{mean:,.0f} tok/s per device on average")
+        if totals.eval_losses:
+            parts.append(
+                f"eval loss best {min(totals.eval_losses):.4f}, last {totals.eval_losses[-1]:.4f}"
+            )
+        parts.append(f"peak memory {totals.peak_mem_bytes / GIB:.2f} GiB")
+        parts.append(f"checkpoint {checkpoint}" if checkpoint else "no checkpoint")
+        self.message("summary: " + " | ".join(parts))
+
+    def _end_live_line(self) -> None:
+        if self._line_open:
+            self.stream.write("\n")
+            self._line_open = False
+
+
+def progress_line(record: dict[str, Any], max_steps: int, world_size: int, eta: float) -> str:
+    """One progress line from a metrics row."""
+    done = record["step"] + 1
+    parts = [f"step {done}/{max_steps}", f"loss {_number(record['loss'], '.4f')}"]
+    if record.get("eval_loss") is not None:
+        parts.append(f"eval {record['eval_loss']:.4f}")
+    parts += [
+        f"lr {record['lr']:.2e}",
+        f"gnorm {_number(record['grad_norm'], '.3f')}",
+        f"{record['tokens_per_s'] / world_size:,.0f} tok/s/dev",
+        f"MFU {100 * record['mfu']:.1f}%",
+        f"load {record['expert_load_max_over_mean']:.2f}",
+        f"mem {record['peak_mem_bytes'] / GIB:.2f} GiB",
+    ]
+    if record.get("skipped_steps"):
+        parts.append(f"skipped {record['skipped_steps']}")
+    parts.append(f"ETA {clock(eta)}")
+    return " | ".join(parts)
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "nan" if value is None else format(value, spec)
+
+
+def clock(seconds: float) -> str:
+    """H:MM:SS."""
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

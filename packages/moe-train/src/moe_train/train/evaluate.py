@@ -1,0 +1,117 @@
+"""Held-out evaluation: the mean token loss over the same eval batches every time.
+
+Eval batch i holds sequences ``i * global_batch_size ...`` of the eval data in order (wrapping
+around), cut into micro-batches exactly as a training batch is, so every layout evaluates the
+same micro-batches and expert-parallel ranks run the same number of them (with the training
+micro-batch size, capacity-bounded dispatch drops as it would in training). Forward only, in
+the compute dtype. Evaluation leaves training untouched: the model is put in eval mode (no
+routing statistics are recorded), and the RNG state (random routing draws from it) is
+restored afterwards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moe_train.config import Config
+from moe_train.data import TokenDataset
+from moe_train.errors import DataError
+from moe_train.model import lm_loss
+from moe_train.train.runtime import Runtime
+from moe_train.train.step import StepRunner
+
+
+class Evaluator:
+    """Computes `eval_loss` on this rank's share of the eval batches (collective)."""
+
+    def __init__(self, config: Config, runner: StepRunner, runtime: Runtime) -> None:
+        self.config, self.runner, self.runtime = config, runner, runtime
+        data, evaluation = config.data, config.eval
+        cache_dir = Path(data.cache_dir) if data.cache_dir else None
+        self.dataset = TokenDataset(evaluation.paths, data.seq_len, cache_dir=cache_dir)
+        if self.dataset.vocab_size > config.model.vocab_size:
+            raise DataError(
+                f"eval.paths hold token ids up to {self.dataset.vocab_size - 1} but "
+                f"model.vocab_size={config.model.vocab_size}; the eval data must come from the "
+                f"training data's tokenizer"
+            )
+
+    def due(self, next_step: int) -> bool:
+        """Whether the state after `next_step` steps is evaluated: every eval.interval steps
+        and after the last step."""
+        interval = self.config.eval.interval
+        return next_step % interval == 0 or next_step == self.config.train.max_steps
+
+    def batch(self, index: int) -> Tensor:
+        """Eval batch `index`: the next global_batch_size sequences in order, wrapping."""
+        size = self.config.data.global_batch_size
+        rows = [
+            self.dataset.sequence((index * size + row) % self.dataset.num_sequences)
+            for row in range(size)
+        ]
+        return torch.from_numpy(np.stack(rows))
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over eval.batches global batches (the same on every rank)."""
+        runner, model = self.runner, self.runner.model
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        model.eval()
+        try:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+            for index in range(self.config.eval.batches):
+                for micro in runner.my_micro_batches(self.batch(index)):
+                    loss_sum += self._micro_loss(micro)
+        finally:
+            model.train()
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        total = self.runtime.sum_over_world(loss_sum)
+        return total.item() / (runner.num_micro * self.config.eval.batches)
+
+    def _micro_loss(self, micro: Tensor) -> Tensor:
+        """The LM loss of one micro-batch [mbs, seq + 1] (0 on ranks without the head)."""
+        runner = self.runner
+        if runner.pipeline is None:
+            with runner.autocast():
+                logits = runner.model(micro[:, :-1])
+            return lm_loss(logits, micro[:, 1:]).double()
+        return _pipeline_micro_loss(runner, micro)
+
+
+def _pipeline_micro_loss(runner: StepRunner, micro: Tensor) -> Tensor:
+    """Forward of one micro-batch through the pipeline stages in order, hidden states passed
+    from stage to stage by point-to-point sends (every rank of a pipeline walks the same
+    stage sequence, so each send meets its receive)."""
+    pipeline, layout = runner.pipeline, runner.runtime.layout
+    plan = pipeline.plan
+    modules = {stage: s.submod for stage, s in zip(plan.stages, pipeline.stages, strict=True)}
+    inputs, targets = micro[:, :-1].contiguous(), micro[:, 1:]
+    hidden_shape = (*inputs.shape, runner.config.model.d_model)
+    loss = torch.zeros((), dtype=torch.float64, device=micro.device)
+    hidden: Tensor | None = None
+    for stage in range(plan.num_stages):
+        owner = dist.get_global_rank(layout.pp_group, stage % layout.pp)
+        if stage not in modules:
+            continue
+        if stage > 0:
+            previous = dist.get_global_rank(layout.pp_group, (stage - 1) % layout.pp)
+            if previous != layout.rank:
+                hidden = torch.empty(hidden_shape, dtype=torch.float32, device=micro.device)
+                dist.recv(hidden, src=previous)
+        output = modules[stage](inputs if stage == 0 else hidden)
+        if stage == plan.num_stages - 1:
+            loss += lm_loss(output, targets).double()
+            continue
+        hidden = output.float().contiguous()
+        following = dist.get_global_rank(layout.pp_group, (stage + 1) % layout.pp)
+        if following != owner:
+            dist.send(hidden, dst=following)
+    return loss

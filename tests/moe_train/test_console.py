@@ -1,0 +1,84 @@
+"""What a person reads: banner, progress lines every log_interval steps, summary."""
+
+import io
+import re
+
+from moe_train.train import train
+from moe_train.train.console import Console, progress_line
+
+
+def _record(step: int, **extra) -> dict:
+    return {
+        "step": step,
+        "loss": 2.5,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_s": 4000.0,
+        "mfu": 0.125,
+        "expert_load_max_over_mean": 1.5,
+        "peak_mem_bytes": 3 * 2**29,
+        "step_time_s": 0.5,
+        "skipped_steps": 0,
+        "tokens_seen": (step + 1) * 1000,
+        **extra,
+    }
+
+
+def test_progress_line_holds_every_figure():
+    line = progress_line(_record(9, eval_loss=2.75, skipped_steps=2), 100, 2, eta=3725)
+    assert line == (
+        "step 10/100 | loss 2.5000 | eval 2.7500 | lr 1.00e-03 | gnorm 0.500 | "
+        "2,000 tok/s/dev | MFU 12.5% | load 1.50 | mem 1.50 GiB | skipped 2 | ETA 1:02:05"
+    )
+    plain = progress_line(_record(9, loss=None, grad_norm=None), 100, 1, eta=0)
+    assert "loss nan" in plain and "gnorm nan" in plain and "eval" not in plain
+    assert "skipped" not in plain
+
+
+def test_a_line_every_log_interval_and_at_the_end_when_not_a_terminal():
+    stream = io.StringIO()
+    console = Console(7, 3, enabled=True, progress=True, world_size=1, stream=stream)
+    for step in range(7):
+        console.step(_record(step, **({"eval_loss": 2.0 - step / 10} if step == 4 else {})))
+    console.summary(12.0, "runs/x/checkpoints/step_00000007")
+    lines = stream.getvalue().splitlines()
+    steps = [re.match(r"step (\d+)/7", line).group(1) for line in lines[:-1]]
+    assert steps == ["3", "5", "6", "7"]  # every 3 steps, a fresh eval loss, the last
+    assert lines[-1] == (
+        "summary: 7 steps in 0:00:12 | 7,000 tokens seen | 4,000 tok/s per device on average "
+        "| eval loss best 1.6000, last 1.6000 | peak memory 1.50 GiB "
+        "| checkpoint runs/x/checkpoints/step_00000007"
+    )
+
+
+def test_other_ranks_print_nothing_and_progress_false_keeps_run_facts():
+    quiet = io.StringIO()
+    other = Console(3, 1, enabled=False, progress=True, world_size=2, stream=quiet)
+    other.banner([("run", "x")])
+    other.step(_record(0))
+    other.summary(1.0, None)
+    assert quiet.getvalue() == ""
+    facts = io.StringIO()
+    console = Console(3, 1, enabled=True, progress=False, world_size=1, stream=facts)
+    console.step(_record(0))
+    console.message("resumed from somewhere")
+    assert facts.getvalue() == "resumed from somewhere\n"
+
+
+def test_a_real_run_prints_a_readable_banner_lines_and_a_summary(tmp_path, make_config, capsys):
+    config = make_config(tmp_path, train={"max_steps": 6, "log_interval": 2, "progress": True})
+    train(config)
+    err = capsys.readouterr().err.splitlines()
+    banner = [line for line in err if not line.startswith(("step ", "summary: "))]
+    assert [line.split()[0] for line in banner] == [
+        "run",
+        "model",
+        "data",
+        "layout",
+        "steps",
+        "checkpoints",
+        "eval",
+    ]
+    assert not any(c in line for line in banner for c in "{}'")  # no raw dicts
+    assert [line.split()[1] for line in err if line.startswith("step ")] == ["2/6", "4/6", "6/6"]
+    assert err[-1].startswith("summary: 6 steps in ") and "step_00000006" in err[-1]
