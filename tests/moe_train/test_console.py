@@ -82,3 +82,17 @@ def test_a_real_run_prints_a_readable_banner_lines_and_a_summary(tmp_path, make_
     assert not any(c in line for line in banner for c in "{}'")  # no raw dicts
     assert [line.split()[1] for line in err if line.startswith("step ")] == ["2/6", "4/6", "6/6"]
     assert err[-1].startswith("summary: 6 steps in ") and "step_00000006" in err[-1]
+
+
+def test_eta_counts_only_the_steps_this_process_ran(monkeypatch):
+    """A run resumed at step 50 of 100 at 10 s per step: 48 steps left after step 52."""
+    from moe_train.train import console as console_module
+
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(console_module.time, "perf_counter", lambda: clock["now"])
+    stream = io.StringIO()
+    console = Console(100, 1, enabled=True, progress=True, world_size=1, stream=stream)
+    for step in (50, 51):
+        clock["now"] += 10.0
+        console.step(_record(step, step_time_s=10.0))
+    assert stream.getvalue().splitlines()[-1].endswith("ETA 0:08:00")

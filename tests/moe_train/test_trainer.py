@@ -1,6 +1,7 @@
 """The single-process training loop: metrics contract, determinism, learning, run dirs."""
 
 import math
+import time
 import re
 
 import pytest
@@ -20,6 +21,9 @@ REQUIRED_METRICS = {
     "expert_load_max_over_mean",
     "dropped_token_frac",
     "peak_mem_bytes",
+    "skipped_steps",
+    "tokens_seen",
+    "time",
 }
 
 
@@ -47,6 +51,10 @@ def test_metrics_file_and_resolved_config(tmp_path, make_config):
         assert record["dropped_token_frac"] == 0.0
         assert record["mfu"] > 0
     assert [r["loss"] for r in records] == result.losses
+    tokens_per_step = config.data.global_batch_size * config.data.seq_len
+    assert [r["tokens_seen"] for r in records] == [(s + 1) * tokens_per_step for s in range(6)]
+    times = [r["time"] for r in records]
+    assert times == sorted(times) and abs(times[-1] - time.time()) < 600
     assert (result.run_dir / "config.yaml").is_file()
 
 
