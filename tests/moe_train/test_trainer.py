@@ -1,8 +1,8 @@
 """The single-process training loop: metrics contract, determinism, learning, run dirs."""
 
 import math
-import time
 import re
+import time
 
 import pytest
 

@@ -231,6 +231,13 @@ class TrainConfig:
     """A step whose loss or gradient norm is not finite is skipped (no update); after this
     many such steps in a row the run stops, its last good checkpoint intact. 0 stops at the
     first one."""
+    tensorboard: bool = False
+    """Also write every metrics row as TensorBoard scalars to RUN_DIR/tensorboard (rank 0;
+    needs the extra moe-train[tensorboard])."""
+    wandb_project: str | None = None
+    """Also log every metrics row to this Weights & Biases project, in a run named after the
+    run directory that a resume continues; null turns it off (needs the extra
+    moe-train[wandb]; WANDB_MODE=offline keeps the run in RUN_DIR/wandb for `wandb sync`)."""
 
     def validate(self, path: str) -> None:
         _positive(self, path, "max_steps", "log_interval")

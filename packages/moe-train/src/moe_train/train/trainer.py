@@ -40,6 +40,7 @@ from moe_train.train.runtime import Runtime, lost_rank_error, start_runtime
 from moe_train.train.schedule import lr_at
 from moe_train.train.signals import StopRequests
 from moe_train.train.step import DTYPES, StepResult, StepRunner
+from moe_train.train.tracking import Trackers, check_tracking_available
 
 
 @dataclass
@@ -118,6 +119,7 @@ class Trainer:
     def __init__(self, config: Config, runtime: Runtime, stops: StopRequests) -> None:
         self.config, self.runtime, self.stops = config, runtime, stops
         self.checkpoints: Checkpoints | None = None
+        self.trackers: Trackers | None = None
         self._setup()
         self.start_step = self.resume.step if self.resume else 0
         self.skipped_steps = int(self.resume.state.get("skipped_steps", 0)) if self.resume else 0
@@ -128,11 +130,17 @@ class Trainer:
         self._open_files()
         if self.resume is not None:
             self._resume()
+        # Last, so that a setup that fails leaves no tracker run open.
+        runtime.on_main(self._open_trackers)
 
     # ---- setup -------------------------------------------------------------------------
 
     def _setup(self) -> None:
         config, runtime = self.config, self.runtime
+        train_cfg = config.train
+        runtime.on_main(
+            lambda: check_tracking_available(train_cfg.tensorboard, train_cfg.wandb_project)
+        )
         if runtime.device.type == "cpu":
             keep_freed_host_memory()
         data = config.data
@@ -233,6 +241,17 @@ class Trainer:
             ),
         ]
 
+    def _open_trackers(self) -> None:
+        """TensorBoard and W&B, as asked (rank 0; its errors reach every rank via on_main)."""
+        train_cfg = self.config.train
+        self.trackers = Trackers.open(
+            self.run_dir,
+            self.config.to_dict(),
+            tensorboard=train_cfg.tensorboard,
+            wandb_project=train_cfg.wandb_project,
+            resumed_from_step=self.start_step,
+        )
+
     # ---- resume ------------------------------------------------------------------------
 
     def _resume(self) -> None:
@@ -258,6 +277,7 @@ class Trainer:
         if not self.already_finished:
             self.runner.model.train()
             started = time.perf_counter()
+            failed = True
             try:
                 for step in range(self.start_step, max_steps):
                     result, flags = self._step(step)
@@ -271,9 +291,12 @@ class Trainer:
                 self.checkpoints.finish()
                 last = self.checkpoints.last_committed
                 self.console.summary(time.perf_counter() - started, str(last) if last else None)
+                failed = False
             finally:
                 if self.metrics is not None:
                     self.metrics.close()
+                if self.trackers is not None:
+                    self.trackers.close(failed=failed)
         return TrainResult(
             run_dir=self.run_dir,
             losses=self.losses,
@@ -345,6 +368,8 @@ class Trainer:
         logged = step % train_cfg.log_interval == 0 or step == train_cfg.max_steps - 1
         if self.metrics is not None and (logged or not result.applied or eval_loss is not None):
             self.metrics.write(record)
+            if self.trackers is not None:
+                self.trackers.log(record)
         if not result.applied:
             self.console.message(
                 f"step {step} skipped: loss {stats.lm_loss}, grad_norm {result.grad_norm} "
