@@ -64,6 +64,7 @@ def test_bad_checkpoints_give_one_line_and_damage_nothing(tmp_path, make_config,
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
+    capsys.readouterr()  # what training printed
     assert main(["inspect", str(ckpt)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and model_file.name in err[0]

@@ -1,4 +1,4 @@
-"""The `moe-train` command line: train, prepare-data, inspect."""
+"""The `moe-train` command line: train, prepare-data, inspect, export."""
 
 import argparse
 import json
@@ -55,7 +55,37 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--all", action="store_true", help="also list the optimizer tensors (optim.*)"
     )
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face transformers model directory",
+        description="Write CKPT (or the newest checkpoint under a checkpoints root) to DIR as "
+        "a directory transformers.AutoModelForCausalLM.from_pretrained loads: config.json, "
+        "generation_config.json, sharded safetensors with an index, and the tokenizer files "
+        "when the data used a tokenizer.json. Refused (exit 2, nothing written) when no "
+        "transformers architecture computes the same logits. Needs transformers.",
+    )
+    export.add_argument("checkpoint", type=Path, metavar="CKPT")
+    export.add_argument("--out", required=True, type=Path, metavar="DIR")
+    export.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype of the written weights (default float32)",
+    )
     return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    from moe_train.hf import export_checkpoint
+
+    result = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
+    for note in result.notes:
+        print(f"note: {note}")
+    print(
+        f"wrote {result.checkpoint} as {result.architecture} ({args.dtype}, "
+        f"{len(result.files)} files) to {result.out}"
+    )
+    return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -74,10 +104,15 @@ def _train(config_path: Path, overrides: list[str]) -> int:
     """Train; exit 0 when the run reached train.max_steps (now or before), PREEMPTED_EXIT
     when a signal stopped it early."""
     from moe_train.config import load_config
-    from moe_train.train import PREEMPTED_EXIT, train
+    from moe_train.signals import PREEMPTED_EXIT, StopRequests
 
-    config = load_config(config_path, overrides)
-    result = train(config)
+    # Listening first: a launcher's SIGTERM during start-up (torchrun sends one to every rank
+    # when another exits) then lets this rank finish what it is doing and report its own error.
+    with StopRequests(announce=False) as stops:
+        config = load_config(config_path, overrides)
+        from moe_train.train import train
+
+        result = train(config, stops=stops)
     if not result.is_main:
         return PREEMPTED_EXIT if result.stopped_by else 0
     steps = config.train.max_steps
@@ -115,6 +150,8 @@ def run(argv: list[str]) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "inspect":
         return _inspect(args)
+    if args.command == "export":
+        return _export(args)
     from moe_train.data import prepare_data
 
     meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer)

@@ -1,9 +1,9 @@
 """The training loop, its metrics and the MFU denominator."""
 
+from moe_train.signals import PREEMPTED_EXIT
 from moe_train.train.metrics import read_metrics
 from moe_train.train.peak import measure_matmul_peak, peak_flops
 from moe_train.train.schedule import lr_at
-from moe_train.train.signals import PREEMPTED_EXIT
 from moe_train.train.trainer import TrainResult, train
 
 __all__ = [

@@ -8,6 +8,7 @@ time-based saves, so every rank stops and saves after the same step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import time
@@ -22,6 +23,7 @@ from moe_train.config import Config, dump_config
 from moe_train.data import TokenDataset
 from moe_train.errors import DataError, MoeTrainError, TrainingDiverged
 from moe_train.model import Transformer, count_params, flops_per_token
+from moe_train.signals import StopRequests
 from moe_train.train.checkpointing import (
     Checkpoints,
     check_no_newer_checkpoints,
@@ -38,7 +40,6 @@ from moe_train.train.peak import peak_flops
 from moe_train.train.run_dir import prepare_run_dir, truncate_metrics
 from moe_train.train.runtime import Runtime, lost_rank_error, start_runtime
 from moe_train.train.schedule import lr_at
-from moe_train.train.signals import StopRequests
 from moe_train.train.step import DTYPES, StepResult, StepRunner
 from moe_train.train.tracking import Trackers, check_tracking_available
 
@@ -87,18 +88,26 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def train(config: Config, *, device: torch.device | None = None) -> TrainResult:
+def train(
+    config: Config,
+    *,
+    device: torch.device | None = None,
+    stops: StopRequests | None = None,
+) -> TrainResult:
     """Train `config.model` on `config.data` up to `config.train.max_steps` steps.
 
     Runs in one process, or as one rank of a torchrun (or cluster launcher) launch: each
-    rank calls this. A stop signal ends it early after a checkpoint (`stopped_by`).
+    rank calls this. A stop signal ends it early after a checkpoint (`stopped_by`). `stops`:
+    stop requests the caller already listens for (the CLI does, from its start, so that a
+    signal during start-up is not fatal); by default train listens while it runs.
     """
     runtime = start_runtime(config, device)
     clean = False
     trainer: Trainer | None = None
     try:
-        with StopRequests(announce=runtime.is_main) as stops:
-            trainer = Trainer(config, runtime, stops)
+        with contextlib.nullcontext(stops) if stops else StopRequests() as active:
+            active.announce_on(runtime.is_main)
+            trainer = Trainer(config, runtime, active)
             result = trainer.run()
         clean = True
         return result

@@ -32,6 +32,13 @@ class StopRequests:
         self._announce = announce
         self._previous: dict[int, Any] = {}
 
+    def announce_on(self, announce: bool) -> None:
+        """Say (or not) on stderr when a signal arrives (rank 0 does, once its rank is known);
+        a signal received before is said now."""
+        self._announce = announce
+        if announce and self.signal_name is not None:
+            self._say(f"{self.signal_name} received: stopping after the first step, with a save")
+
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
@@ -55,6 +62,10 @@ class StopRequests:
         else:
             message = f"{name} received: already stopping after this step"
         if self._announce:
-            # One write call: lines of several ranks sharing a pipe do not interleave.
-            sys.stderr.write(message + "\n")
-            sys.stderr.flush()
+            self._say(message)
+
+    @staticmethod
+    def _say(message: str) -> None:
+        # One write call: lines of several ranks sharing a pipe do not interleave.
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()

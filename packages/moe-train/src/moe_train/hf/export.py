@@ -1,0 +1,230 @@
+"""`moe-train export`: a checkpoint as a directory `transformers` loads with no project code.
+
+Writes config.json, generation_config.json, sharded safetensors in the hub layout (one tensor
+per expert and projection) with model.safetensors.index.json, and tokenizer.json with
+tokenizer_config.json: the run's own tokenizer.json, or the byte tokenizer rebuilt as one
+(`moe_train.hf.tokenizer`). Data that is only pre-tokenized arrays gives no tokenizer files. Everything is written to a scratch directory
+beside `out` and moved into place at the end, so a refused or failed export leaves no `out`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moe_checkpoint import (
+    CheckpointError,
+    SliceRequest,
+    checkpoint_summary,
+    load_slices,
+    read_trainer_state,
+    resolve_checkpoint,
+)
+from moe_train.config import Config, config_from_dict
+from moe_train.errors import MoeTrainError
+from moe_train.hf.architectures import Architecture, ExportError, HFTensor, choose_architecture
+from moe_train.hf.tokenizer import write_tokenizer
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""`--dtype` choices."""
+INDEX_FILE = "model.safetensors.index.json"
+BUILTIN_DATA_PREFIX = "builtin:"
+BYTE_EOS_ID = 256
+"""The byte tokenizer's end-of-document id (moe_train.data.ByteTokenizer)."""
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    """The directory written."""
+    checkpoint: Path
+    """The checkpoint exported (resolved from a checkpoints root if one was given)."""
+    architecture: str
+    """The transformers class, e.g. ``Qwen3MoeForCausalLM``."""
+    files: list[str]
+    """Names of the files written."""
+    notes: list[str] = field(default_factory=list)
+    """What was not written, and why (e.g. no tokenizer files)."""
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:
+        raise MoeTrainError(
+            "export needs the 'transformers' library: pip install 'moe-train[hf]' "
+            "(or pip install transformers)"
+        ) from e
+    return transformers
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "float32",
+    max_shard_bytes: int = 2 * 1024**3,
+) -> ExportResult:
+    """Write `checkpoint` (or the newest under a checkpoints root) to `out` as a transformers
+    model directory; an ExportError (before anything is written) when no architecture
+    transformers has computes exactly the same logits."""
+    out = Path(out)
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"--dtype={dtype} must be one of {', '.join(EXPORT_DTYPES)}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"--out {out} already exists and is not an empty directory")
+    try:
+        ckpt = resolve_checkpoint(checkpoint)
+        config = config_from_dict(read_trainer_state(ckpt)["config"])
+        stored = {
+            name: tuple(t["shape"])
+            for name, t in checkpoint_summary(ckpt, verify=False)["tensors"].items()
+        }
+        bias_names = [n for n in stored if n.endswith(".ffn.router.expert_bias")]
+        biases = load_slices(ckpt, [SliceRequest.whole(n, stored[n]) for n in bias_names])
+    except CheckpointError as e:
+        raise MoeTrainError(str(e)) from e
+    architecture = choose_architecture(config, any(bool(b.any()) for b in biases))
+    transformers = _transformers()
+    with_tokenizer, tokenizer_file, eos_id, notes = _tokenizer_of(config)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        _write_weights(ckpt, stored, architecture, scratch, EXPORT_DTYPES[dtype], max_shard_bytes)
+        hf_config = getattr(transformers, architecture.config_class)(
+            **architecture.config_kwargs, eos_token_id=eos_id, bos_token_id=None, pad_token_id=None
+        )
+        hf_config.architectures = [architecture.name]
+        hf_config.dtype = dtype
+        hf_config.save_pretrained(scratch)
+        transformers.GenerationConfig(
+            eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
+        ).save_pretrained(scratch)
+        if with_tokenizer:
+            write_tokenizer(transformers, tokenizer_file, eos_id, scratch)
+        if out.exists():
+            out.rmdir()
+        scratch.rename(out)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    files = sorted(p.name for p in out.iterdir())
+    return ExportResult(out, ckpt, architecture.name, files, notes)
+
+
+def _write_weights(
+    ckpt: Path,
+    stored: dict[str, tuple[int, ...]],
+    architecture: Architecture,
+    directory: Path,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+) -> None:
+    """Shards of at most `max_shard_bytes` (a larger single tensor gets a shard of its own),
+    reading one checkpoint tensor at a time."""
+    from safetensors.torch import save_file
+
+    def nbytes(t: HFTensor) -> int:
+        element = 4 if t.keep_fp32 else torch.empty(0, dtype=dtype).element_size()
+        return element * int(torch.Size(t.shape).numel())
+
+    shards: list[list[HFTensor]] = [[]]
+    size = 0
+    for t in architecture.tensors:
+        if shards[-1] and size + nbytes(t) > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes(t)
+
+    # The one source tensor (or expert row) read last: consecutive tensors cut from it reuse it.
+    cached: tuple[tuple[str, int | None], Tensor] | None = None
+    weight_map: dict[str, str] = {}
+    total = 0
+    for number, shard in enumerate(shards, start=1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        tensors: dict[str, Tensor] = {}
+        for t in shard:
+            if t.source is None:
+                value = torch.zeros(t.shape)
+            else:
+                key = (t.source, t.row)
+                if cached is None or cached[0] != key:
+                    cached = (key, _read(ckpt, stored, t.source, t.row))
+                value = t.take(cached[1])
+            if tuple(value.shape) != t.shape:
+                raise MoeTrainError(
+                    f"{ckpt}: {t.source} gives {t.name} of shape {tuple(value.shape)}, "
+                    f"expected {t.shape}"
+                )
+            tensors[t.name] = value.to(torch.float32 if t.keep_fp32 else dtype).contiguous()
+            weight_map[t.name] = file
+            total += nbytes(t)
+        save_file(tensors, directory / file, metadata={"format": "pt"})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def _read(ckpt: Path, stored: dict[str, tuple[int, ...]], name: str, row: int | None) -> Tensor:
+    """Checkpoint tensor `name`, or only its row `row` (one expert)."""
+    if name not in stored:
+        raise MoeTrainError(f"{ckpt} holds no tensor {name!r}")
+    shape = stored[name]
+    if row is None:
+        request = SliceRequest.whole(name, shape)
+    else:
+        request = SliceRequest.rows(name, shape, row, row + 1)
+    try:
+        (tensor,) = load_slices(ckpt, [request])
+    except CheckpointError as e:
+        raise MoeTrainError(str(e)) from e
+    return tensor if row is None else tensor[0]
+
+
+def _tokenizer_of(config: Config) -> tuple[bool, Path | None, int | None, list[str]]:
+    """Whether to write tokenizer files, the run's tokenizer.json (None: the byte tokenizer),
+    its end-of-document id, and notes on what will not be written."""
+    specs: set[tuple[str | None, int | None]] = set()
+    for path in config.data.paths:
+        if path.startswith(BUILTIN_DATA_PREFIX):
+            specs.add(("byte", BYTE_EOS_ID))
+            continue
+        meta_path = Path(path) / "meta.json"
+        if not meta_path.is_file():
+            specs.add((None, None))  # a .npy token array, or data not on this machine
+            continue
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            specs.add((None, None))
+            continue
+        specs.add((meta.get("tokenizer"), meta.get("eos_id")))
+    known = {s for s in specs if s[0] is not None}
+    if len(known) != 1 or len(specs) != 1:
+        reason = (
+            "were prepared with different tokenizers"
+            if len(known) > 1
+            else ("include pre-tokenized arrays or directories not on this machine")
+        )
+        eos_id = next(iter(known))[1] if len(known) == 1 else None
+        return False, None, eos_id, [f"wrote no tokenizer files: the run's data.paths {reason}"]
+    ((spec, eos_id),) = known
+    if spec == "byte":
+        return True, None, eos_id, []
+    tokenizer_file = Path(spec)
+    if not tokenizer_file.is_file():
+        return (
+            False,
+            None,
+            eos_id,
+            [f"wrote no tokenizer files: {tokenizer_file} is not on this machine"],
+        )
+    return True, tokenizer_file, eos_id, []

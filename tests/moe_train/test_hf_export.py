@@ -1,0 +1,268 @@
+"""`moe-train export`: transformers loads the directory and computes our logits and tokens."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_train.cli import main
+from moe_train.train import train
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+NEW_TOKENS = 8
+
+CASES = {
+    # Qwen3-MoE: softmax router, per-head QK-norm, top-k renormalised or not, dense-first layers.
+    "qwen3_moe": ("Qwen3MoeForCausalLM", {"model": {"qk_norm": True}}),
+    "qwen3_moe_dense_first_unnormalised_tied": (
+        "Qwen3MoeForCausalLM",
+        {
+            "model": {
+                "n_layers": 3,
+                "dense_layers": 1,
+                "dense_hidden": 48,
+                "tie_embeddings": True,
+                "moe": {"normalize_topk": False},
+            }
+        },
+    ),
+    # GLM-4-MoE: sigmoid router with a selection bias, shared experts, dense-first layers.
+    "glm4_moe_shared_bias": (
+        "Glm4MoeForCausalLM",
+        {
+            "model": {
+                "n_layers": 3,
+                "dense_layers": 1,
+                "dense_hidden": 48,
+                "moe": {"router": "sigmoid", "shared_experts": 1, "bias_update_rate": 0.01},
+            }
+        },
+    ),
+    "glm4_moe_no_qk_norm_no_shared": (
+        "Glm4MoeForCausalLM",
+        {"model": {"qk_norm": False, "moe": {"router": "sigmoid", "normalize_topk": False}}},
+    ),
+}
+
+
+def _trained(make_config, tmp_path: Path, sections: dict):
+    config = make_config(tmp_path, train={"max_steps": 3}, **sections)
+    result = train(config)
+    assert result.checkpoint is not None
+    return config, result
+
+
+def _greedy(model, prompt_BS: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Our model's greedy continuation: the whole sequence again at every step."""
+    tokens = prompt_BS
+    for _ in range(new_tokens):
+        next_token = model(tokens)[:, -1].argmax(dim=-1, keepdim=True)
+        tokens = torch.cat([tokens, next_token], dim=1)
+    return tokens[:, prompt_BS.shape[1] :]
+
+
+def _max_relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> tuple[float, str]:
+    """max |ours - theirs| / max |ours|, and where the worst element is with both values."""
+    difference = (ours - theirs).abs()
+    worst = int(difference.argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), ours.shape))
+    relative = float(difference.max() / ours.abs().max())
+    return relative, f"worst at {index}: ours {ours[index]:.7g}, transformers {theirs[index]:.7g}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exported_model_gives_our_logits_and_greedy_tokens(case, make_config, tmp_path, capsys):
+    architecture, sections = CASES[case]
+    config, result = _trained(make_config, tmp_path, sections)
+    out = tmp_path / "hf"
+    assert main(["export", str(result.checkpoint), "--out", str(out), "--dtype", "float32"]) == 0
+    assert architecture in capsys.readouterr().out
+
+    hf_config = json.loads((out / "config.json").read_text())
+    assert hf_config["architectures"] == [architecture]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    num_experts = config.model.moe.num_experts
+    last = config.model.n_layers - 1
+    for n in range(num_experts):
+        for projection in ("gate_proj", "up_proj", "down_proj"):
+            assert f"model.layers.{last}.mlp.experts.{n}.{projection}.weight" in index["weight_map"]
+    assert (out / "generation_config.json").is_file()
+
+    hf_model, loading = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True
+    )
+    assert type(hf_model).__name__ == architecture
+    assert not any(loading[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (
+        loading
+    )
+    hf_model.eval()
+    model = result.model.eval()
+
+    generator = torch.Generator().manual_seed(1)
+    tokens_BS = torch.randint(0, config.model.vocab_size, (2, 24), generator=generator)
+    with torch.no_grad():
+        ours = model(tokens_BS).float()
+        theirs = hf_model(input_ids=tokens_BS).logits.float()
+    relative, where = _max_relative_difference(ours, theirs)
+    print(f"{case}: max relative logit difference {relative:.3g}")
+    assert relative < 1e-4, f"{case}: relative difference {relative:.3g}; {where}"
+
+    prompt_BS = tokens_BS[:, :8]
+    with torch.no_grad():
+        ours_new = _greedy(model, prompt_BS, NEW_TOKENS)
+        generated = hf_model.generate(
+            prompt_BS,
+            attention_mask=torch.ones_like(prompt_BS),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+        )
+    assert torch.equal(generated[:, prompt_BS.shape[1] :], ours_new), (generated, ours_new)
+
+
+@pytest.mark.parametrize(
+    ("sections", "option"),
+    [
+        ({"model": {"qk_norm": False}}, "model.qk_norm=false"),
+        ({"model": {"moe": {"shared_experts": 1}}}, "model.moe.shared_experts=1"),
+        ({"model": {"moe": {"capacity_factor": 2.0}}}, "model.moe.capacity_factor=2.0"),
+        ({"model": {"moe": {"bias_update_rate": 0.01}}}, "model.moe.bias_update_rate"),
+    ],
+)
+def test_an_option_no_architecture_represents_is_refused(sections, option, make_config, tmp_path, capsys):  # fmt: skip
+    _, result = _trained(make_config, tmp_path, sections)
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    assert main(["export", str(result.checkpoint), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and option in err, err
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if ".export-" in p.name]
+
+
+def test_bfloat16_export_writes_bfloat16_tensors(make_config, tmp_path):
+    _, result = _trained(make_config, tmp_path, {"model": {"qk_norm": True}})
+    root = result.checkpoint.parent  # a checkpoints root: its newest checkpoint is exported
+    out = tmp_path / "hf"
+    assert main(["export", str(root), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert shards
+    dtypes = {t.dtype for shard in shards for t in safetensors_torch.load_file(shard).values()}
+    assert dtypes == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert next(hf_model.parameters()).dtype == torch.bfloat16
+
+
+def test_export_refuses_a_non_empty_out_directory(make_config, tmp_path, capsys):
+    _, result = _trained(make_config, tmp_path, {"model": {"qk_norm": True}})
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["export", str(result.checkpoint), "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def _bpe_tokenizer_file(directory: Path, text: str) -> Path:
+    """A small byte-level BPE tokenizer.json trained on `text`, with <|endoftext|>."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([text], trainer=trainer)
+    path = directory / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def test_export_writes_the_tokenizer_the_data_was_prepared_with(make_config, tmp_path, capsys):
+    from moe_train.data import prepare_data
+
+    text = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 400
+    (tmp_path / "train.txt").write_text(text)
+    tokenizer_file = _bpe_tokenizer_file(tmp_path, text)
+    meta = prepare_data([tmp_path / "train.txt"], tmp_path / "data", tokenizer=str(tokenizer_file))
+    data = {"paths": [str(tmp_path / "data")], "seq_len": 16}
+    model = {"qk_norm": True, "vocab_size": 320}
+    _, result = _trained(make_config, tmp_path, {"model": model, "data": data})
+    out = tmp_path / "hf"
+    assert main(["export", str(result.checkpoint), "--out", str(out)]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+    assert (out / "tokenizer.json").is_file()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    sample = "class Point:\n    return a + b"
+    ids = _bpe_encode(tokenizer_file, sample)
+    assert hf_tokenizer(sample, add_special_tokens=False)["input_ids"] == ids
+    assert hf_tokenizer.eos_token_id == meta["eos_id"]
+    assert hf_tokenizer.decode(ids) == sample
+    assert (
+        json.loads((out / "generation_config.json").read_text())["eos_token_id"] == (meta["eos_id"])
+    )
+
+
+def _bpe_encode(tokenizer_file: Path, text: str) -> list[int]:
+    import tokenizers
+
+    return tokenizers.Tokenizer.from_file(str(tokenizer_file)).encode(text).ids
+
+
+def test_byte_tokenizer_exports_as_a_tokenizer_json_giving_utf8_bytes(
+    make_config, tmp_path, capsys
+):
+    from moe_train.data import ByteTokenizer, prepare_data
+
+    (tmp_path / "train.txt").write_text("def add(a, b):\n    return a + b\n" * 400)
+    prepare_data([tmp_path / "train.txt"], tmp_path / "data")
+    data = {"paths": [str(tmp_path / "data")]}
+    model = {"qk_norm": True, "vocab_size": 320}
+    _, result = _trained(make_config, tmp_path, {"model": model, "data": data})
+    out = tmp_path / "hf"
+    assert main(["export", str(result.checkpoint), "--out", str(out)]) == 0
+    assert "note:" not in capsys.readouterr().out
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ours = ByteTokenizer()
+    for text in ("héllo wörld\n\t  x", "日本語 🙂", "  a  b\r\n", "a<|endoftext|>b"):
+        ids = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ids == ours.encode(text).tolist(), text
+        assert hf_tokenizer.decode(ids) == text
+    assert hf_tokenizer.eos_token_id == ours.eos_id
+    assert hf_tokenizer.convert_tokens_to_ids(hf_tokenizer.eos_token) == 256
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 256
+
+
+def test_token_array_data_exports_without_tokenizer_files_and_says_so(
+    make_config, tmp_path, capsys
+):
+    _, result = _trained(make_config, tmp_path, {"model": {"qk_norm": True}})
+    out = tmp_path / "hf"
+    assert main(["export", str(result.checkpoint), "--out", str(out)]) == 0
+    assert "note: wrote no tokenizer files" in capsys.readouterr().out
+    assert not (out / "tokenizer.json").exists()
+
+
+def test_many_shards_load_as_one_model(make_config, tmp_path):
+    from moe_train.hf import export_checkpoint
+
+    config, result = _trained(make_config, tmp_path, {"model": {"qk_norm": True}})
+    out = tmp_path / "hf"
+    export_checkpoint(result.checkpoint, out, max_shard_bytes=20_000)
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 3
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [p.name for p in shards]
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens_BS = torch.randint(0, config.model.vocab_size, (1, 16))
+    with torch.no_grad():
+        ours, theirs = result.model.eval()(tokens_BS), hf_model(input_ids=tokens_BS).logits
+    relative, where = _max_relative_difference(ours, theirs)
+    assert relative < 1e-4, where
