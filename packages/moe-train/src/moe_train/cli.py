@@ -1,4 +1,4 @@
-"""The `moe-train` command line: train, prepare-data, inspect, export."""
+"""The `moe-train` command line: train, prepare-data, inspect, export, import-hf, generate."""
 
 import argparse
 import json
@@ -72,7 +72,75 @@ def _parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         help="dtype of the written weights (default float32)",
     )
+    import_hf = commands.add_parser(
+        "import-hf",
+        help="turn a Hugging Face transformers model directory into a checkpoint",
+        description="Read HF_DIR (Qwen3-MoE or GLM-4-MoE: config.json and safetensors) and "
+        "write DIR/step_00000000, a weights-only checkpoint, and DIR/config.yaml, a trainer "
+        "config of the same model with checkpoint.init_from=DIR. Refused (exit 2, nothing "
+        "written) when our model cannot compute exactly what the transformers model does. "
+        "Needs transformers.",
+    )
+    import_hf.add_argument("hf_dir", type=Path, metavar="HF_DIR")
+    import_hf.add_argument("--out", required=True, type=Path, metavar="DIR")
+    generate = commands.add_parser(
+        "generate",
+        help="continue a prompt with a checkpoint's model",
+        description="Load CKPT (or the newest checkpoint under a checkpoints root) in one "
+        "process (CUDA when available, else CPU; fp32, dropless routing) and print the "
+        "continuation of the prompt. Stops at the tokenizer's end-of-text token or after "
+        "--max-new-tokens. --prompt needs the tokenizer the run's data was prepared with.",
+    )
+    generate.add_argument("checkpoint", type=Path, metavar="CKPT")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt as text")
+    prompt.add_argument("--prompt-ids", metavar="IDS", help="the prompt as token ids: 1,2,3")
+    generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    generate.add_argument(
+        "--temperature", type=float, default=0.0, help="0 (default): greedy; else sampling"
+    )
+    generate.add_argument(
+        "--top-k", type=int, default=0, help="sample among the K likeliest tokens (0: all)"
+    )
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    generate.add_argument("--json", action="store_true", help="print prompt_ids, ids and text")
     return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from moe_train.generate import generate
+
+    result = generate(
+        args.checkpoint,
+        prompt=args.prompt,
+        prompt_ids=args.prompt_ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    if args.json:
+        fields = ("prompt_ids", "ids", "text", "stop_reason")
+        print(json.dumps({name: getattr(result, name) for name in fields}))
+    elif result.text is not None:
+        print(result.text)
+    else:
+        print(",".join(str(i) for i in result.ids))
+    return 0
+
+
+def _import_hf(args: argparse.Namespace) -> int:
+    from moe_train.hf.import_hf import import_hf
+
+    result = import_hf(args.hf_dir, args.out)
+    if result.ignored:
+        print(f"note: ignored {len(result.ignored)} tensors of layers past the last one "
+              f"(multi-token prediction), e.g. {result.ignored[0]}")  # fmt: skip
+    print(
+        f"wrote {args.hf_dir} ({result.architecture}) as {result.checkpoint} and "
+        f"{result.out / 'config.yaml'}; train from it with --checkpoint.init_from={result.out}"
+    )
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -152,6 +220,10 @@ def run(argv: list[str]) -> int:
         return _inspect(args)
     if args.command == "export":
         return _export(args)
+    if args.command == "import-hf":
+        return _import_hf(args)
+    if args.command == "generate":
+        return _generate(args)
     from moe_train.data import prepare_data
 
     meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer)

@@ -323,6 +323,12 @@ class CheckpointConfig:
     (model.*, data.paths, data.seq_len, data.global_batch_size, train.seed)."""
     async_save: bool = False
     """Copy the state off the training tensors and write it while training goes on."""
+    init_from: str | None = None
+    """A checkpoint (or a directory of checkpoints: its newest) whose model tensors a new run
+    starts from, at step 0 with a fresh optimizer and data position, in any layout: e.g. the
+    directory `moe-train import-hf` writes. Its model config must equal model.* (but for
+    kernel choices) unless allow_config_change=true. Ignored, with a note, when resume finds a
+    checkpoint: a relaunch continues its own run."""
 
     @property
     def enabled(self) -> bool:
@@ -334,6 +340,11 @@ class CheckpointConfig:
         _positive(self, path, "keep_last")
         if not self.resume:
             raise ConfigError(f"{path}.resume is empty; use auto, never or a checkpoint path")
+        if self.init_from is not None and not self.init_from:
+            raise ConfigError(
+                f"{path}.init_from is empty; use null or a checkpoint path (or a directory of "
+                "checkpoints)"
+            )
 
 
 @dataclass(kw_only=True)

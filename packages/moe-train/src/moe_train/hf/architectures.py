@@ -1,5 +1,10 @@
 """Which transformers architecture computes exactly what a model config computes, and how.
 
+One table serves both directions: `Architecture.tensors` lists every hub tensor with the
+checkpoint tensor it is cut from, and each cut (`HFTensor.take`) is a view of its source, so
+export reads through it and import (`moe_train.hf.import_hf`) writes through it.
+`checkpoint_shapes` gives the shapes of the checkpoint tensors those cuts tile.
+
 Both targets share our block: pre-norm RMSNorm (eps `model.norm_eps`, weight times the fp32
 normalised input), grouped-query attention with RoPE in the half-split convention
 (`rotate_half`: channel i pairs with channel i + head_dim/2) on the whole head, SwiGLU
@@ -47,7 +52,8 @@ class HFTensor:
     shape: tuple[int, ...]
     """Its shape."""
     take: Callable[[Tensor], Tensor]
-    """Cuts it from the source tensor (from its row `row` when that is set)."""
+    """Cuts it from the source tensor (from its row `row` when that is set) as a view: export
+    copies out of the view, import copies into it."""
     row: int | None = None
     """The expert (row of the source tensor) it comes from: only that row is read."""
     keep_fp32: bool = False
@@ -161,6 +167,40 @@ def _glm4_moe(config: Config) -> Architecture:
     }
     kwargs["rope_parameters"] = kwargs["rope_parameters"] | {"partial_rotary_factor": 1.0}
     return Architecture("Glm4MoeForCausalLM", "Glm4MoeConfig", kwargs, _tensors(model, glm=True))
+
+
+def checkpoint_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The model tensors of our checkpoint (one name per storage: no ``head.weight`` when
+    tied) and their shapes: what `_tensors`' sources are cut from."""
+    d, moe = model.d_model, model.moe
+    head_dim = d // model.n_heads
+    kv, experts, hidden = model.n_kv_heads * head_dim, moe.num_experts, moe.expert_hidden
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (model.vocab_size, d)}
+    for layer in range(model.n_layers):
+        ours = f"blocks.{layer}"
+        shapes[f"{ours}.attn_norm.weight"] = (d,)
+        shapes[f"{ours}.attn.qkv.weight"] = (d + 2 * kv, d)
+        shapes[f"{ours}.attn.out.weight"] = (d, d)
+        if model.qk_norm:
+            shapes[f"{ours}.attn.q_norm.weight"] = (head_dim,)
+            shapes[f"{ours}.attn.k_norm.weight"] = (head_dim,)
+        shapes[f"{ours}.ffn_norm.weight"] = (d,)
+        if layer < model.dense_layers:
+            shapes[f"{ours}.ffn.gate_up.weight"] = (2 * model.dense_hidden, d)
+            shapes[f"{ours}.ffn.down.weight"] = (d, model.dense_hidden)
+            continue
+        shapes[f"{ours}.ffn.router.expert_bias"] = (experts,)
+        shapes[f"{ours}.ffn.router.gate.weight"] = (experts, d)
+        shapes[f"{ours}.ffn.experts.w_gate_up_EDO"] = (experts, d, 2 * hidden)
+        shapes[f"{ours}.ffn.experts.w_down_EHD"] = (experts, hidden, d)
+        if moe.shared_experts:
+            width = moe.shared_experts * hidden
+            shapes[f"{ours}.ffn.shared.gate_up.weight"] = (2 * width, d)
+            shapes[f"{ours}.ffn.shared.down.weight"] = (d, width)
+    shapes["norm.weight"] = (d,)
+    if not model.tie_embeddings:
+        shapes["head.weight"] = (model.vocab_size, d)
+    return shapes
 
 
 def _rows(start: int, stop: int) -> Callable[[Tensor], Tensor]:

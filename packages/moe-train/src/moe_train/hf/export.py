@@ -93,7 +93,7 @@ def export_checkpoint(
         raise MoeTrainError(str(e)) from e
     architecture = choose_architecture(config, any(bool(b.any()) for b in biases))
     transformers = _transformers()
-    with_tokenizer, tokenizer_file, eos_id, notes = _tokenizer_of(config)
+    with_tokenizer, tokenizer_file, eos_id, notes = tokenizer_of_run(config)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
@@ -189,7 +189,7 @@ def _read(ckpt: Path, stored: dict[str, tuple[int, ...]], name: str, row: int | 
     return tensor if row is None else tensor[0]
 
 
-def _tokenizer_of(config: Config) -> tuple[bool, Path | None, int | None, list[str]]:
+def tokenizer_of_run(config: Config) -> tuple[bool, Path | None, int | None, list[str]]:
     """Whether to write tokenizer files, the run's tokenizer.json (None: the byte tokenizer),
     its end-of-document id, and notes on what will not be written."""
     specs: set[tuple[str | None, int | None]] = set()

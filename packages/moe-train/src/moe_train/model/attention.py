@@ -1,4 +1,10 @@
-"""RMSNorm, rotary position embeddings and causal grouped-query attention."""
+"""RMSNorm, rotary position embeddings and causal grouped-query attention.
+
+B batch, S positions of this call, L positions of a KV cache (its capacity), H heads (query or
+key/value), D channels per head (the whole model width where named so).
+"""
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +32,30 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tens
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x_BHSD: Tensor, cos_SD: Tensor, sin_SD: Tensor) -> Tensor:
-    """Rotate pairs (first half, second half) of each head's channels by position angles."""
-    seq_len = x_BHSD.shape[-2]
-    cos, sin = cos_SD[:seq_len].to(x_BHSD.dtype), sin_SD[:seq_len].to(x_BHSD.dtype)
+def apply_rope(x_BHSD: Tensor, cos_SD: Tensor, sin_SD: Tensor, start: int = 0) -> Tensor:
+    """Rotate pairs (first half, second half) of each head's channels by position angles;
+    `x_BHSD` holds positions `start, start + 1, ...`."""
+    end = start + x_BHSD.shape[-2]
+    cos, sin = cos_SD[start:end].to(x_BHSD.dtype), sin_SD[start:end].to(x_BHSD.dtype)
     first, second = x_BHSD.chunk(2, dim=-1)
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+@dataclass
+class LayerKVCache:
+    """One attention layer's keys and values of the positions processed so far, preallocated
+    for `L` positions (after RoPE and QK-norm, as attention uses them)."""
+
+    keys_BHLD: Tensor
+    values_BHLD: Tensor
+
+    def store(self, start: int, k_BHSD: Tensor, v_BHSD: Tensor) -> tuple[Tensor, Tensor]:
+        """Write positions `start, start + 1, ...`; return keys and values of all positions up
+        to the last one written."""
+        end = start + k_BHSD.shape[-2]
+        self.keys_BHLD[:, :, start:end] = k_BHSD
+        self.values_BHLD[:, :, start:end] = v_BHSD
+        return self.keys_BHLD[:, :, :end], self.values_BHLD[:, :, :end]
 
 
 class Attention(nn.Module):
@@ -56,7 +80,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
 
-    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(
+        self,
+        x_BSD: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: LayerKVCache | None = None,
+        start: int = 0,
+    ) -> Tensor:
+        """Attention over positions `0..start + S`: those of `x_BSD` (`start, start + 1, ...`)
+        and, with a `cache`, the `start` earlier ones it holds (the new ones are added to it)."""
         batch, seq_len, d_model = x_BSD.shape
         kv_dim = self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x_BSD).split([d_model, kv_dim, kv_dim], dim=-1)
@@ -65,8 +98,18 @@ class Attention(nn.Module):
         v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, start), apply_rope(k, cos, sin, start)
+        mask, causal = None, True
+        if cache is not None:
+            k, v = cache.store(start, k, v)
+            if start > 0:
+                # Queries sit at the end of the keys: query i sees keys 0..start + i. One
+                # query sees every key, needing no mask.
+                causal = False
+                if seq_len > 1:
+                    mask = torch.ones(seq_len, start + seq_len, dtype=torch.bool, device=q.device)
+                    mask = mask.tril(diagonal=start)
         attended = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
         )
         return self.out(attended.transpose(1, 2).reshape(batch, seq_len, d_model))

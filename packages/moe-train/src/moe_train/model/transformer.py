@@ -1,4 +1,7 @@
-"""Decoder-only MoE transformer: embedding, pre-norm blocks, output head."""
+"""Decoder-only MoE transformer: embedding, pre-norm blocks, output head.
+
+B batch, S positions of this call, V vocabulary, D model width.
+"""
 
 import math
 import zlib
@@ -10,7 +13,7 @@ from torch import Tensor, nn
 
 from moe_dispatch import Dispatcher, make_dispatcher
 from moe_train.config import ModelConfig
-from moe_train.model.attention import Attention, RMSNorm, rope_tables
+from moe_train.model.attention import Attention, LayerKVCache, RMSNorm, rope_tables
 from moe_train.model.moe import Experts, MoEFeedForward, SwiGLU
 from moe_train.model.recompute import RecomputeMode, run_with_recompute
 
@@ -27,6 +30,22 @@ def local_dispatcher_factory(config: ModelConfig) -> DispatcherFactory:
         capacity_factor=moe.capacity_factor,
         group_alignment=moe.group_alignment,
     )
+
+
+class KVCache:
+    """Keys and values of every attention layer for the positions a model has processed, so
+    that inference runs each new token once instead of the whole sequence again.
+
+    Built by `Transformer.new_kv_cache`; `Transformer.forward(tokens, cache)` reads the
+    positions before `length`, appends those of `tokens` and advances `length`.
+    """
+
+    def __init__(self, layers: dict[str, LayerKVCache], capacity: int) -> None:
+        self.layers = layers
+        self.capacity = capacity
+        """Positions it has room for."""
+        self.length = 0
+        """Positions processed so far."""
 
 
 class Block(nn.Module):
@@ -59,11 +78,27 @@ class Block(nn.Module):
                 config.d_model, config.moe, dispatcher_factory(layer), mxfp8=mxfp8
             )
 
-    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(
+        self,
+        x_BSD: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: LayerKVCache | None = None,
+        start: int = 0,
+    ) -> Tensor:
+        if cache is not None:  # inference: nothing to recompute
+            return self._forward(x_BSD, cos, sin, cache, start)
         return run_with_recompute(self._forward, self.recompute, x_BSD, cos, sin)
 
-    def _forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos, sin)
+    def _forward(
+        self,
+        x_BSD: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: LayerKVCache | None = None,
+        start: int = 0,
+    ) -> Tensor:
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos, sin, cache, start)
         return x_BSD + self.ffn(self.ffn_norm(x_BSD))
 
 
@@ -143,10 +178,45 @@ class Transformer(nn.Module):
                         module.w_down_EHD[local], f"{name}.w_down_EHD.{expert}", seed, out_std
                     )
 
-    def forward(self, tokens_BS: Tensor) -> Tensor:
+    def forward(self, tokens_BS: Tensor, cache: KVCache | None = None) -> Tensor:
+        """Logits [B, S, V] of `tokens_BS`; with a `cache`, the tokens continue the
+        `cache.length` positions it holds (inference only: see `new_kv_cache`)."""
         if self.embed is None or self.head is None or len(self.blocks) != self.config.n_layers:
             raise ValueError("forward needs the whole model; use run_layers on a part of it")
-        return self.run_layers(tokens_BS, list(self.blocks), embed=True, head=True)
+        if cache is None:
+            return self.run_layers(tokens_BS, list(self.blocks), embed=True, head=True)
+        start, end = cache.length, cache.length + tokens_BS.shape[1]
+        if end > cache.capacity:
+            raise ValueError(
+                f"{end} positions do not fit a KV cache of {cache.capacity}; make a larger one"
+            )
+        x_BSD = self.embed(tokens_BS)
+        for name, block in self.blocks.items():
+            x_BSD = block(x_BSD, self.rope_cos, self.rope_sin, cache.layers[name], start)
+        cache.length = end
+        return self.head(self.norm(x_BSD))
+
+    def new_kv_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `capacity` positions, in `dtype`
+        (default: the attention weights' dtype). `capacity` may exceed `max_seq_len`: the
+        rotary tables are extended (the positions they already hold keep their values), but
+        the model was trained on `max_seq_len` positions only."""
+        if capacity > self.rope_cos.shape[0]:
+            cos, sin = rope_tables(
+                self.config.d_model // self.config.n_heads, capacity, self.config.rope_theta
+            )
+            self.rope_cos = cos.to(self.rope_cos.device)
+            self.rope_sin = sin.to(self.rope_sin.device)
+        layers = {}
+        for name, block in self.blocks.items():
+            attn = block.attn
+            weight = attn.qkv.weight
+            shape = (batch, attn.n_kv_heads, capacity, attn.head_dim)
+            layers[name] = LayerKVCache(
+                torch.empty(shape, dtype=dtype or weight.dtype, device=weight.device),
+                torch.empty(shape, dtype=dtype or weight.dtype, device=weight.device),
+            )
+        return KVCache(layers, capacity)
 
     def run_layers(
         self, x: Tensor, layers: Sequence[str], *, embed: bool = False, head: bool = False

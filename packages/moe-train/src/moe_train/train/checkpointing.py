@@ -28,10 +28,12 @@ from moe_train.config import Config
 from moe_train.data import TokenDataset
 from moe_train.errors import ConfigError, MoeTrainError, TrainingDiverged
 from moe_train.model import Transformer
+from moe_train.train.config_changes import KERNEL_KEYS, config_changes
 from moe_train.train.runtime import Runtime
 from moe_train.train.state_slices import (
     category_of,
     encode_rng_state,
+    load_model_state,
     load_training_state,
     restore_rng_state,
     saved_slices,
@@ -57,6 +59,32 @@ def find_resume_checkpoint(config: Config) -> Path | None:
             f"checkpoint.resume={resume} is not a committed checkpoint (no COMMITTED marker) "
             f"nor a directory holding one; use auto, never or a checkpoint path"
         ) from e
+
+
+def find_init_checkpoint(config: Config) -> Path:
+    """The committed checkpoint checkpoint.init_from names, after checking that its model
+    config is this run's (but for kernel choices) unless checkpoint.allow_config_change."""
+    source = config.checkpoint.init_from
+    try:
+        path = resolve_checkpoint(source)
+    except CheckpointError as e:
+        raise ConfigError(
+            f"checkpoint.init_from={source} is not a committed checkpoint (no COMMITTED marker) "
+            f"nor a directory holding one"
+        ) from e
+    saved = read_resume_state(path).get("config")
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise MoeTrainError(f"{path}/trainer_state.json holds no model config")
+    changes = config_changes({"model": saved["model"]}, {"model": config.to_dict()["model"]})
+    differing = [c for c in changes if c.key not in KERNEL_KEYS]
+    if differing and not config.checkpoint.allow_config_change:
+        first = differing[0]
+        raise ConfigError(
+            f"{first.key}={first.now!r} differs from {first.saved!r} in checkpoint.init_from="
+            f"{path}: its weights fit only the model they were saved with; set "
+            f"{first.key}={first.saved!r}, or checkpoint.allow_config_change=true"
+        )
+    return path
 
 
 def check_no_newer_checkpoints(root: Path, start_step: int) -> None:
@@ -122,6 +150,13 @@ class Checkpoints:
         restore_rng_state(read_resume_state(path)["rng"])
         self.last_committed = path
         self._last_save_time = time.monotonic()
+
+    def load_model(self, path: Path) -> None:
+        """Fill the model from the model tensors of `path` (any saving layout), with a fresh
+        optimizer at step 0 whose master weights are those tensors; a failure on any rank
+        raises the same one-line error on every rank."""
+        error = load_model_state(path, self.model, self.optimizer, self.runtime.layout)
+        self.runtime.raise_if_any(error)
 
     def due_by_steps(self, next_step: int) -> bool:
         """Whether the state in which step `next_step` starts is due for a step-based save."""

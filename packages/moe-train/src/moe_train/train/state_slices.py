@@ -115,6 +115,26 @@ def load_training_state(
     same collectives even when its reads fail, and gets back its error message (a checksum,
     size or name mismatch) instead of an exception, for the caller to share with the others.
     """
+    return _load(ckpt_dir, model, optimizer, layout, with_optimizer=True)
+
+
+def load_model_state(
+    ckpt_dir: Path, model: Transformer, optimizer: TrainingOptimizer, layout: Layout
+) -> str | None:
+    """Fill this rank's model tensors from `ckpt_dir` and restart its optimizer at step 0
+    with zero moments (master weights read from `ckpt_dir` too). Collective and error-sharing
+    like `load_training_state`."""
+    return _load(ckpt_dir, model, optimizer, layout, with_optimizer=False)
+
+
+def _load(
+    ckpt_dir: Path,
+    model: Transformer,
+    optimizer: TrainingOptimizer,
+    layout: Layout,
+    *,
+    with_optimizer: bool,
+) -> str | None:
     errors: list[str] = []
 
     def guarded(read: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
@@ -127,15 +147,21 @@ def load_training_state(
             return fallback()
 
     guarded(lambda: load_into(ckpt_dir, model_slices(model, layout, owned_only=False)), list)
-    first_param = next(name for name, p in model.named_parameters() if p.requires_grad)
-    (step,) = guarded(
-        lambda: load_slices(ckpt_dir, [SliceRequest.whole(f"optim.step.{first_param}", ())]),
-        lambda: [torch.zeros(())],
-    )
+    step = 0
+    if with_optimizer:
+        first_param = next(name for name, p in model.named_parameters() if p.requires_grad)
+        (saved_step,) = guarded(
+            lambda: load_slices(ckpt_dir, [SliceRequest.whole(f"optim.step.{first_param}", ())]),
+            lambda: [torch.zeros(())],
+        )
+        step = int(saved_step.item())
 
     def read(requests: list[StateRequest]) -> list[Tensor]:
+        values = [torch.zeros(r.numel) for r in requests]
+        wanted = [i for i, r in enumerate(requests) if with_optimizer or r.kind == "param"]
         slice_requests = []
-        for request in requests:
+        for i in wanted:
+            request = requests[i]
             global_shape, offset = _global_placement(model, request.name)
             name = (
                 request.name if request.kind == "param" else f"optim.{request.kind}.{request.name}"
@@ -143,12 +169,12 @@ def load_training_state(
             slice_requests.append(
                 SliceRequest(name, global_shape, offset + request.flat_start, request.numel)
             )
-        return guarded(
-            lambda: load_slices(ckpt_dir, slice_requests),
-            lambda: [torch.zeros(r.numel) for r in requests],
-        )
+        loaded = guarded(lambda: load_slices(ckpt_dir, slice_requests), lambda: None)
+        for i, value in zip(wanted, loaded or [], strict=False):
+            values[i] = value
+        return values
 
-    optimizer.load_state(int(step.item()), read)
+    optimizer.load_state(step, read)
     return errors[0] if errors else None
 
 

@@ -28,6 +28,7 @@ from moe_train.train.checkpointing import (
     Checkpoints,
     check_no_newer_checkpoints,
     checkpoint_root,
+    find_init_checkpoint,
     find_resume_checkpoint,
     read_resume_state,
 )
@@ -139,6 +140,9 @@ class Trainer:
         self._open_files()
         if self.resume is not None:
             self._resume()
+        elif self.init_from is not None:
+            self.checkpoints.load_model(self.init_from)
+            self.console.message(f"started from the model tensors of {self.init_from}")
         # Last, so that a setup that fails leaves no tracker run open.
         runtime.on_main(self._open_trackers)
 
@@ -172,6 +176,10 @@ class Trainer:
         self.evaluator = Evaluator(config, self.runner, runtime) if config.eval.interval else None
         self.resume: ResumePoint | None = runtime.on_main(lambda: _find_resume_point(config))
         self.already_finished = bool(self.resume and self.resume.step >= config.train.max_steps)
+        # A relaunch (resume found this run's checkpoint) continues the run: init_from is moot.
+        self.init_from: Path | None = None
+        if config.checkpoint.init_from and self.resume is None:
+            self.init_from = runtime.on_main(lambda: find_init_checkpoint(config))
         self.run_dir: Path = runtime.on_main(lambda: _open_run_dir(config, self.resume))
 
     def _open_files(self) -> None:
@@ -204,7 +212,9 @@ class Trainer:
         config, layout = self.config, self.runtime.layout
         model, moe, data, ckpt = config.model, config.model.moe, config.data, config.checkpoint
         params = count_params(model)
-        if self.resume is None:
+        if self.init_from is not None:
+            start = f"a new run from the weights of {self.init_from}"
+        elif self.resume is None:
             start = "a new run"
         else:
             start = f"resumed from {self.resume.path} at step {self.resume.step}"
@@ -270,10 +280,12 @@ class Trainer:
         saved_layout = self.resume.state.get("topology")
         layout = self.runtime.layout.describe()
         moved = f"; layout {saved_layout} -> {layout}" if saved_layout not in (None, layout) else ""
+        ignored = self.config.checkpoint.init_from
         self.console.message(
             f"resumed from {self.resume.path} at step {self.start_step}"
             + (f"; changed: {changes}" if changes else "")
             + moved
+            + (f"; checkpoint.init_from={ignored} ignored (resuming)" if ignored else "")
         )
 
     # ---- the loop ----------------------------------------------------------------------

@@ -1,0 +1,217 @@
+"""`moe-train generate`: continue a prompt with a checkpoint's model, in one process.
+
+The model is built from the checkpoint's own config and filled with its global tensors, so a
+checkpoint of any saving layout (dp, ep, pp) loads the same way. It runs in fp32 on CUDA when
+available, else on the CPU, with two inference choices that differ from training:
+
+- routing is dropless: `model.moe.capacity_factor` would drop the token copies over an
+  expert's capacity, which makes a token's output depend on the other tokens of its forward
+  (and so on how a prompt is split into forwards); every copy reaches its expert here;
+- the grouped GEMMs use the `torch` backend, which every device has.
+
+The prompt is run once (prefill) and each new token alone against a KV cache. Sampling draws
+on the CPU from a `torch.Generator` seeded by `seed`, so a run repeats exactly on one machine.
+
+B batch, S positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from moe_checkpoint import CheckpointError, load_into, read_trainer_state, resolve_checkpoint
+from moe_dispatch import make_dispatcher
+from moe_parallel import single_process_layout
+from moe_train.config import Config, ModelConfig, config_from_dict
+from moe_train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from moe_train.errors import MoeTrainError
+from moe_train.model import Transformer
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+@dataclass
+class Generated:
+    checkpoint: Path
+    """The checkpoint used (resolved from a checkpoints root if one was given)."""
+    prompt_ids: list[int]
+    ids: list[int]
+    """The new tokens only; the end-of-text token last when generation stopped at it."""
+    text: str | None
+    """The continuation decoded (end-of-text skipped); None when no tokenizer is known."""
+    stop_reason: str
+    """``eos`` (the end-of-text token was drawn) or ``length`` (max_new_tokens reached)."""
+
+
+def generation_model(model_config: ModelConfig, max_seq_len: int, seed: int = 0) -> Transformer:
+    """The model of `model_config` for one process, with dropless local routing and the
+    `torch` grouped-GEMM backend (see the module docstring); in eval mode."""
+    moe = dataclasses.replace(model_config.moe, capacity_factor=None, grouped_mm_backend="torch")
+    config = dataclasses.replace(model_config, moe=moe)
+
+    def dispatcher(layer: int):
+        return make_dispatcher(
+            "local", num_experts=moe.num_experts, group_alignment=moe.group_alignment
+        )
+
+    return Transformer(config, max_seq_len, dispatcher, seed).eval()
+
+
+def load_checkpoint_model(
+    checkpoint: str | Path, device: torch.device | str | None = None
+) -> tuple[Transformer, Config, Path]:
+    """The model of `checkpoint` (or of the newest one under a checkpoints root) with its
+    trained weights, its training config, and the checkpoint directory."""
+    from moe_train.train.state_slices import model_slices
+
+    try:
+        ckpt = resolve_checkpoint(checkpoint)
+        config = config_from_dict(read_trainer_state(ckpt)["config"])
+        model = generation_model(config.model, config.data.seq_len, config.train.seed)
+        load_into(ckpt, model_slices(model, single_process_layout(), owned_only=False))
+    except CheckpointError as e:
+        raise MoeTrainError(str(e)) from e
+    return model.to(device or default_device()), config, ckpt
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run_tokenizer(config: Config) -> tuple[Tokenizer | None, int | None]:
+    """The tokenizer the run's data was prepared with (None when unknown or not on this
+    machine) and its end-of-text id (None when unknown)."""
+    from moe_train.hf.export import tokenizer_of_run
+
+    with_tokenizer, tokenizer_file, eos_id, _ = tokenizer_of_run(config)
+    if not with_tokenizer:
+        return None, eos_id
+    return load_tokenizer(tokenizer_file), eos_id
+
+
+def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:
+    """`1,2,3` as token ids, each below `vocab_size`."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise MoeTrainError(
+            f"--prompt-ids={text!r} must be comma-separated token ids such as 1,2,3"
+        ) from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise MoeTrainError(
+            f"--prompt-ids holds {bad[0]}; token ids must be between 0 and "
+            f"model.vocab_size - 1 = {vocab_size - 1}"
+        )
+    return ids
+
+
+def next_token(
+    logits_BV: Tensor, temperature: float, top_k: int, generator: torch.Generator
+) -> Tensor:
+    """[B] int64 on the CPU: the argmax when `temperature` is 0, else a draw from
+    softmax(logits / temperature) over the `top_k` largest logits (all when 0)."""
+    logits_BV = logits_BV.float().cpu()
+    if temperature == 0:
+        return logits_BV.argmax(dim=-1)
+    if 0 < top_k < logits_BV.shape[-1]:
+        kth_largest_B1 = logits_BV.topk(top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_largest_B1, float("-inf"))
+    probs_BV = (logits_BV / temperature).softmax(dim=-1)
+    return torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate_ids(
+    model: Transformer,
+    prompt_BS: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+) -> Tensor:
+    """[B, N] the new tokens after `prompt_BS`, N <= `max_new_tokens`: stops when every
+    sequence has drawn `eos_id`. `use_cache=False` runs the whole sequence again for each
+    token (the reference the cache is checked against; limited to the model's max_seq_len)."""
+    generator = generator or torch.Generator().manual_seed(0)
+    batch, prompt_len = prompt_BS.shape
+    device = model.rope_cos.device
+    tokens_BS = prompt_BS.to(device)
+    cache = model.new_kv_cache(batch, prompt_len + max_new_tokens) if use_cache else None
+    new: list[Tensor] = []
+    finished_B = torch.zeros(batch, dtype=torch.bool)
+    step_input_BS = tokens_BS
+    for _ in range(max_new_tokens):
+        logits_BSV = model(step_input_BS, cache) if use_cache else model(tokens_BS)
+        token_B = next_token(logits_BSV[:, -1], temperature, top_k, generator)
+        new.append(token_B)
+        if eos_id is not None:
+            finished_B |= token_B == eos_id
+            if bool(finished_B.all()):
+                break
+        step_input_BS = token_B.to(device)[:, None]
+        tokens_BS = torch.cat([tokens_BS, step_input_BS], dim=1)
+    return torch.stack(new, dim=1) if new else torch.zeros(batch, 0, dtype=torch.long)
+
+
+def generate(
+    checkpoint: str | Path,
+    *,
+    prompt: str | None = None,
+    prompt_ids: Sequence[int] | str | None = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> Generated:
+    """Continue `prompt` (text, needing the run's tokenizer) or `prompt_ids` (ids, or their
+    comma-separated text) with the model of `checkpoint`; see `generate_ids`."""
+    if (prompt is None) == (prompt_ids is None):
+        raise MoeTrainError("give a prompt as --prompt TEXT or as --prompt-ids 1,2,3")
+    if max_new_tokens < 0:
+        raise MoeTrainError(f"--max-new-tokens={max_new_tokens} must be at least 0")
+    if not temperature >= 0:
+        raise MoeTrainError(f"--temperature={temperature} must be at least 0 (0: greedy)")
+    if top_k < 0:
+        raise MoeTrainError(f"--top-k={top_k} must be at least 0 (0: the whole vocabulary)")
+    model, config, ckpt = load_checkpoint_model(checkpoint, device)
+    tokenizer, eos_id = run_tokenizer(config)
+    vocab_size = config.model.vocab_size
+    if prompt is not None:
+        if tokenizer is None:
+            raise MoeTrainError(
+                f"{ckpt}: the tokenizer of the run's data.paths is not known here; "
+                "give the prompt as token ids with --prompt-ids 1,2,3"
+            )
+        ids = [int(i) for i in tokenizer.encode(prompt)]
+        if any(i >= vocab_size for i in ids):
+            raise MoeTrainError(f"--prompt encodes to ids beyond model.vocab_size={vocab_size}")
+    elif isinstance(prompt_ids, str):
+        ids = parse_prompt_ids(prompt_ids, vocab_size)
+    else:
+        ids = parse_prompt_ids(",".join(str(i) for i in prompt_ids or []), vocab_size)
+    if not ids:
+        raise MoeTrainError("the prompt is empty; give at least one token")
+    new_BN = generate_ids(
+        model,
+        torch.tensor([ids]),
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        generator=torch.Generator().manual_seed(seed),
+        eos_id=eos_id,
+    )
+    new_ids = [int(i) for i in new_BN[0]]
+    stop_reason = "eos" if new_ids and eos_id is not None and new_ids[-1] == eos_id else "length"
+    text = tokenizer.decode(new_ids) if tokenizer is not None else None
+    return Generated(ckpt, ids, new_ids, text, stop_reason)

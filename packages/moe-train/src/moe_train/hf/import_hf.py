@@ -1,0 +1,322 @@
+"""`moe-train import-hf`: a transformers model directory as a weights-only checkpoint of ours.
+
+Reads HF_DIR/config.json (Qwen3-MoE or GLM-4-MoE) and its safetensors (one model.safetensors,
+or shards with model.safetensors.index.json), and writes OUT/step_00000000, a checkpoint of
+step 0 that holds only model tensors, and OUT/config.yaml, a trainer config whose model section
+computes what the transformers model computes, with `checkpoint.init_from` set to OUT. The
+fused tensors are rebuilt through the same table as export (`architectures`): each hub tensor
+is copied into the view of our tensor that export cuts it from. Any option our model cannot
+represent exactly is refused before anything is written; the output goes to a scratch
+directory beside OUT that is moved into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moe_checkpoint import CheckpointError, OwnedSlice, save_checkpoint
+from moe_train.config import Config, config_from_dict, dump_config
+from moe_train.errors import MoeTrainError
+from moe_train.hf.architectures import (
+    Architecture,
+    ExportError,
+    HFTensor,
+    checkpoint_shapes,
+    choose_architecture,
+)
+
+SUPPORTED = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+"""model_type -> the transformers class import reads."""
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class ImportHFError(MoeTrainError):
+    """An import cannot run: an architecture or option our model does not represent, a
+    damaged model directory, or an unusable --out."""
+
+
+@dataclass
+class ImportResult:
+    out: Path
+    """The directory written: config.yaml and the checkpoint."""
+    checkpoint: Path
+    """The checkpoint, OUT/step_00000000."""
+    architecture: str
+    """The transformers class read, e.g. ``Qwen3MoeForCausalLM``."""
+    config: Config
+    """The trainer config written to OUT/config.yaml."""
+    ignored: list[str]
+    """Hub tensors not read (multi-token-prediction layers transformers ignores too)."""
+
+
+def import_hf(hf_dir: str | Path, out: str | Path) -> ImportResult:
+    """Write the transformers model in `hf_dir` to `out` as a checkpoint and config.yaml; an
+    ImportHFError (before anything is written) for what our model cannot compute exactly."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ImportHFError(f"--out {out} already exists and is not an empty directory")
+    config, architecture = read_hf_config(hf_dir)
+    config.checkpoint.init_from = str(out.resolve())
+    tensors, ignored = _read_weights(hf_dir, config, architecture)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.import-", dir=out.parent))
+    try:
+        state = {
+            "step": 0,
+            "config": config.to_dict(),
+            "imported_from": str(hf_dir.resolve()),
+            "architecture": architecture.name,
+            "saved_at": time.time(),
+        }
+        slices = [OwnedSlice.whole(name, t) for name, t in tensors.items()]
+        try:
+            save_checkpoint(scratch, 0, slices, lambda _: "model", state, group=None).wait()
+        except CheckpointError as e:
+            raise ImportHFError(f"writing the checkpoint failed: {e}") from e
+        dump_config(config, scratch / "config.yaml")
+        if out.exists():
+            out.rmdir()
+        scratch.rename(out)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return ImportResult(out, out / "step_00000000", architecture.name, config, ignored)
+
+
+# ---- config ------------------------------------------------------------------------------
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportHFError(
+            "import-hf needs the 'transformers' library: pip install 'moe-train[hf]' "
+            "(or pip install transformers)"
+        ) from e
+    return transformers
+
+
+def read_hf_config(hf_dir: Path) -> tuple[Config, Architecture]:
+    """Our config for the model in `hf_dir` (model section from config.json, the rest at
+    defaults) and the table mapping its tensors; refuses what is not represented exactly."""
+    path = hf_dir / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ImportHFError(f"{path} does not exist: HF_DIR must be a model directory") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise ImportHFError(f"{path} is not readable JSON: {e}") from e
+    model_type = raw.get("model_type")
+    architectures = raw.get("architectures") or []
+    supported = ", ".join(f"{c} ({t})" for t, c in SUPPORTED.items())
+    if model_type not in SUPPORTED:
+        name = architectures[0] if architectures else model_type
+        raise ImportHFError(
+            f"{path}: architecture {name} (model_type {model_type!r}) is not importable; "
+            f"supported: {supported}"
+        )
+    expected = SUPPORTED[model_type]
+    if architectures and architectures != [expected]:
+        raise ImportHFError(
+            f"{path}: architectures={architectures} is not importable; supported: {supported}"
+        )
+    if "quantization_config" in raw:
+        raise ImportHFError(
+            f"{path}: quantization_config: quantized weights are not importable; "
+            "import the unquantized model"
+        )
+    transformers = _transformers()
+    hf = transformers.AutoConfig.for_model(**raw)
+    glm = model_type == "glm4_moe"
+    model = _model_section(hf, path, glm=glm)
+    try:
+        config = config_from_dict({"model": model})
+    except MoeTrainError as e:
+        raise ImportHFError(f"{path} is not representable: {e}") from e
+    try:
+        architecture = choose_architecture(config, expert_bias_nonzero=False)
+    except ExportError as e:  # not reached for what _model_section accepts
+        raise ImportHFError(f"{path} is not representable: {e}") from e
+    assert architecture.name == expected, (architecture.name, expected)
+    return config, architecture
+
+
+def _refuse(path: Path, key: str, value: Any, why: str) -> ImportHFError:
+    return ImportHFError(f"{path}: {key}={value!r} is not importable: {why}")
+
+
+def _model_section(hf: Any, path: Path, *, glm: bool) -> dict[str, Any]:
+    """config.json's options as our `model` section, refusing any our model computes
+    differently."""
+    heads, d = hf.num_attention_heads, hf.hidden_size
+    head_dim = getattr(hf, "head_dim", None) or d // heads
+    if head_dim * heads != d:
+        raise _refuse(path, "head_dim", head_dim, f"our attention has head_dim = hidden_size / "
+                      f"num_attention_heads = {d} / {heads}")  # fmt: skip
+    if hf.hidden_act != "silu":
+        raise _refuse(path, "hidden_act", hf.hidden_act, "our feed-forwards are SwiGLU (silu)")
+    if hf.attention_bias:
+        raise _refuse(path, "attention_bias", True, "our projections have no bias")
+    if hf.attention_dropout:
+        raise _refuse(path, "attention_dropout", hf.attention_dropout, "our attention has no dropout")  # fmt: skip
+    rope = dict(hf.rope_parameters or {})
+    if rope.get("rope_type", "default") != "default":
+        raise _refuse(path, "rope_parameters.rope_type", rope.get("rope_type"),
+                      "our RoPE is the default (unscaled) one")  # fmt: skip
+    if glm and rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _refuse(path, "partial_rotary_factor", rope["partial_rotary_factor"],
+                      "our RoPE rotates the whole head (1.0)")  # fmt: skip
+    model: dict[str, Any] = {
+        "vocab_size": hf.vocab_size,
+        "d_model": d,
+        "n_layers": hf.num_hidden_layers,
+        "n_heads": heads,
+        "n_kv_heads": hf.num_key_value_heads,
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "norm_eps": float(hf.rms_norm_eps),
+        "dense_hidden": hf.intermediate_size,
+        "tie_embeddings": bool(hf.tie_word_embeddings),
+        "init_std": float(hf.initializer_range),
+    }
+    moe: dict[str, Any] = {
+        "expert_hidden": hf.moe_intermediate_size,
+        "top_k": hf.num_experts_per_tok,
+        "normalize_topk": bool(hf.norm_topk_prob),
+    }
+    if glm:
+        if hf.routed_scaling_factor != 1.0:
+            raise _refuse(path, "routed_scaling_factor", hf.routed_scaling_factor,
+                          "our combine weights are not scaled (1.0)")  # fmt: skip
+        if hf.topk_group != hf.n_group:
+            raise _refuse(path, "topk_group", hf.topk_group, f"our router picks from all "
+                          f"experts (topk_group = n_group = {hf.n_group})")  # fmt: skip
+        model |= {"qk_norm": bool(hf.use_qk_norm), "dense_layers": hf.first_k_dense_replace}
+        moe |= {"num_experts": hf.n_routed_experts, "shared_experts": hf.n_shared_experts}
+        moe["router"] = "sigmoid"
+    else:
+        if hf.num_experts < 1:
+            raise _refuse(path, "num_experts", hf.num_experts, "our MoE layers need experts")
+        if getattr(hf, "sliding_window", None) is not None:
+            raise _refuse(path, "sliding_window", hf.sliding_window, "our attention is full")
+        dense = [
+            layer
+            for layer in range(hf.num_hidden_layers)
+            if layer in hf.mlp_only_layers or (layer + 1) % hf.decoder_sparse_step
+        ]
+        if dense != list(range(len(dense))):
+            raise _refuse(path, "mlp_only_layers", hf.mlp_only_layers, f"with decoder_sparse_"
+                          f"step={hf.decoder_sparse_step} the dense layers are {dense}; ours are "
+                          "the first ones")  # fmt: skip
+        model |= {"qk_norm": True, "dense_layers": len(dense)}
+        moe |= {"num_experts": hf.num_experts, "router": "softmax"}
+        moe["lb_loss_weight"] = float(hf.router_aux_loss_coef)
+    model["moe"] = moe
+    return model
+
+
+# ---- weights -----------------------------------------------------------------------------
+
+
+def _shard_files(hf_dir: Path) -> dict[str, Path]:
+    """Hub tensor name -> the safetensors file holding it."""
+    index = hf_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ImportHFError(f"{index} is not a safetensors index: {e}") from e
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    single = hf_dir / SINGLE_FILE
+    if not single.is_file():
+        raise ImportHFError(f"{hf_dir} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _read_weights(
+    hf_dir: Path, config: Config, architecture: Architecture
+) -> tuple[dict[str, Tensor], list[str]]:
+    """Our model tensors (float32), each assembled from the hub tensors cut from it."""
+    from safetensors import SafetensorError, safe_open
+
+    files = _shard_files(hf_dir)
+    shapes = checkpoint_shapes(config.model)
+    by_source: dict[str, list[HFTensor]] = defaultdict(list)
+    for t in architecture.tensors:
+        if t.source is not None:
+            by_source[t.source].append(t)
+    wanted = {t.name for t in architecture.tensors}
+    n_layers = config.model.n_layers
+    unexpected, ignored = [], []
+    for name in files:
+        if name in wanted:
+            continue
+        parts = name.split(".")
+        # Multi-token-prediction layers follow the last layer; transformers ignores them too.
+        if name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= n_layers:
+            ignored.append(name)
+        else:
+            unexpected.append(name)
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ImportHFError(
+            f"{hf_dir}: tensor {unexpected[0]}{more} has no place in our model "
+            f"({architecture.name} as our model represents it)"
+        )
+
+    tensors: dict[str, Tensor] = {}
+    with ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+
+        def read(t: HFTensor) -> Tensor:
+            if t.name not in files:
+                raise ImportHFError(f"{hf_dir}: tensor {t.name} is missing")
+            file = files[t.name]
+            try:
+                if file not in opened:
+                    opened[file] = stack.enter_context(safe_open(file, "pt"))
+                value = opened[file].get_tensor(t.name)
+            except (OSError, SafetensorError) as e:
+                raise ImportHFError(f"{file}: cannot read tensor {t.name}: {e}") from e
+            if tuple(value.shape) != t.shape:
+                raise ImportHFError(
+                    f"{file}: tensor {t.name} has shape {tuple(value.shape)}, config.json "
+                    f"gives {t.shape}"
+                )
+            return value
+
+        for t in architecture.tensors:
+            if t.source is None:  # GLM-4-MoE's empty shared-expert MLP: present, no elements
+                read(t)
+        for name, shape in shapes.items():
+            target = torch.zeros(shape, dtype=torch.float32)
+            covered = torch.zeros(shape, dtype=torch.uint8)
+            for t in by_source.get(name, []):
+                value = read(t)
+                if not value.is_floating_point():
+                    raise ImportHFError(f"{files[t.name]}: tensor {t.name} is {value.dtype}")
+                rows = (target, covered) if t.row is None else (target[t.row], covered[t.row])
+                t.take(rows[0]).copy_(value)
+                t.take(rows[1]).add_(1)
+            # A softmax router's selection bias is not in Qwen3-MoE: it stays zero.
+            bias_zero = name.endswith(".router.expert_bias") and name not in by_source
+            if not bias_zero and not bool((covered == 1).all()):
+                raise AssertionError(f"the mapping does not tile {name} exactly once")
+            tensors[name] = target
+    return tensors, ignored

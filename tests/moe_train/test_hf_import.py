@@ -1,0 +1,320 @@
+"""`moe-train import-hf`: a transformers model becomes our checkpoint, computing its logits,
+training alike in any layout, and round-tripping export bitwise."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from distributed import run_distributed
+from moe_checkpoint import OwnedSlice, SliceRequest, checkpoint_summary, load_into, load_slices
+from moe_train.cli import main
+from moe_train.config import config_from_dict, load_config
+from moe_train.errors import ConfigError
+from moe_train.hf.architectures import checkpoint_shapes
+from moe_train.model import Transformer
+from moe_train.train import train
+from training import assert_losses_match, train_cases
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 3
+
+COMMON = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "moe_intermediate_size": 16,
+    "num_experts_per_tok": 2,
+    "rms_norm_eps": 1e-6,
+}
+
+HF_MODELS = {
+    # Softmax routing, QK-norm, one dense first layer (mlp_only_layers), top-k renormalised.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            **COMMON,
+            "num_experts": 4,
+            "mlp_only_layers": [0],
+            "norm_topk_prob": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+        },
+    ),
+    # Unnormalised top-k, tied embeddings, no dense layer.
+    "qwen3_moe_tied": (
+        "Qwen3MoeConfig",
+        {**COMMON, "num_experts": 4, "norm_topk_prob": False, "tie_word_embeddings": True},
+    ),
+    # Sigmoid routing with a selection bias, a shared expert, first_k_dense_replace, QK-norm.
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        {
+            **COMMON,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "use_qk_norm": True,
+            "norm_topk_prob": True,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 1.0,
+            },
+        },
+    ),
+    # No shared experts (transformers builds an empty shared MLP), no QK-norm, unnormalised.
+    "glm4_moe_no_shared": (
+        "Glm4MoeConfig",
+        {
+            **COMMON,
+            "n_routed_experts": 4,
+            "n_shared_experts": 0,
+            "first_k_dense_replace": 0,
+            "norm_topk_prob": False,
+            "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0},
+        },
+    ),
+}
+
+
+def _hf_model(case: str, directory: Path, seed: int = 0, **save_kwargs):
+    """A random transformers model saved to `directory`; every weight (norms and the
+    selection bias too) perturbed so that any misplaced tensor changes the logits."""
+    config_class, kwargs = HF_MODELS[case]
+    config = getattr(transformers, config_class)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and tensor.numel():
+                scale = 0.5 if name.endswith("e_score_correction_bias") else 0.05
+                tensor.add_(torch.randn_like(tensor) * scale)
+    model.save_pretrained(directory, **save_kwargs)
+    return model.eval()
+
+
+def _named_state(model: Transformer) -> dict[str, torch.Tensor]:
+    seen, named = set(), {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            named[name] = tensor.detach()
+    return named
+
+
+def _our_model(out: Path) -> Transformer:
+    config = load_config(out / "config.yaml")
+    model = Transformer(config.model, 64)
+    load_into(out / "step_00000000", [OwnedSlice.whole(n, t) for n, t in _named_state(model).items()])  # fmt: skip
+    return model.eval()
+
+
+def _max_relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> tuple[float, str]:
+    difference = (ours - theirs).abs()
+    index = tuple(int(i) for i in torch.unravel_index(difference.argmax(), ours.shape))
+    relative = float(difference.max() / ours.abs().max())
+    return relative, f"worst at {index}: ours {ours[index]:.7g}, transformers {theirs[index]:.7g}"
+
+
+@pytest.mark.parametrize(("case", "sharded"), [(c, c == "glm4_moe") for c in HF_MODELS])
+def test_imported_model_gives_the_transformers_logits(case, sharded, tmp_path, capsys):
+    hf_dir, out = tmp_path / "hf", tmp_path / "imported"
+    hf_model = _hf_model(case, hf_dir, **({"max_shard_size": "20KB"} if sharded else {}))
+    assert (hf_dir / "model.safetensors.index.json").is_file() == sharded
+    assert main(["import-hf", str(hf_dir), "--out", str(out)]) == 0
+    assert type(hf_model).__name__ in capsys.readouterr().out
+
+    config = load_config(out / "config.yaml")
+    assert config.checkpoint.init_from == str(out.resolve())
+    assert config.model.vocab_size == COMMON["vocab_size"]
+    assert config.data == config_from_dict({}).data
+    summary = checkpoint_summary(out / "step_00000000")
+    assert summary["step"] == 0 and set(summary["bytes_by_category"]) == {"model"}
+    model = _our_model(out)
+    assert {n: tuple(t.shape) for n, t in _named_state(model).items()} == checkpoint_shapes(
+        config.model
+    )
+
+    tokens_BS = torch.randint(0, COMMON["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))  # fmt: skip
+    with torch.no_grad():
+        ours, theirs = model(tokens_BS).float(), hf_model(input_ids=tokens_BS).logits.float()
+    relative, where = _max_relative_difference(ours, theirs)
+    print(f"{case}: max relative logit difference {relative:.3g}")
+    assert relative < 1e-4, f"{case}: relative difference {relative:.3g}; {where}"
+
+
+def _training_data(out: Path, token_file: Path, run_dir: Path, **overrides) -> dict:
+    """The imported config.yaml, set to train a few fp32 steps on `token_file`."""
+    data = yaml.safe_load((out / "config.yaml").read_text())
+    data["data"] |= {"paths": [str(token_file)], "seq_len": 32, "global_batch_size": 8,
+                     "micro_batch_size": 2}  # fmt: skip
+    data["train"] |= {"max_steps": STEPS, "run_dir": str(run_dir), "progress": False,
+                      "peak_flops": 1e11}  # fmt: skip
+    data["optim"] |= {"lr": 3e-3, "warmup_steps": 1}
+    data["precision"]["compute_dtype"] = "float32"
+    for key, value in overrides.items():
+        data[key] |= value
+    return data
+
+
+def test_init_from_trains_alike_on_one_process_and_expert_parallel(token_file, tmp_path, capsys):
+    hf_dir, out = tmp_path / "hf", tmp_path / "imported"
+    _hf_model("glm4_moe", hf_dir)
+    assert main(["import-hf", str(hf_dir), "--out", str(out)]) == 0
+
+    single = train(config_from_dict(_training_data(out, token_file, tmp_path / "single")))
+    printed = capsys.readouterr().err
+    assert f"started from the model tensors of {out.resolve() / 'step_00000000'}" in printed
+    fresh_data = _training_data(out, token_file, tmp_path / "fresh")
+    fresh_data["checkpoint"]["init_from"] = None
+    fresh = train(config_from_dict(fresh_data))
+    assert abs(single.losses[0] - fresh.losses[0]) > 1e-3, "init_from changed nothing"
+
+    # ep2, with replicated AdamW and with the distributed optimizer (its own master weights).
+    cases = {}
+    for name, zero in (("ep2", False), ("ep2_distributed_optimizer", True)):
+        parallel = {"ep": 2, "dispatcher": "all_to_all", "distributed_optimizer": zero}
+        cases[name] = _training_data(out, token_file, tmp_path / name, parallel=parallel)
+    per_rank = run_distributed(train_cases, world_size=2, args=(cases,))
+    for name in cases:
+        worst = max(
+            abs(a - b) / abs(b) for a, b in zip(per_rank[0][name], single.losses, strict=True)
+        )
+        with capsys.disabled():
+            print(f"{name}: max relative loss difference {worst:.3g}")
+        assert_losses_match(f"{name} from imported weights", per_rank[0][name], single.losses)
+
+    # A relaunch with resume=auto continues its own run and ignores init_from.
+    again = _training_data(out, token_file, tmp_path / "single", train={"max_steps": STEPS + 1},
+                           checkpoint={"resume": "auto"})  # fmt: skip
+    resumed = train(config_from_dict(again))
+    assert resumed.start_step == STEPS
+    assert "checkpoint.init_from=" in capsys.readouterr().err
+
+
+def test_init_from_refuses_another_model(token_file, tmp_path):
+    hf_dir, out = tmp_path / "hf", tmp_path / "imported"
+    _hf_model("qwen3_moe", hf_dir)
+    assert main(["import-hf", str(hf_dir), "--out", str(out)]) == 0
+    data = _training_data(out, token_file, tmp_path / "run", model={"n_kv_heads": 4})
+    with pytest.raises(ConfigError, match=r"^model\.n_kv_heads=4 differs from 2 in checkpoint"):
+        train(config_from_dict(data))
+    assert not (tmp_path / "run").exists()
+    # The kernel choice is not the model: it may differ.
+    data = _training_data(out, token_file, tmp_path / "run", train={"max_steps": 1})
+    data["model"]["moe"]["grouped_mm_backend"] = "auto"
+    assert len(train(config_from_dict(data)).losses) == 1
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {"model": {"qk_norm": True, "dense_layers": 1, "dense_hidden": 48}},
+        {
+            "model": {
+                "n_layers": 3,
+                "dense_layers": 1,
+                "dense_hidden": 48,
+                "tie_embeddings": True,
+                "moe": {"router": "sigmoid", "shared_experts": 1, "bias_update_rate": 0.05},
+            }
+        },
+    ],
+    ids=["qwen3_moe", "glm4_moe_tied_bias"],
+)
+def test_export_then_import_reproduces_every_tensor_bitwise(sections, make_config, tmp_path):
+    config = make_config(tmp_path, train={"max_steps": 3}, **sections)
+    result = train(config)
+    hf_dir, out = tmp_path / "hf", tmp_path / "imported"
+    assert main(["export", str(result.checkpoint), "--out", str(hf_dir)]) == 0
+    assert main(["import-hf", str(hf_dir), "--out", str(out)]) == 0
+
+    imported = load_config(out / "config.yaml").model
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "qk_norm",
+                "rope_theta", "norm_eps", "dense_layers", "tie_embeddings"):  # fmt: skip
+        assert getattr(imported, key) == getattr(config.model, key), key
+    for key in ("num_experts", "top_k", "expert_hidden", "shared_experts", "router"):
+        assert getattr(imported.moe, key) == getattr(config.model.moe, key), key
+    shapes = checkpoint_shapes(config.model)
+    original = dict(zip(shapes, load_slices(result.checkpoint, [SliceRequest.whole(n, s) for n, s in shapes.items()]), strict=True))  # fmt: skip
+    after = dict(zip(shapes, load_slices(out / "step_00000000", [SliceRequest.whole(n, s) for n, s in shapes.items()]), strict=True))  # fmt: skip
+    if config.model.moe.bias_update_rate:
+        assert any(bool(t.any()) for n, t in original.items() if n.endswith("expert_bias"))
+    for name in shapes:
+        assert original[name].dtype == after[name].dtype == torch.float32, name
+        assert torch.equal(original[name], after[name]), name
+
+
+def _refused(tmp_path: Path, capsys, hf_dir: Path, option: str) -> None:
+    out = tmp_path / "imported"
+    capsys.readouterr()
+    assert main(["import-hf", str(hf_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and option in err, err
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if ".import-" in p.name]
+
+
+@pytest.mark.parametrize(
+    ("config_class", "kwargs", "option"),
+    [
+        ("Glm4MoeConfig", {}, "partial_rotary_factor=0.5"),  # GLM-4-MoE's default
+        (
+            "Glm4MoeConfig",
+            {
+                "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0},
+                "routed_scaling_factor": 2.5,
+            },
+            "routed_scaling_factor=2.5",
+        ),
+        (
+            "Glm4MoeConfig",
+            {
+                "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0},
+                "n_group": 2,
+                "topk_group": 1,
+            },
+            "topk_group=1",
+        ),
+        ("Qwen3MoeConfig", {"use_sliding_window": True, "sliding_window": 16}, "sliding_window=16"),
+        ("Qwen3MoeConfig", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
+        ("Qwen3MoeConfig", {"attention_bias": True}, "attention_bias=True"),
+        ("Qwen3MoeConfig", {"head_dim": 16}, "head_dim=16"),
+        (
+            "Qwen3MoeConfig",
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+            "rope_type",
+        ),
+    ],
+)
+def test_an_option_our_model_does_not_represent_is_refused(config_class, kwargs, option, tmp_path, capsys):  # fmt: skip
+    hf_dir = tmp_path / "hf"
+    base = {k: v for k, v in COMMON.items() if k != "head_dim"}
+    getattr(transformers, config_class)(**(base | kwargs)).save_pretrained(hf_dir)
+    _refused(tmp_path, capsys, hf_dir, option)
+
+
+def test_another_architecture_is_refused(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    config = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 32}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    _refused(tmp_path, capsys, hf_dir, "OlmoeForCausalLM")
+
+
+def test_a_tensor_without_a_place_is_refused(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    _hf_model("qwen3_moe", hf_dir)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(hf_dir / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    _refused(tmp_path, capsys, hf_dir, "model.layers.0.self_attn.q_proj.bias")
