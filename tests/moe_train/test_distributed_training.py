@@ -95,6 +95,7 @@ def test_torchrun_bad_pipeline_is_one_line_on_every_rank(token_file, tmp_path):
 
 
 EXPERT_PARALLEL_RUNS = {
+    "auto": {"ep": 2},  # the default dispatcher: all_to_all with ep > 1
     "all_to_all": {"ep": 2, "dispatcher": "all_to_all"},
     "rowwise": {"ep": 2, "dispatcher": "rowwise"},
     "rowwise_shared_memory": {
@@ -111,7 +112,7 @@ def test_expert_parallel_matches_single_process(token_file, tmp_path, reference_
     for name, parallel in EXPERT_PARALLEL_RUNS.items():
         data = _config_data(token_file, tmp_path / name, **parallel)
         # Rowwise buffers: capacity 4 x the even share is more than any expert can receive.
-        rowwise = parallel["dispatcher"] == "rowwise"
+        rowwise = parallel.get("dispatcher") == "rowwise"
         data["model"]["moe"]["capacity_factor"] = 4.0 if rowwise else None
         configs[name] = data
     per_rank = run_distributed(train_cases, world_size=world_size, args=(configs,))

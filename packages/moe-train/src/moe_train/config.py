@@ -258,8 +258,9 @@ class ParallelConfig:
     """Pipeline schedule."""
     virtual_stages: int = 1
     """Pipeline stages per pp rank; more than 1 only with pp_schedule=interleaved_1f1b."""
-    dispatcher: Literal["local", "all_to_all", "rowwise", "deepep"] = "local"
-    """Token dispatch backend between expert-parallel ranks; with ep = 1 every one is local."""
+    dispatcher: Literal["auto", "local", "all_to_all", "rowwise", "deepep"] = "auto"
+    """Token dispatch backend between expert-parallel ranks: auto (local with ep = 1,
+    all_to_all with ep > 1), or one by name; with ep = 1 every one is local."""
     rowwise_transport: Literal["all_to_all", "symmetric_memory"] = "all_to_all"
     """How dispatcher=rowwise moves its fixed-size blocks: all_to_all (an even all-to-all over
     the process group, any backend) or symmetric_memory (written straight into peers' buffers;

@@ -63,7 +63,7 @@ def dispatcher_factory(config: Config, runtime: Runtime) -> DispatcherFactory:
     moe, parallel = config.model.moe, config.parallel
     name, kwargs = "local", {}
     if parallel.ep > 1:
-        name = parallel.dispatcher
+        name = "all_to_all" if parallel.dispatcher == "auto" else parallel.dispatcher
         kwargs = {
             "group": runtime.layout.ep_group,
             "max_tokens_per_rank": config.data.micro_batch_size * config.data.seq_len,
