@@ -66,7 +66,7 @@ def test_resolved_config_round_trips(tmp_path):
         ),
         (
             {"parallel": {"dispatcher": "magic"}},
-            "parallel.dispatcher='magic' must be one of 'local', 'all_to_all', 'rowwise', 'deepep'",
+            "parallel.dispatcher='magic' must be one of 'auto', 'local', 'all_to_all', 'rowwise', 'deepep'",
         ),
         (
             {"parallel": {"rowwise_transport": "nvlink"}},
