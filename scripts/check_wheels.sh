@@ -1,40 +1,92 @@
 #!/usr/bin/env bash
-# Build every package's wheel and install each alone into a fresh venv with only its
-# declared dependencies (pinned to the lock file), then import it there. Proves, for
-# example, that moe-kernels and moe-checkpoint work without moe-train installed.
+# Build every package's wheel and check, in fresh venvs, that it installs and imports:
+#  1. alone: the wheel with only the sibling wheels it needs, given as files (third-party
+#     dependencies pinned to the lock file). Proves, for example, that moestack-kernels and
+#     moestack-checkpoint work without moestack-train installed.
+#  2. as a user installs it: only the wheel is named; its siblings are resolved from its
+#     declared dependencies, found only among our built wheels (--find-links), with the public
+#     index reachable for everything. A distribution name taken on the index by another project
+#     (as `moe-kernels` is) or a missing or stray sibling dependency fails here: the check
+#     compares the installed moestack-* distributions with the expected set and checks that each
+#     one holds our module.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# Third-party pins from the lock file (our own packages are not in it), so torch resolves to
+# the locked (cached) wheel instead of a fresh download.
 uv export --frozen --no-dev --no-emit-workspace --no-hashes -o "$work/constraints.txt" >/dev/null
-declare -A wheel_deps=(
-  [moe-kernels]=""
-  [moe-checkpoint]=""
-  [moe-dispatch]="moe-kernels"
-  [moe-parallel]="moe-kernels moe-dispatch"
-  [moe-train]="moe-kernels moe-dispatch moe-parallel moe-checkpoint"
+packages=(moestack-kernels moestack-checkpoint moestack-dispatch moestack-parallel moestack-train)
+declare -A module_of=(
+  [moestack-kernels]=moe_kernels
+  [moestack-checkpoint]=moe_checkpoint
+  [moestack-dispatch]=moe_dispatch
+  [moestack-parallel]=moe_parallel
+  [moestack-train]=moe_train
 )
-for package in moe-kernels moe-checkpoint moe-dispatch moe-parallel moe-train; do
+# The siblings each package needs (its declared moestack-* dependencies, transitively).
+declare -A wheel_deps=(
+  [moestack-kernels]=""
+  [moestack-checkpoint]=""
+  [moestack-dispatch]="moestack-kernels"
+  [moestack-parallel]=""
+  [moestack-train]="moestack-kernels moestack-dispatch moestack-parallel moestack-checkpoint"
+)
+for package in "${packages[@]}"; do
   uv build --quiet --package "$package" --wheel --out-dir "$work/dist" 2>/dev/null
 done
-for package in moe-kernels moe-checkpoint moe-dispatch moe-parallel moe-train; do
-  module=${package//-/_}
-  venv="$work/venv-$package"
-  uv venv --quiet --python 3.11 "$venv"
-  wheels=()
-  for name in $package ${wheel_deps[$package]}; do
-    wheels+=("$work"/dist/${name//-/_}-*.whl)
-  done
-  uv pip install --quiet --python "$venv/bin/python" -c "$work/constraints.txt" "${wheels[@]}"
-  "$venv/bin/python" - "$module" <<'PY'
+wheel_of() { local files=("$work"/dist/"${1//-/_}"-*.whl); echo "${files[0]}"; }
+
+check_venv() {  # venv package mode: import the package; the moestack-* set must be as expected
+  local venv=$1 package=$2 mode=$3 expected=("$2" ${wheel_deps[$2]})
+  local pairs=()
+  for name in "${expected[@]}"; do pairs+=("$name=${module_of[$name]}"); done
+  "$venv/bin/python" -W "ignore:Failed to initialize NumPy:UserWarning" - "$package" "$mode" "${pairs[@]}" <<'PY'
 import importlib
+import importlib.metadata as md
 import importlib.util
 import sys
 
-module = sys.argv[1]
+package, mode, *pairs = sys.argv[1:]
+expected = dict(pair.split("=") for pair in pairs)
+module = expected[package]
 importlib.import_module(module)
-others = {"moe_kernels", "moe_dispatch", "moe_parallel", "moe_checkpoint", "moe_train"} - {module}
+installed = {
+    d.metadata["Name"] for d in md.distributions() if d.metadata["Name"].startswith("moestack-")
+}
+if installed != set(expected):
+    sys.exit(f"{package} ({mode}): moestack distributions {sorted(installed)}, expected {sorted(expected)}")
+for dist, mod in expected.items():
+    files = {str(f) for f in md.distribution(dist).files or ()}
+    if f"{mod}/__init__.py" not in files:
+        sys.exit(f"{package} ({mode}): distribution {dist} does not hold {mod}: not our wheel")
+    version = importlib.import_module(mod).__version__
+    if version != md.version(dist):
+        sys.exit(f"{package} ({mode}): {mod}.__version__={version}, metadata {md.version(dist)}")
+others = {"moe_kernels", "moe_dispatch", "moe_parallel", "moe_checkpoint", "moe_train"}
+others -= set(expected.values())
 present = [m for m in sorted(others) if importlib.util.find_spec(m) is not None]
-print(f"{module}: imports alone; other moe packages present: {present or 'none'}")
+if present:
+    sys.exit(f"{package} ({mode}): unexpected moe packages present: {present}")
+deps = ", ".join(f"{d} {md.version(d)}" for d in sorted(expected) if d != package) or "none"
+print(f"{module} {md.version(package)}: imports ({mode}); moestack siblings: {deps}")
 PY
+}
+
+for package in "${packages[@]}"; do
+  # 1. alone, siblings given as files.
+  venv="$work/venv-alone-$package"
+  uv venv --quiet --python 3.11 "$venv"
+  wheels=()
+  for name in $package ${wheel_deps[$package]}; do wheels+=("$(wheel_of "$name")"); done
+  uv pip install --quiet --python "$venv/bin/python" -c "$work/constraints.txt" "${wheels[@]}"
+  check_venv "$venv" "$package" "alone"
+  # 2. the wheel alone, siblings resolved from our wheels only, public index reachable.
+  venv="$work/venv-index-$package"
+  uv venv --quiet --python 3.11 "$venv"
+  start=$SECONDS
+  # uv's default index, as set up on this machine (the public one), and our wheels as links.
+  uv pip install --quiet --python "$venv/bin/python" --index-strategy first-index \
+    --find-links "$work/dist" -c "$work/constraints.txt" "$(wheel_of "$package")"
+  check_venv "$venv" "$package" "resolved with the package index, $((SECONDS - start)) s"
 done

@@ -512,7 +512,7 @@ def test_torchao_kernel_without_torchao_names_the_extra(monkeypatch: pytest.Monk
     for name in ("torchao", "torchao.prototype", "torchao.prototype.moe_training"):
         monkeypatch.setitem(sys.modules, name, None)  # makes any import of it fail
     x, w, _, offsets = make_grouped_inputs([5, 9], 14, 32, 32, torch.bfloat16, seed=4)
-    with pytest.raises(ImportError, match=r"pip install 'moe-kernels\[mxfp8\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'moestack-kernels\[mxfp8\]'"):
         mxfp8_grouped_mm(x, w, offsets, kernel="torchao")
     assert torch.isfinite(mxfp8_grouped_mm(x, w, offsets)).all(), "auto works without torchao"
 

@@ -134,9 +134,7 @@ def test_tensorboard_resume_replaces_the_steps_it_rewrites(tmp_path):
 
 def test_missing_tensorboard_is_one_line_naming_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # makes any import of it fail
-    expected = (
-        "train.tensorboard=true needs the tensorboard package: pip install 'moe-train[tensorboard]'"
-    )
+    expected = "train.tensorboard=true needs the tensorboard package: pip install 'moestack-train[tensorboard]'"
     with pytest.raises(ConfigError) as e:
         check_tracking_available(tensorboard=True, wandb_project=None)
     assert str(e.value) == expected
@@ -154,7 +152,7 @@ def test_missing_wandb_is_one_line_naming_the_extra(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         check_tracking_available(tensorboard=False, wandb_project="moe")
     assert str(e.value) == (
-        "train.wandb_project=moe needs the wandb package: pip install 'moe-train[wandb]'"
+        "train.wandb_project=moe needs the wandb package: pip install 'moestack-train[wandb]'"
     )
     with pytest.raises(ConfigError, match=r"^train\.wandb_project=moe needs the wandb package"):
         Trackers.open(tmp_path, CONFIG, tensorboard=False, wandb_project="moe")
@@ -454,6 +452,6 @@ def test_missing_wandb_is_one_cli_line_and_exit_2(tmp_path, monkeypatch, capsys)
     code = main(["train", str(tiny), f"--train.run_dir={run_dir}", "--train.wandb_project=moe"])
     assert code == 2
     assert capsys.readouterr().err.strip() == (
-        "error: train.wandb_project=moe needs the wandb package: pip install 'moe-train[wandb]'"
+        "error: train.wandb_project=moe needs the wandb package: pip install 'moestack-train[wandb]'"
     )
     assert not run_dir.exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import torch.distributed as dist
 
 from moe_dispatch.all_to_all import AllToAllDispatcher
@@ -17,7 +19,10 @@ from moe_dispatch.rowwise import (
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
 from moe_dispatch.transport_symm import SymmetricMemoryTransport, symm_mem_available
 
-__version__ = "0.1.0"
+try:
+    __version__ = importlib.metadata.version("moestack-dispatch")
+except importlib.metadata.PackageNotFoundError:  # imported from source via PYTHONPATH
+    __version__ = "0+unknown"
 
 DISPATCHER_NAMES: tuple[str, ...] = ("local", "all_to_all", "rowwise", "deepep")
 """Valid values of ``parallel.dispatcher``."""

@@ -1,5 +1,7 @@
 """moe-kernels: grouped GEMM, token permutation and MXFP8 for Mixture-of-Experts training."""
 
+import importlib.metadata
+
 from moe_kernels.grouped_mm import (
     GROUPED_MM_BACKENDS,
     GROUPED_MM_DTYPES,
@@ -23,7 +25,10 @@ from moe_kernels.permute import (
     unpermute,
 )
 
-__version__ = "0.1.0"
+try:
+    __version__ = importlib.metadata.version("moestack-kernels")
+except importlib.metadata.PackageNotFoundError:  # imported from source via PYTHONPATH
+    __version__ = "0+unknown"
 
 __all__ = [
     "GROUPED_MM_BACKENDS",

@@ -72,7 +72,7 @@ _E4M3_MAX_POW2 = 8
 _E4M3_NAN_BYTE = 0x7F
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
-_TORCHAO_INSTALL_HINT = "pip install 'moe-kernels[mxfp8]'"
+_TORCHAO_INSTALL_HINT = "pip install 'moestack-kernels[mxfp8]'"
 
 
 # --------------------------------------------------------------------------- quantization

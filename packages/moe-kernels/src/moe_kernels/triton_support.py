@@ -20,7 +20,7 @@ def import_kernels(module: str, caller: str) -> ModuleType:
         if e.name is None or not e.name.startswith("triton"):
             raise
         raise ImportError(
-            f"{caller}: backend='triton' needs the triton package (installed with moe-kernels on "
+            f"{caller}: backend='triton' needs the triton package (installed with moestack-kernels on "
             "Linux; otherwise `pip install triton`); use backend='torch' instead"
         ) from e
 

@@ -4,6 +4,8 @@ A model opts in through the expert-parameter protocol (`mark_expert_parameter`);
 else here works on any `nn.Module`.
 """
 
+import importlib.metadata
+
 from moe_parallel.distributed_optimizer import (
     DistributedAdamW,
     StatePiece,
@@ -27,7 +29,10 @@ from moe_parallel.layout import (
 )
 from moe_parallel.replicated_optimizer import ReplicatedAdamW, TrainingOptimizer
 
-__version__ = "0.1.0"
+try:
+    __version__ = importlib.metadata.version("moestack-parallel")
+except importlib.metadata.PackageNotFoundError:  # imported from source via PYTHONPATH
+    __version__ = "0+unknown"
 
 __all__ = [
     "DistributedAdamW",

@@ -1,9 +1,14 @@
 """moe-train: the default moe-stack trainer (model, data, config, loop, CLI)."""
 
+import importlib.metadata
+
 from moe_train.config import Config, load_config
 from moe_train.errors import ConfigError, DataError, MoeTrainError, RankLost, TrainingDiverged
 
-__version__ = "0.1.0"
+try:
+    __version__ = importlib.metadata.version("moestack-train")
+except importlib.metadata.PackageNotFoundError:  # imported from source via PYTHONPATH
+    __version__ = "0+unknown"
 
 __all__ = [
     "Config",

@@ -233,11 +233,11 @@ class TrainConfig:
     first one."""
     tensorboard: bool = False
     """Also write every metrics row as TensorBoard scalars to RUN_DIR/tensorboard (rank 0;
-    needs the extra moe-train[tensorboard])."""
+    needs the extra moestack-train[tensorboard])."""
     wandb_project: str | None = None
     """Also log every metrics row to this Weights & Biases project, in a run named after the
     run directory that a resume continues; null turns it off (needs the extra
-    moe-train[wandb]; WANDB_MODE=offline keeps the run in RUN_DIR/wandb for `wandb sync`)."""
+    moestack-train[wandb]; WANDB_MODE=offline keeps the run in RUN_DIR/wandb for `wandb sync`)."""
 
     def validate(self, path: str) -> None:
         _positive(self, path, "max_steps", "log_interval")
@@ -289,7 +289,7 @@ class PrecisionConfig:
     gradients) in MXFP8 with moe-kernels' mxfp8_grouped_mm, the MX training recipe: each GEMM
     quantizes its bf16 operands along its reduction dimension (blocks of 32, e4m3 values,
     power-of-two scales), from the FP32 master weights' bf16 copies. torchao's kernels run on
-    SM100 GPUs (the moe-kernels[mxfp8] extra); elsewhere an exact emulation gives the same
+    SM100 GPUs (the moestack-kernels[mxfp8] extra); elsewhere an exact emulation gives the same
     numbers, slower than bf16 (it adds the quantization). Only the expert GEMMs: attention,
     router, shared experts, dense feed-forwards and the head stay in compute_dtype. Needs
     compute_dtype=bfloat16."""

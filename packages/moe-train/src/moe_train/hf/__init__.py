@@ -1,6 +1,6 @@
 """Hugging Face interop: export a checkpoint as a directory `transformers` loads.
 
-Needs the optional `transformers` library (`moe-train[hf]`) only when an export runs.
+Needs the optional `transformers` library (`moestack-train[hf]`) only when an export runs.
 """
 
 from moe_train.hf.architectures import Architecture, ExportError, choose_architecture

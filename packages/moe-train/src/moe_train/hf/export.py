@@ -59,7 +59,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError as e:
         raise MoeTrainError(
-            "export needs the 'transformers' library: pip install 'moe-train[hf]' "
+            "export needs the 'transformers' library: pip install 'moestack-train[hf]' "
             "(or pip install transformers)"
         ) from e
     return transformers

@@ -104,7 +104,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError as e:
         raise ImportHFError(
-            "import-hf needs the 'transformers' library: pip install 'moe-train[hf]' "
+            "import-hf needs the 'transformers' library: pip install 'moestack-train[hf]' "
             "(or pip install transformers)"
         ) from e
     return transformers

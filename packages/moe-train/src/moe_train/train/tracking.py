@@ -1,7 +1,7 @@
 """Experiment trackers: every metrics row also to TensorBoard and/or Weights & Biases.
 
-Both are optional extras, imported only when asked for: `moe-train[tensorboard]` and
-`moe-train[wandb]`. Only rank 0 opens trackers, as only rank 0 writes metrics.jsonl. A scalar
+Both are optional extras, imported only when asked for: `moestack-train[tensorboard]` and
+`moestack-train[wandb]`. Only rank 0 opens trackers, as only rank 0 writes metrics.jsonl. A scalar
 is named by its metrics key ("loss", "eval_loss", "lr", ...) and plotted over the row's "step";
 values that are not numbers (null, lists, strings) and the row's "time" are left out.
 
@@ -134,7 +134,7 @@ def _summary_writer_class() -> Any:
     except ImportError as e:
         raise ConfigError(
             "train.tensorboard=true needs the tensorboard package: "
-            "pip install 'moe-train[tensorboard]'"
+            "pip install 'moestack-train[tensorboard]'"
         ) from e
     return SummaryWriter
 
@@ -144,7 +144,7 @@ def _wandb(project: str) -> Any:
         import wandb
     except ImportError as e:
         raise ConfigError(
-            f"train.wandb_project={project} needs the wandb package: pip install 'moe-train[wandb]'"
+            f"train.wandb_project={project} needs the wandb package: pip install 'moestack-train[wandb]'"
         ) from e
     return wandb
 
