@@ -16,22 +16,7 @@ trap 'rm -rf "$work"' EXIT
 # Third-party pins from the lock file (our own packages are not in it), so torch resolves to
 # the locked (cached) wheel instead of a fresh download.
 uv export --frozen --no-dev --no-emit-workspace --no-hashes -o "$work/constraints.txt" >/dev/null
-packages=(moestack-kernels moestack-checkpoint moestack-dispatch moestack-parallel moestack-train)
-declare -A module_of=(
-  [moestack-kernels]=moe_kernels
-  [moestack-checkpoint]=moe_checkpoint
-  [moestack-dispatch]=moe_dispatch
-  [moestack-parallel]=moe_parallel
-  [moestack-train]=moe_train
-)
-# The siblings each package needs (its declared moestack-* dependencies, transitively).
-declare -A wheel_deps=(
-  [moestack-kernels]=""
-  [moestack-checkpoint]=""
-  [moestack-dispatch]="moestack-kernels"
-  [moestack-parallel]=""
-  [moestack-train]="moestack-kernels moestack-dispatch moestack-parallel moestack-checkpoint"
-)
+source scripts/packages.sh  # packages, module_of, wheel_deps
 for package in "${packages[@]}"; do
   uv build --quiet --package "$package" --wheel --out-dir "$work/dist" 2>/dev/null
 done

@@ -29,21 +29,7 @@ EOF
 
 fail() { echo "release.sh: $*" >&2; exit 1; }
 
-declare -A module_of=(
-  [moestack-kernels]=moe_kernels
-  [moestack-checkpoint]=moe_checkpoint
-  [moestack-dispatch]=moe_dispatch
-  [moestack-parallel]=moe_parallel
-  [moestack-train]=moe_train
-)
-# The sibling wheels each package needs (its moestack-* dependencies, transitively).
-declare -A wheel_deps=(
-  [moestack-kernels]=""
-  [moestack-checkpoint]=""
-  [moestack-dispatch]="moestack-kernels"
-  [moestack-parallel]=""
-  [moestack-train]="moestack-kernels moestack-dispatch moestack-parallel moestack-checkpoint"
-)
+source scripts/packages.sh  # packages, module_of, wheel_deps
 # What the package's tests import beyond the package and its dependencies (pinned to uv.lock).
 # numpy for moestack-kernels: without a GPU its tests run Triton kernels under the Triton
 # interpreter (tests/moe_kernels/conftest.py), which imports numpy. numpy for moestack-parallel:

@@ -10,8 +10,6 @@ beside `out` and moved into place at the end, so a refused or failed export leav
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from moe_checkpoint import (
 from moe_train.config import Config, config_from_dict
 from moe_train.errors import MoeTrainError
 from moe_train.hf.architectures import Architecture, ExportError, HFTensor, choose_architecture
+from moe_train.hf.output_dir import written_whole
 from moe_train.hf.tokenizer import write_tokenizer
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -95,9 +94,7 @@ def export_checkpoint(
     transformers = _transformers()
     with_tokenizer, tokenizer_file, eos_id, notes = tokenizer_of_run(config)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
-    try:
+    with written_whole(out, "export") as scratch:
         _write_weights(ckpt, stored, architecture, scratch, EXPORT_DTYPES[dtype], max_shard_bytes)
         hf_config = getattr(transformers, architecture.config_class)(
             **architecture.config_kwargs, eos_token_id=eos_id, bos_token_id=None, pad_token_id=None
@@ -110,12 +107,6 @@ def export_checkpoint(
         ).save_pretrained(scratch)
         if with_tokenizer:
             write_tokenizer(transformers, tokenizer_file, eos_id, scratch)
-        if out.exists():
-            out.rmdir()
-        scratch.rename(out)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
     files = sorted(p.name for p in out.iterdir())
     return ExportResult(out, ckpt, architecture.name, files, notes)
 

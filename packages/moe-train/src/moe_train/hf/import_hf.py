@@ -13,8 +13,6 @@ directory beside OUT that is moved into place at the end.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from collections import defaultdict
 from contextlib import ExitStack
@@ -35,6 +33,7 @@ from moe_train.hf.architectures import (
     checkpoint_shapes,
     choose_architecture,
 )
+from moe_train.hf.output_dir import written_whole
 
 SUPPORTED = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 """model_type -> the transformers class import reads."""
@@ -71,9 +70,7 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> ImportResult:
     config.checkpoint.init_from = str(out.resolve())
     tensors, ignored = _read_weights(hf_dir, config, architecture)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.import-", dir=out.parent))
-    try:
+    with written_whole(out, "import") as scratch:
         state = {
             "step": 0,
             "config": config.to_dict(),
@@ -87,12 +84,6 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> ImportResult:
         except CheckpointError as e:
             raise ImportHFError(f"writing the checkpoint failed: {e}") from e
         dump_config(config, scratch / "config.yaml")
-        if out.exists():
-            out.rmdir()
-        scratch.rename(out)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
     return ImportResult(out, out / "step_00000000", architecture.name, config, ignored)
 
 
