@@ -17,6 +17,7 @@ from moe_train.data.tokenizer import ByteTokenizer
 from moe_train.generate import generate, generate_ids, next_token
 from moe_train.model import Transformer
 from moe_train.train import train
+from tokenizer_files import bpe_tokenizer_file
 from training import small_config_data, small_model_config
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 100
@@ -216,16 +217,7 @@ def test_bad_input_is_one_error_line(id_runs, args, expected, capsys):
 
 def test_a_tokenizer_json_of_the_data_encodes_the_prompt_and_decodes_the_text(tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator([TEXT], trainer=trainer)
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = tokenizers.Tokenizer.from_file(str(bpe_tokenizer_file(tmp_path, TEXT)))
     (tmp_path / "train.txt").write_text(TEXT)
     prepare_data([tmp_path / "train.txt"], tmp_path / "data", str(tmp_path / "tokenizer.json"))
     data = small_config_data(

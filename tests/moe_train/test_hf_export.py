@@ -8,6 +8,7 @@ import torch
 
 from moe_train.cli import main
 from moe_train.train import train
+from tokenizer_files import bpe_tokenizer_file
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -167,29 +168,12 @@ def test_export_refuses_a_non_empty_out_directory(make_config, tmp_path, capsys)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
-def _bpe_tokenizer_file(directory: Path, text: str) -> Path:
-    """A small byte-level BPE tokenizer.json trained on `text`, with <|endoftext|>."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator([text], trainer=trainer)
-    path = directory / "tokenizer.json"
-    tokenizer.save(str(path))
-    return path
-
-
 def test_export_writes_the_tokenizer_the_data_was_prepared_with(make_config, tmp_path, capsys):
     from moe_train.data import prepare_data
 
     text = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 400
     (tmp_path / "train.txt").write_text(text)
-    tokenizer_file = _bpe_tokenizer_file(tmp_path, text)
+    tokenizer_file = bpe_tokenizer_file(tmp_path, text)
     meta = prepare_data([tmp_path / "train.txt"], tmp_path / "data", tokenizer=str(tokenizer_file))
     data = {"paths": [str(tmp_path / "data")], "seq_len": 16}
     model = {"qk_norm": True, "vocab_size": 320}

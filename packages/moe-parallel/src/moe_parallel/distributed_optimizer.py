@@ -64,6 +64,25 @@ class StateRequest(NamedTuple):
     numel: int
 
 
+@torch.no_grad()
+def fill_from_read(
+    requests: Sequence[StateRequest], values: Sequence[Tensor], targets: Sequence[Tensor]
+) -> None:
+    """Copy what a `load_state` reader returned into the state tensors, after checking that
+    it returned one tensor of the requested size per request."""
+    if len(values) != len(requests):
+        raise ValueError(
+            f"read returned {len(values)} tensors for {len(requests)} requests; "
+            "it must return one per request"
+        )
+    for request, value, target in zip(requests, values, targets, strict=True):
+        if value.numel() != request.numel:
+            raise ValueError(
+                f"read returned {value.numel()} elements for {request}; expected {request.numel}"
+            )
+        target.copy_(value.reshape(target.shape))
+
+
 def decay_matrices(name: str, param: nn.Parameter) -> bool:
     """Weight decay on matrices and higher (dim >= 2), not on norms and biases."""
     return param.dim() >= 2
@@ -303,20 +322,8 @@ class DistributedAdamW:
             for piece in pieces
             for kind in STATE_KINDS
         ]
-        values = read(requests)
-        if len(values) != len(requests):
-            raise ValueError(
-                f"read returned {len(values)} tensors for {len(requests)} requests; "
-                "it must return one per request"
-            )
         targets = [getattr(piece, kind) for piece in pieces for kind in STATE_KINDS]
-        for request, value, target in zip(requests, values, targets, strict=True):
-            if value.numel() != request.numel:
-                raise ValueError(
-                    f"read returned {value.numel()} elements for {request}; "
-                    f"expected {request.numel}"
-                )
-            target.copy_(value.reshape(-1))
+        fill_from_read(requests, read(requests), targets)
         self.step_count = step
         self._write_params()
 

@@ -17,7 +17,12 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from moe_parallel.distributed_optimizer import StatePiece, StateRequest, decay_matrices
+from moe_parallel.distributed_optimizer import (
+    StatePiece,
+    StateRequest,
+    decay_matrices,
+    fill_from_read,
+)
 from moe_parallel.expert_params import is_expert_parameter
 from moe_parallel.grad_norm import clip_grad_norm
 from moe_parallel.grad_sync import DEFAULT_BUCKET_BYTES, GradientReducer
@@ -151,20 +156,8 @@ class ReplicatedAdamW:
         requests = [
             StateRequest(kind, name, 0, p.numel()) for name, p in self._named for kind in MOMENTS
         ]
-        values = read(requests)
-        if len(values) != len(requests):
-            raise ValueError(
-                f"read returned {len(values)} tensors for {len(requests)} requests; "
-                "it must return one per request"
-            )
         targets = [self._state(p)[kind] for _, p in self._named for kind in MOMENTS]
-        for request, value, target in zip(requests, values, targets, strict=True):
-            if value.numel() != request.numel:
-                raise ValueError(
-                    f"read returned {value.numel()} elements for {request}; "
-                    f"expected {request.numel}"
-                )
-            target.copy_(value.reshape(target.shape))
+        fill_from_read(requests, read(requests), targets)
         for _, p in self._named:
             self._state(p)["step"].fill_(step)
         self.step_count = step

@@ -15,6 +15,7 @@ import torch
 
 from moe_checkpoint import (
     CheckpointError,
+    OwnedSlice,
     SaveHandle,
     latest_checkpoint,
     list_checkpoints,
@@ -142,12 +143,13 @@ class Checkpoints:
     def enabled(self) -> bool:
         return self.config.checkpoint.enabled
 
-    def load(self, path: Path) -> None:
-        """Fill the model, optimizer and RNG from `path`, checking every byte read; a failure
-        on any rank raises the same one-line error on every rank."""
+    def load(self, path: Path, trainer_state: dict[str, Any]) -> None:
+        """Fill the model, optimizer and RNG from `path` (its `trainer_state`, read once by
+        rank 0, holds the RNG state), checking every byte read; a failure on any rank raises
+        the same one-line error on every rank."""
         error = load_training_state(path, self.model, self.optimizer, self.runtime.layout)
         self.runtime.raise_if_any(error)
-        restore_rng_state(read_resume_state(path)["rng"])
+        restore_rng_state(trainer_state["rng"])
         self.last_committed = path
         self._last_save_time = time.monotonic()
 
@@ -175,8 +177,9 @@ class Checkpoints:
         `loop_state` (JSON-able) is stored in trainer_state.json with the step, data
         position, RNG state, config and topology."""
         self._complete_pending()
-        self._check_finite(next_step)
         data, layout = self.config.data, self.runtime.layout
+        slices = saved_slices(self.model, self.optimizer, layout)
+        self._check_finite(slices, next_step)
         trainer_state = {
             "step": next_step,
             "data": self.dataset.state(next_step, data.global_batch_size),
@@ -190,7 +193,7 @@ class Checkpoints:
             handle = save_checkpoint(
                 self.root,
                 next_step,
-                saved_slices(self.model, self.optimizer, layout),
+                slices,
                 category_of,
                 trainer_state,
                 asynchronous=self.config.checkpoint.async_save,
@@ -210,17 +213,19 @@ class Checkpoints:
         """Commit a save still in flight (every rank calls this)."""
         self._complete_pending()
 
-    def _check_finite(self, next_step: int) -> None:
-        """Raise on every rank if any rank's state to be saved holds a NaN or infinity."""
+    def _check_finite(self, slices: list[OwnedSlice], next_step: int) -> None:
+        """Raise on every rank if any rank's state to be saved holds a NaN or infinity (one
+        device-to-host copy of a flag per tensor, not a sync per tensor)."""
+        floats = [piece for piece in slices if piece.data.is_floating_point()]
+        finite = [torch.isfinite(piece.data).all() for piece in floats]
         error = None
-        for piece in saved_slices(self.model, self.optimizer, self.runtime.layout):
-            if piece.data.is_floating_point() and not bool(torch.isfinite(piece.data).all()):
-                error = (
-                    f"tensor {piece.name} holds non-finite values after step {next_step - 1}; "
-                    f"not saving it (the newest good checkpoint stays as it is): lower optim.lr "
-                    f"(now {self.config.optim.lr}) or set optim.grad_clip"
-                )
-                break
+        if finite and not bool(torch.stack(finite).all()):
+            name = next(p.name for p, ok in zip(floats, finite, strict=True) if not ok)
+            error = (
+                f"tensor {name} holds non-finite values after step {next_step - 1}; "
+                f"not saving it (the newest good checkpoint stays as it is): lower optim.lr "
+                f"(now {self.config.optim.lr}) or set optim.grad_clip"
+            )
         self.runtime.raise_if_any(error, TrainingDiverged)
 
     def _complete_pending(self) -> None:

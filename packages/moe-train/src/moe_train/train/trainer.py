@@ -275,7 +275,7 @@ class Trainer:
 
     def _resume(self) -> None:
         assert self.resume is not None and self.checkpoints is not None
-        self.checkpoints.load(self.resume.path)
+        self.checkpoints.load(self.resume.path, self.resume.state)
         changes = ", ".join(c.describe() for c in self.resume.changes)
         saved_layout = self.resume.state.get("topology")
         layout = self.runtime.layout.describe()
