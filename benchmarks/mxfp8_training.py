@@ -1,6 +1,6 @@
 """MXFP8 expert GEMMs against bf16: final loss and throughput of the tiny config.
 
-Trains configs/tiny.yaml twice with the same seed, in bf16 and with precision.mxfp8: true,
+Trains configs/tiny.yaml twice with the same seed, in bf16 and with precision.expert_gemm: mxfp8,
 and compares the loss at the last step (mean over the last --loss-window steps; target: within
 1.5% of bf16) and the tokens/s (median over the steps after --warmup). Off SM100 GPUs the MXFP8
 run uses moe-kernels' exact emulation, so its throughput shows the cost of the emulation, not
@@ -34,7 +34,7 @@ def run_one(
         config_path,
         [
             "--precision.compute_dtype=bfloat16",
-            f"--precision.mxfp8={str(mxfp8).lower()}",
+            f"--precision.expert_gemm={'mxfp8' if mxfp8 else 'torch'}",
             f"--train.max_steps={args.steps}",
             f"--train.seed={args.seed}",
             "--train.progress=false",

@@ -6,7 +6,7 @@ import torch
 from distributed import run_distributed
 from moe_parallel import GradientReducer, is_expert_parameter
 from moe_train.config import config_from_dict
-from moe_train.model import Transformer, lm_loss
+from moe_train.model import Transformer, apply_recompute, lm_loss
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import dispatcher_factory
 
@@ -67,9 +67,8 @@ def _expert_parallel_step(
     config = _config(ep, dispatcher)
     runtime = start_runtime(config)
     layout = runtime.layout
-    model = Transformer(
-        config.model, SEQ, dispatcher_factory(config, runtime), seed=3, recompute=recompute
-    )
+    model = Transformer(config.model, SEQ, dispatcher_factory(config, runtime), seed=3)
+    apply_recompute(model, recompute)
     reducer = GradientReducer(model, layout.dp_group, layout.edp_group)
     per_rank = NUM_MICRO // layout.dp
     mine = _tokens()[layout.dp_rank * per_rank : (layout.dp_rank + 1) * per_rank]

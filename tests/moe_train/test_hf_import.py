@@ -207,9 +207,9 @@ def test_init_from_refuses_another_model(token_file, tmp_path):
     with pytest.raises(ConfigError, match=r"^model\.n_kv_heads=4 differs from 2 in checkpoint"):
         train(config_from_dict(data))
     assert not (tmp_path / "run").exists()
-    # The kernel choice is not the model: it may differ.
+    # The expert-GEMM choice is not the model: it may differ from the importer's default.
     data = _training_data(out, token_file, tmp_path / "run", train={"max_steps": 1})
-    data["model"]["moe"]["grouped_mm_backend"] = "auto"
+    data["precision"]["expert_gemm"] = "auto"
     assert len(train(config_from_dict(data)).losses) == 1
 
 

@@ -1,4 +1,4 @@
-"""precision.mxfp8 and model.moe.grouped_mm_backend in the trainer and the MoE layer."""
+"""precision.expert_gemm (mxfp8, triton) in the trainer and the MoE layer."""
 
 import copy
 import os
@@ -12,8 +12,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moe_dispatch import make_dispatcher
-from moe_train.config import MoEConfig, PrecisionConfig, config_from_dict
+from moe_train.config import (
+    ModelConfig,
+    MoEConfig,
+    PrecisionConfig,
+    config_from_dict,
+    saved_config_from_dict,
+)
 from moe_train.errors import ConfigError
+from moe_train.model import Transformer, apply_expert_gemm, apply_recompute
 from moe_train.model.moe import MoEFeedForward
 from moe_train.train import train
 
@@ -42,11 +49,11 @@ def test_mxfp8_training_tracks_bf16_loss(make_config, tmp_path, one_thread):
         config = make_config(
             tmp_path / f"mxfp8-{mxfp8}",
             train={"max_steps": 50, "seed": 3},
-            precision={"compute_dtype": "bfloat16", "mxfp8": mxfp8},
+            precision={"compute_dtype": "bfloat16", "expert_gemm": "mxfp8" if mxfp8 else "torch"},
         )
         runs[mxfp8] = train(config).losses
     bf16_loss, mxfp8_loss = _mean_last(runs[False], 5), _mean_last(runs[True], 5)
-    assert runs[True] != runs[False], "precision.mxfp8=true gave the bf16 losses bit for bit"
+    assert runs[True] != runs[False], "precision.expert_gemm=mxfp8 gave the bf16 losses bit for bit"
     assert mxfp8_loss < 0.8 * runs[True][0], f"MXFP8 run did not learn: {runs[True]}"
     gap = abs(mxfp8_loss - bf16_loss) / bf16_loss
     assert gap <= 0.03, (
@@ -60,7 +67,8 @@ def _moe_layer(seed: int, mxfp8: bool = False, **moe_overrides) -> MoEFeedForwar
     dispatcher = make_dispatcher(
         "local", num_experts=config.num_experts, group_alignment=config.group_alignment
     )
-    layer = MoEFeedForward(64, config, dispatcher, mxfp8=mxfp8)
+    layer = MoEFeedForward(64, config, dispatcher)
+    apply_expert_gemm(layer, "mxfp8" if mxfp8 else "torch")
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in layer.parameters():
@@ -120,8 +128,8 @@ def test_mxfp8_moe_layer_is_close_to_float64_and_grads_reach_both_expert_weights
         )
 
 
-def test_triton_grouped_mm_backend_gives_the_torch_moe_layer():
-    """grouped_mm_backend=triton (interpreted on CPU) matches torch, forward and backward."""
+def test_triton_expert_gemm_gives_the_torch_moe_layer():
+    """expert_gemm=triton (interpreted on CPU) matches torch, forward and backward."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         from moe_kernels import triton_grouped_mm
@@ -134,12 +142,11 @@ def test_triton_grouped_mm_backend_gives_the_torch_moe_layer():
     grad_BSD = torch.randn(2, 12, 32, device=device)
     results = {}
     for backend in ("torch", "triton"):
-        config = MoEConfig(
-            num_experts=4, top_k=2, expert_hidden=32, group_alignment=1, grouped_mm_backend=backend
-        )
+        config = MoEConfig(num_experts=4, top_k=2, expert_hidden=32, group_alignment=1)
         dispatcher = make_dispatcher("local", num_experts=4, group_alignment=1)
         layer = MoEFeedForward(32, config, dispatcher).to(device)
-        assert layer.experts.grouped_mm_backend == backend
+        apply_expert_gemm(layer, backend)
+        assert layer.experts.gemm == backend
         generator = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for parameter in layer.parameters():
@@ -165,29 +172,67 @@ def _config_data(**precision) -> dict:
 
 def test_mxfp8_needs_bfloat16_compute_dtype():
     with pytest.raises(ConfigError) as error:
-        config_from_dict(_config_data(mxfp8=True, compute_dtype="float32"))
+        config_from_dict(_config_data(expert_gemm="mxfp8", compute_dtype="float32"))
     assert str(error.value) == (
-        "precision.mxfp8=true needs precision.compute_dtype=bfloat16 (MXFP8 is a bf16 training "
-        "recipe), got precision.compute_dtype=float32"
+        "precision.expert_gemm=mxfp8 needs precision.compute_dtype=bfloat16 (MXFP8 is a bf16 "
+        "training recipe), got precision.compute_dtype=float32"
     )
-    assert config_from_dict(_config_data(mxfp8=True)).precision.mxfp8
-    PrecisionConfig(mxfp8=True, compute_dtype="bfloat16").validate("precision")
+    assert config_from_dict(_config_data(expert_gemm="mxfp8")).precision.expert_gemm == "mxfp8"
+    PrecisionConfig(expert_gemm="mxfp8", compute_dtype="bfloat16").validate("precision")
 
 
-def test_grouped_mm_backend_is_validated():
-    config = config_from_dict({"model": {"moe": {"grouped_mm_backend": "auto"}}})
-    assert config.model.moe.grouped_mm_backend == "auto"
-    assert config_from_dict({}).model.moe.grouped_mm_backend == "torch"
-    with pytest.raises(
-        ConfigError, match=r"^model\.moe\.grouped_mm_backend='cuda' must be one of "
-    ):
-        config_from_dict({"model": {"moe": {"grouped_mm_backend": "cuda"}}})
+def test_expert_gemm_is_validated_and_replaces_the_old_keys():
+    assert config_from_dict(_config_data(expert_gemm="auto")).precision.expert_gemm == "auto"
+    assert config_from_dict({}).precision.expert_gemm == "torch"
+    with pytest.raises(ConfigError, match=r"^precision\.expert_gemm='cuda' must be one of "):
+        config_from_dict(_config_data(expert_gemm="cuda"))
     with pytest.raises(ConfigError) as error:
-        MoEConfig(grouped_mm_backend="cutlass").validate("model.moe")  # type: ignore[arg-type]
+        config_from_dict({"model": {"moe": {"grouped_mm_backend": "auto"}}})
     assert str(error.value) == (
-        "model.moe.grouped_mm_backend='cutlass' must be one of 'torch', 'triton', 'auto'"
+        "config key model.moe.grouped_mm_backend was replaced by precision.expert_gemm "
+        "(torch, triton or auto)"
     )
-    with pytest.raises(ConfigError, match=r"^model\.moe\.grouped_mm_backend=triton has no effect"):
-        config_from_dict(
-            {"model": {"moe": {"grouped_mm_backend": "triton"}}, "precision": {"mxfp8": True}}
-        )
+    with pytest.raises(ConfigError, match=r"^config key precision\.mxfp8 was replaced by "):
+        config_from_dict(_config_data(mxfp8=True))
+
+
+@pytest.mark.parametrize(
+    ("saved", "expert_gemm"),
+    [
+        ({"model": {"moe": {"grouped_mm_backend": "triton"}}}, "triton"),
+        (
+            {"model": {"moe": {"grouped_mm_backend": "torch"}}, "precision": {"mxfp8": True}},
+            "mxfp8",
+        ),
+        ({"precision": {"expert_gemm": "auto"}}, "auto"),
+    ],
+)
+def test_a_config_saved_with_the_old_keys_still_loads(saved, expert_gemm):
+    before = copy.deepcopy(saved)
+    assert saved_config_from_dict(saved).precision.expert_gemm == expert_gemm
+    assert saved == before, "reading a saved config changed it"
+
+
+def test_training_choices_are_set_on_the_built_model():
+    """apply_recompute and apply_expert_gemm reach every block and expert module, and refuse
+    a name they do not know."""
+    config = ModelConfig(
+        vocab_size=32,
+        d_model=32,
+        n_layers=3,
+        n_heads=2,
+        n_kv_heads=2,
+        dense_layers=1,
+        dense_hidden=32,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16),
+    )
+    model = Transformer(config, max_seq_len=8)
+    assert {b.recompute for b in model.blocks.values()} == {"none"}
+    apply_recompute(model, "full")
+    assert {b.recompute for b in model.blocks.values()} == {"full"}
+    apply_expert_gemm(model, "mxfp8")
+    assert [layer.experts.gemm for layer in model.moe_layers().values()] == ["mxfp8", "mxfp8"]
+    with pytest.raises(ValueError, match="expert GEMM 'fp4' is not one of torch, triton"):
+        apply_expert_gemm(model, "fp4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="recompute mode 'some' is not one of none"):
+        apply_recompute(model, "some")  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_train.config import ModelConfig, MoEConfig
-from moe_train.model import Transformer, lm_loss
+from moe_train.model import Transformer, apply_recompute, lm_loss
 from moe_train.train import read_metrics, train
 from moe_train.train.host_memory import allocated_host_bytes
 from training import small_model_config
@@ -24,7 +24,8 @@ def test_recompute_gives_the_same_logits_gradients_and_routing_stats(mode, moe_k
     config = small_model_config(3, **moe_kwargs)
     tokens = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(1))
     reference = Transformer(config, max_seq_len=16, seed=4)
-    recomputed = Transformer(config, max_seq_len=16, seed=4, recompute=mode)
+    recomputed = Transformer(config, max_seq_len=16, seed=4)
+    apply_recompute(recomputed, mode)
     torch.manual_seed(9)  # random routing draws its noise from the global generator
     want_logits, want_grads = _forward_backward(reference, tokens)
     torch.manual_seed(9)
@@ -50,7 +51,8 @@ def _activation_bytes(mode: str) -> int:
         n_kv_heads=4,
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64),
     )
-    model = Transformer(config, max_seq_len=256, seed=0, recompute=mode)
+    model = Transformer(config, max_seq_len=256, seed=0)
+    apply_recompute(model, mode)
     tokens = torch.randint(0, 64, (4, 257), generator=torch.Generator().manual_seed(0))
     inputs = tokens[:, :-1].contiguous()
     before = allocated_host_bytes()

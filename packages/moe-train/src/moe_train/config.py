@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -42,21 +43,9 @@ class MoEConfig:
     group_alignment: int = 32
     """Pad each expert's group of rows with zero rows to a multiple of this, so grouped GEMM
     shapes repeat and libraries reuse their compiled kernels; 1 turns padding off."""
-    grouped_mm_backend: Literal["torch", "triton", "auto"] = "torch"
-    """Kernels of the experts' grouped GEMMs: torch (torch._grouped_mm, everywhere), triton
-    (moe-kernels' Triton kernels; for GPUs: on CPU they run only under the Triton interpreter,
-    TRITON_INTERPRET=1, a slow test vehicle) or auto (on a GPU, whichever of the two was measured
-    faster per shape, timed once; torch on CPU). Must stay torch with precision.mxfp8=true,
-    whose grouped GEMMs are moe-kernels' mxfp8_grouped_mm."""
 
     def validate(self, path: str) -> None:
         _positive(self, path, "num_experts", "expert_hidden", "group_alignment")
-        backends = typing.get_args(typing.get_type_hints(MoEConfig)["grouped_mm_backend"])
-        if self.grouped_mm_backend not in backends:
-            raise ConfigError(
-                f"{path}.grouped_mm_backend={self.grouped_mm_backend!r} must be one of "
-                f"{', '.join(repr(b) for b in backends)}"
-            )
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(
                 f"{path}.top_k={self.top_k} must be between 1 and "
@@ -284,20 +273,22 @@ class PrecisionConfig:
     """Dtype of the parameters and optimizer state."""
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Dtype of matmuls (bfloat16 runs under autocast; router logits and losses stay fp32)."""
-    mxfp8: bool = False
-    """Run the routed experts' grouped GEMMs (gate_up and down; forward, input and weight
-    gradients) in MXFP8 with moe-kernels' mxfp8_grouped_mm, the MX training recipe: each GEMM
-    quantizes its bf16 operands along its reduction dimension (blocks of 32, e4m3 values,
-    power-of-two scales), from the FP32 master weights' bf16 copies. torchao's kernels run on
-    SM100 GPUs (the moestack-kernels[mxfp8] extra); elsewhere an exact emulation gives the same
-    numbers, slower than bf16 (it adds the quantization). Only the expert GEMMs: attention,
-    router, shared experts, dense feed-forwards and the head stay in compute_dtype. Needs
-    compute_dtype=bfloat16."""
+    expert_gemm: Literal["torch", "triton", "auto", "mxfp8"] = "torch"
+    """How the routed experts' grouped GEMMs (gate_up and down; forward, input and weight
+    gradients) run. torch, triton, auto: moe-kernels' grouped_mm in compute_dtype with torch's
+    kernel (everywhere), its Triton kernels (for GPUs; on a CPU only under the Triton
+    interpreter, TRITON_INTERPRET=1, a slow test vehicle) or, on a GPU, whichever of the two
+    was measured faster per shape (torch on a CPU). mxfp8: moe-kernels' mxfp8_grouped_mm, the
+    MX training recipe: each GEMM quantizes its bf16 operands along its reduction dimension
+    (blocks of 32, e4m3 values, power-of-two scales); torchao's kernels on SM100 GPUs (the
+    moestack-kernels[mxfp8] extra), elsewhere an exact emulation (the same numbers, slower than
+    bf16). Only the expert GEMMs: attention, router, shared experts, dense feed-forwards and
+    the head stay in compute_dtype. mxfp8 needs compute_dtype=bfloat16."""
 
     def validate(self, path: str) -> None:
-        if self.mxfp8 and self.compute_dtype != "bfloat16":
+        if self.expert_gemm == "mxfp8" and self.compute_dtype != "bfloat16":
             raise ConfigError(
-                f"{path}.mxfp8=true needs {path}.compute_dtype=bfloat16 (MXFP8 is a bf16 "
+                f"{path}.expert_gemm=mxfp8 needs {path}.compute_dtype=bfloat16 (MXFP8 is a bf16 "
                 f"training recipe), got {path}.compute_dtype={self.compute_dtype}"
             )
 
@@ -391,12 +382,6 @@ class Config:
     def validate(self) -> None:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate(section.name)
-        backend = self.model.moe.grouped_mm_backend
-        if self.precision.mxfp8 and backend != "torch":
-            raise ConfigError(
-                f"model.moe.grouped_mm_backend={backend} has no effect with precision.mxfp8=true "
-                "(MXFP8 has its own grouped GEMM); leave it at torch or set precision.mxfp8=false"
-            )
         optim, max_steps = self.optim, self.train.max_steps
         wsd_steps = optim.warmup_steps + (optim.decay_steps or 0)
         if optim.schedule == "wsd" and wsd_steps > max_steps:
@@ -484,6 +469,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}={value!r} must be {_type_name(tp)}")
 
 
+REPLACED_KEYS = {
+    "model.moe.grouped_mm_backend": "precision.expert_gemm (torch, triton or auto)",
+    "precision.mxfp8": "precision.expert_gemm=mxfp8",
+}
+"""Keys of earlier versions, and what replaced them."""
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'} must be a mapping of keys, got {data!r}")
@@ -493,6 +485,8 @@ def _build(cls: type, data: Any, path: str) -> Any:
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in names:
+            if full in REPLACED_KEYS:
+                raise ConfigError(f"config key {full} was replaced by {REPLACED_KEYS[full]}")
             raise ConfigError(_unknown_key_message(full, str(key), names, path))
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
@@ -515,6 +509,20 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     config = _build(Config, data, "")
     config.validate()
     return config
+
+
+def saved_config_from_dict(data: dict[str, Any]) -> Config:
+    """A Config from one saved by any version (a checkpoint's trainer state): the keys of
+    `REPLACED_KEYS` become the key that replaced them."""
+    data = copy.deepcopy(data)
+    moe = data.get("model", {}).get("moe", {})
+    precision = data.setdefault("precision", {})
+    backend = moe.pop("grouped_mm_backend", None)
+    if precision.pop("mxfp8", False):
+        precision["expert_gemm"] = "mxfp8"
+    elif backend is not None:
+        precision.setdefault("expert_gemm", backend)
+    return config_from_dict(data)
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

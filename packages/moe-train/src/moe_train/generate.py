@@ -28,7 +28,7 @@ from torch import Tensor
 from moe_checkpoint import CheckpointError, load_into, read_trainer_state, resolve_checkpoint
 from moe_dispatch import make_dispatcher
 from moe_parallel import single_process_layout
-from moe_train.config import Config, ModelConfig, config_from_dict
+from moe_train.config import Config, ModelConfig, saved_config_from_dict
 from moe_train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from moe_train.errors import MoeTrainError
 from moe_train.model import Transformer
@@ -51,8 +51,8 @@ class Generated:
 
 def generation_model(model_config: ModelConfig, max_seq_len: int, seed: int = 0) -> Transformer:
     """The model of `model_config` for one process, with dropless local routing and the
-    `torch` grouped-GEMM backend (see the module docstring); in eval mode."""
-    moe = dataclasses.replace(model_config.moe, capacity_factor=None, grouped_mm_backend="torch")
+    default (torch) expert GEMMs (see the module docstring); in eval mode."""
+    moe = dataclasses.replace(model_config.moe, capacity_factor=None)
     config = dataclasses.replace(model_config, moe=moe)
 
     def dispatcher(layer: int):
@@ -72,7 +72,7 @@ def load_checkpoint_model(
 
     try:
         ckpt = resolve_checkpoint(checkpoint)
-        config = config_from_dict(read_trainer_state(ckpt)["config"])
+        config = saved_config_from_dict(read_trainer_state(ckpt)["config"])
         model = generation_model(config.model, config.data.seq_len, config.train.seed)
         load_into(ckpt, model_slices(model, single_process_layout(), owned_only=False))
     except CheckpointError as e:

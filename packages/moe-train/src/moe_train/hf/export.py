@@ -25,7 +25,7 @@ from moe_checkpoint import (
     read_trainer_state,
     resolve_checkpoint,
 )
-from moe_train.config import Config, config_from_dict
+from moe_train.config import Config, saved_config_from_dict
 from moe_train.errors import MoeTrainError
 from moe_train.hf.architectures import Architecture, ExportError, HFTensor, choose_architecture
 from moe_train.hf.output_dir import written_whole
@@ -81,7 +81,7 @@ def export_checkpoint(
         raise ExportError(f"--out {out} already exists and is not an empty directory")
     try:
         ckpt = resolve_checkpoint(checkpoint)
-        config = config_from_dict(read_trainer_state(ckpt)["config"])
+        config = saved_config_from_dict(read_trainer_state(ckpt)["config"])
         stored = {
             name: tuple(t["shape"])
             for name, t in checkpoint_summary(ckpt, verify=False)["tensors"].items()

@@ -1,16 +1,21 @@
 """The reference MoE transformer."""
 
 from moe_train.model.accounting import ParamCounts, count_params, flops_per_token
-from moe_train.model.moe import MoEFeedForward, Router, RouterOutput
+from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput
+from moe_train.model.training_choices import EXPERT_GEMMS, apply_expert_gemm, apply_recompute
 from moe_train.model.transformer import DispatcherFactory, Transformer, lm_loss
 
 __all__ = [
+    "EXPERT_GEMMS",
     "DispatcherFactory",
+    "ExpertGemm",
     "MoEFeedForward",
     "ParamCounts",
     "Router",
     "RouterOutput",
     "Transformer",
+    "apply_expert_gemm",
+    "apply_recompute",
     "count_params",
     "flops_per_token",
     "lm_loss",

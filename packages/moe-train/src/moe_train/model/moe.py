@@ -1,16 +1,21 @@
 """The mixture-of-experts feed-forward block: router, SwiGLU experts, dispatch and combine."""
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_dispatch import Dispatcher
-from moe_kernels import GroupedMmBackend, grouped_mm, mxfp8_grouped_mm
+from moe_kernels import grouped_mm, mxfp8_grouped_mm
 from moe_parallel import mark_expert_parameter
 from moe_train.config import MoEConfig
 from moe_train.model.recompute import recording_side_effects
+
+ExpertGemm = Literal["torch", "triton", "auto", "mxfp8"]
+"""How the experts' grouped GEMMs run: a `moe_kernels.grouped_mm` backend in the compute
+dtype (torch, triton, auto), or `moe_kernels.mxfp8_grouped_mm` (mxfp8)."""
 
 
 def compute_dtype_of(x: Tensor) -> torch.dtype:
@@ -128,29 +133,18 @@ class CastCache:
 class Experts(nn.Module):
     """SwiGLU experts with weights stacked on a leading expert dimension (grouped GEMMs).
 
-    Both grouped GEMMs (gate_up and down) run on ``grouped_mm`` with ``grouped_mm_backend``,
-    or, with ``mxfp8``, on ``mxfp8_grouped_mm`` (the MX training recipe: forward, input and
-    weight gradients each quantize their operands to MXFP8 from the compute-dtype copies of the
-    FP32 master weights; torchao's kernels on SM100, an exact emulation elsewhere).
+    Both grouped GEMMs (gate_up and down) run as `gemm` says (see `ExpertGemm`; set it on a
+    built model with `apply_expert_gemm`). With mxfp8, forward, input and weight gradients
+    each quantize their operands to MXFP8 from the compute-dtype weights (torchao's kernels on
+    SM100, an exact emulation elsewhere).
     """
 
-    def __init__(
-        self,
-        num_experts: int,
-        d_model: int,
-        hidden: int,
-        first_expert: int = 0,
-        *,
-        grouped_mm_backend: GroupedMmBackend = "torch",
-        mxfp8: bool = False,
-    ) -> None:
+    def __init__(self, num_experts: int, d_model: int, hidden: int, first_expert: int = 0) -> None:
         super().__init__()
         self.first_expert = first_expert
         """Global index of local expert 0 (experts may be split over ranks)."""
-        self.grouped_mm_backend: GroupedMmBackend = grouped_mm_backend
-        """Kernels of the grouped GEMMs when not in MXFP8 (see ``moe_kernels.grouped_mm``)."""
-        self.mxfp8 = mxfp8
-        """Run both grouped GEMMs through ``mxfp8_grouped_mm``."""
+        self.gemm: ExpertGemm = "torch"
+        """How the grouped GEMMs run (see `ExpertGemm`)."""
         # Stored [E, in, out], the layout grouped_mm multiplies by directly: no transposed
         # views, so weight gradients arrive contiguous and accumulate without a strided copy.
         self.w_gate_up_EDO = mark_expert_parameter(
@@ -170,9 +164,9 @@ class Experts(nn.Module):
         return self._grouped_mm(F.silu(gate) * up, w_down, offsets)
 
     def _grouped_mm(self, x_TK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
-        if self.mxfp8:
+        if self.gemm == "mxfp8":
             return mxfp8_grouped_mm(x_TK, w_EKN, offsets_E)
-        return grouped_mm(x_TK, w_EKN, offsets_E, backend=self.grouped_mm_backend)
+        return grouped_mm(x_TK, w_EKN, offsets_E, backend=self.gemm)
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -225,13 +219,10 @@ class MoEFeedForward(nn.Module):
     the backward through `AttachAuxLoss` with gradient `aux_loss_scale`; the latest values are
     left, detached, in `last_lb_loss` and `last_z_loss`. Routing statistics of every training
     forward (not of recomputed ones) are summed into buffers that the trainer reads and
-    clears once per optimizer step (`take_stats`). `mxfp8` runs the routed experts' grouped
-    GEMMs in MXFP8 (`precision.mxfp8`); the router and shared experts stay in the compute dtype.
+    clears once per optimizer step (`take_stats`).
     """
 
-    def __init__(
-        self, d_model: int, config: MoEConfig, dispatcher: Dispatcher, *, mxfp8: bool = False
-    ) -> None:
+    def __init__(self, d_model: int, config: MoEConfig, dispatcher: Dispatcher) -> None:
         super().__init__()
         self.config = config
         self.router = Router(d_model, config)
@@ -241,8 +232,6 @@ class MoEFeedForward(nn.Module):
             d_model,
             config.expert_hidden,
             first_expert=dispatcher.first_local_expert,
-            grouped_mm_backend=config.grouped_mm_backend,
-            mxfp8=mxfp8,
         )
         self.shared = (
             SwiGLU(d_model, config.shared_experts * config.expert_hidden)

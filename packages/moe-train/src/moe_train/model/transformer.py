@@ -56,11 +56,10 @@ class Block(nn.Module):
         config: ModelConfig,
         layer: int,
         dispatcher_factory: DispatcherFactory,
-        recompute: RecomputeMode = "none",
-        mxfp8: bool = False,
     ):
         super().__init__()
-        self.recompute: RecomputeMode = recompute
+        self.recompute: RecomputeMode = "none"
+        """What backward recomputes (set on a built model by `apply_recompute`)."""
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(
             config.d_model,
@@ -74,9 +73,7 @@ class Block(nn.Module):
         if layer < config.dense_layers:
             self.ffn = SwiGLU(config.d_model, config.dense_hidden)
         else:
-            self.ffn = MoEFeedForward(
-                config.d_model, config.moe, dispatcher_factory(layer), mxfp8=mxfp8
-            )
+            self.ffn = MoEFeedForward(config.d_model, config.moe, dispatcher_factory(layer))
 
     def forward(
         self,
@@ -107,8 +104,8 @@ class Transformer(nn.Module):
 
     `forward(tokens)` gives logits (whole model only); `run_layers` runs any part. The MoE
     auxiliary losses join the backward through the MoE blocks themselves (see
-    `set_aux_loss_scale`), so the training objective is the LM loss alone. `mxfp8` runs the
-    routed experts' grouped GEMMs in MXFP8 (`precision.mxfp8`).
+    `set_aux_loss_scale`), so the training objective is the LM loss alone. Built from its
+    config alone; training choices are applied to the built model (`training_choices`).
     """
 
     def __init__(
@@ -121,8 +118,6 @@ class Transformer(nn.Module):
         layers: Sequence[int] | None = None,
         with_embedding: bool = True,
         with_head: bool = True,
-        recompute: RecomputeMode = "none",
-        mxfp8: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
@@ -136,9 +131,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model) if with_embedding else None
         # A dict keyed by the global layer index keeps parameter names stable when a pipeline
         # stage holds only some of the layers.
-        self.blocks = nn.ModuleDict(
-            {str(i): Block(config, i, factory, recompute, mxfp8) for i in layers}
-        )
+        self.blocks = nn.ModuleDict({str(i): Block(config, i, factory) for i in layers})
         self.norm = RMSNorm(config.d_model, config.norm_eps) if with_head else None
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False) if with_head else None
         if config.tie_embeddings and self.head is not None:

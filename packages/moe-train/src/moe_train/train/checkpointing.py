@@ -29,7 +29,7 @@ from moe_train.config import Config
 from moe_train.data import TokenDataset
 from moe_train.errors import ConfigError, MoeTrainError, TrainingDiverged
 from moe_train.model import Transformer
-from moe_train.train.config_changes import KERNEL_KEYS, config_changes
+from moe_train.train.config_changes import config_changes
 from moe_train.train.runtime import Runtime
 from moe_train.train.state_slices import (
     category_of,
@@ -64,7 +64,7 @@ def find_resume_checkpoint(config: Config) -> Path | None:
 
 def find_init_checkpoint(config: Config) -> Path:
     """The committed checkpoint checkpoint.init_from names, after checking that its model
-    config is this run's (but for kernel choices) unless checkpoint.allow_config_change."""
+    config is this run's unless checkpoint.allow_config_change."""
     source = config.checkpoint.init_from
     try:
         path = resolve_checkpoint(source)
@@ -77,7 +77,7 @@ def find_init_checkpoint(config: Config) -> Path:
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise MoeTrainError(f"{path}/trainer_state.json holds no model config")
     changes = config_changes({"model": saved["model"]}, {"model": config.to_dict()["model"]})
-    differing = [c for c in changes if c.key not in KERNEL_KEYS]
+    differing = [c for c in changes if c.key.startswith("model.")]
     if differing and not config.checkpoint.allow_config_change:
         first = differing[0]
         raise ConfigError(

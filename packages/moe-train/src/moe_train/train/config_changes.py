@@ -1,7 +1,6 @@
 """Which config changes a resumed run accepts: it must see the same model and the same samples.
 
-Refused (unless checkpoint.allow_config_change=true): anything under `model.` (except the
-kernel choice `model.moe.grouped_mm_backend`, which computes the same products), and the data
+Refused (unless checkpoint.allow_config_change=true): anything under `model.`, and the data
 keys that decide which tokens a step sees. Everything else (steps, layout, optimizer,
 precision, checkpointing, logging) is allowed and reported.
 """
@@ -16,8 +15,6 @@ from moe_train.errors import ConfigError
 
 SAMPLE_KEYS = ("data.paths", "data.seq_len", "data.global_batch_size", "train.seed")
 """Keys that decide which samples a step sees."""
-KERNEL_KEYS = ("model.moe.grouped_mm_backend",)
-"""Keys under `model.` that pick kernels, not the model."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +41,6 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def is_refused(key: str) -> bool:
     """Whether changing `key` changes the model or which samples a step sees."""
-    if key in KERNEL_KEYS:
-        return False
     return key.startswith("model.") or key in SAMPLE_KEYS
 
 

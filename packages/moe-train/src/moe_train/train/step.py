@@ -27,7 +27,13 @@ from moe_parallel import (
 )
 from moe_train.config import Config
 from moe_train.errors import ConfigError
-from moe_train.model import DispatcherFactory, Transformer, lm_loss
+from moe_train.model import (
+    DispatcherFactory,
+    Transformer,
+    apply_expert_gemm,
+    apply_recompute,
+    lm_loss,
+)
 from moe_train.train.pipeline import PipelineRunner, check_pipeline, plan_stages
 from moe_train.train.runtime import Runtime
 
@@ -221,9 +227,9 @@ class StepRunner:
             layers=plan.layers if plan else None,
             with_embedding=plan.has_first if plan else True,
             with_head=plan.has_last if plan else True,
-            recompute=config.parallel.recompute,
-            mxfp8=config.precision.mxfp8,
         ).to(device)
+        apply_recompute(self.model, config.parallel.recompute)
+        apply_expert_gemm(self.model, config.precision.expert_gemm)
         self.model.set_aux_loss_scale(1.0 / self.num_micro)
         self.optimizer = build_optimizer(self.model, config, layout)
         self.pipeline = (
