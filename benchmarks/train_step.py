@@ -1,18 +1,20 @@
-"""Training-step throughput and MFU of the tiny and medium configs, fp32 and bf16.
+"""Training-step throughput and MFU of the tiny, medium and bench-14m configs, fp32 and bf16.
 
 MFU is model FLOPs (6 x active parameters + causal attention) per second over the peak
 matmul rate of this machine, measured once per dtype at the start of this run and shared by
 every row, so the rows compare within one run. The first steps of each run warm up caches
-and kernel choices and are left out of the medians.
+and kernel choices and are left out of the medians. bench-14m is the reference trainer's
+benchmark model (``BENCH_14M``), built as overrides of configs/tiny.yaml.
 
 With ``--breakdown`` each row also profiles one optimizer step (after two warm-up steps) and
-splits its time into the matmul and attention kernels (the work MFU counts), copies and dtype
-casts (one class: both run as ``copy_``), the optimizer and everything else. The MFU ceiling is
-model FLOPs over the matmul-and-attention time alone times the peak: the MFU this step would
-reach if everything else took no time at all, with the kernels this torch build has for these
-shapes.
+splits its self time into matmul kernels, attention kernels (together the work MFU counts),
+copies and dtype casts (one class: both run as ``copy_``), the optimizer and everything else;
+"outside" is the share of all but the first two. The MFU ceiling is model FLOPs over the
+matmul-and-attention time alone times the peak: the MFU this step would reach if everything
+else took no time at all, with the kernels this torch build has for these shapes.
 
-    uv run python benchmarks/train_step.py [--steps 8] [--breakdown]
+    uv run python benchmarks/train_step.py [--configs tiny medium bench-14m]
+        [--dtypes float32 bfloat16] [--steps 8] [--warmup 3] [--breakdown]
         [--out bench_results/train_step.json]
 """
 
@@ -33,15 +35,65 @@ from moe_train.train.host_memory import keep_freed_host_memory
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIG_DIR = Path(__file__).parents[1] / "configs"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+BENCH_14M = (
+    "--model.vocab_size=1024",
+    "--model.d_model=256",
+    "--model.n_layers=4",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=4",
+    "--model.qk_norm=true",
+    "--model.dense_layers=0",
+    "--model.moe.num_experts=8",
+    "--model.moe.top_k=2",
+    "--model.moe.expert_hidden=512",
+    "--model.moe.shared_experts=0",
+    "--data.seq_len=256",
+    "--data.global_batch_size=4",
+    "--data.micro_batch_size=4",
+)
+"""The model of benchmarks/olmo_core_compare.py (14.2M parameters); tiny.yaml's other keys
+(router, losses, optimizer) stay."""
+
+ROWS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tiny": ("tiny", ()),
+    "medium": ("medium", ()),
+    "bench-14m": ("tiny", BENCH_14M),
+}
+"""Row name: (config file in configs/, overrides)."""
+
 TIME_CLASSES: tuple[tuple[str, re.Pattern], ...] = (
-    ("matmul+attention", re.compile(r"aten::(mm|addmm|bmm|baddbmm|.*scaled_dot_product.*)")),
+    (
+        "matmul",
+        re.compile(
+            r"aten::(mm|addmm|addbmm|bmm|baddbmm|_grouped_mm|_scaled_mm(_v2)?"
+            r"|_scaled_grouped_mm(_v2)?)"
+        ),
+    ),
+    (
+        "attention",
+        re.compile(
+            r"aten::(_scaled_dot_product_\w+_attention\w*|_scaled_dot_product_attention_math\w*"
+            r"|_(flash|efficient|cudnn)_attention_\w+)"
+        ),
+    ),
     ("copies+casts", re.compile(r"aten::(copy_|_to_copy)")),
     ("optimizer", re.compile(r"aten::_fused_adamw_")),
 )
-"""Profiler op names (self time) of each class; every other op counts as "other"."""
+"""Profiler op names of each class (by self time); every other op counts as "other".
+
+Only the ops that hold a product's work match, so none counts twice or takes its wrapper's
+autocast casts: aten::matmul and aten::linear call aten::mm, addmm or bmm, and
+aten::scaled_dot_product_attention one of the fused kernels (flash, efficient, cudnn, the
+CPU's flash_attention_for_cpu) or the math fallback. aten::_grouped_mm runs moe_kernels'
+grouped_mm, also inside the MXFP8 emulation (whose quantization counts as casts and other);
+on the CPU it calls aten::mm once per group, and its own time is that loop. torchao's MXFP8
+GEMMs are aten::_scaled_grouped_mm and aten::_scaled_mm."""
+
+MATMUL_CLASSES = ("matmul", "attention")
+"""The classes whose time MFU counts; the rest of the step is "outside"."""
 
 
 def profile_step(config: Config, peak: float) -> dict:
@@ -73,31 +125,41 @@ def profile_step(config: Config, peak: float) -> dict:
         name = next((c for c, pattern in TIME_CLASSES if pattern.fullmatch(event.key)), "other")
         seconds[name] += event.self_cpu_time_total / 1e6
     total = sum(seconds.values())
+    matmul_s = sum(seconds[c] for c in MATMUL_CLASSES)
     step_flops = flops_per_token(config.model, data.seq_len) * data.global_batch_size * data.seq_len
     return {
         "profiled_step_s": total,
         "seconds": seconds,
         "shares": {name: s / total for name, s in seconds.items()},
-        "mfu_ceiling": step_flops / (seconds["matmul+attention"] * peak),
+        "outside_share": 1 - matmul_s / total,
+        "mfu_ceiling": step_flops / (matmul_s * peak),
     }
 
 
-def run_one(
-    name: str, dtype: str, steps: int, warmup: int, peak: float, root: Path, breakdown: bool
-) -> dict:
-    config = load_config(
-        CONFIGS / f"{name}.yaml",
+def row_config(name: str, dtype: str, steps: int, peak: float, root: Path) -> Config:
+    """The config of one row: its file and overrides, plus the benchmark's run settings."""
+    file, overrides = ROWS[name]
+    return load_config(
+        CONFIG_DIR / f"{file}.yaml",
         [
+            *overrides,
             f"--precision.compute_dtype={dtype}",
             f"--train.max_steps={steps}",
             "--train.progress=false",
             f"--train.peak_flops={peak}",
             f"--train.run_dir={root / f'{name}-{dtype}'}",
             "--optim.warmup_steps=1",
+            "--checkpoint.interval=0",
+            "--checkpoint.interval_minutes=0",
         ],
     )
+
+
+def run_one(name: str, dtype: str, args: argparse.Namespace, peak: float, root: Path) -> dict:
+    """Train one row for ``args.steps`` steps; its medians, and with --breakdown its profile."""
+    config = row_config(name, dtype, args.steps, peak, root)
     result = train(config)
-    records = read_metrics(result.run_dir / "metrics.jsonl")[warmup:]
+    records = read_metrics(result.run_dir / "metrics.jsonl")[args.warmup :]
     params = count_params(config.model)
     row = {
         "config": name,
@@ -111,22 +173,53 @@ def run_one(
         "step_time_s": statistics.median(r["step_time_s"] for r in records),
         "peak_flops": peak,
     }
-    if breakdown:
+    if args.breakdown:
         row["breakdown"] = profile_step(config, peak)
     return row
 
 
+def print_table(rows: list[dict], peaks: dict[str, float]) -> None:
+    """One table: throughput and MFU, and with --breakdown the time shares per row."""
+    breakdown = "breakdown" in rows[0]
+    classes = list(rows[0]["breakdown"]["shares"]) if breakdown else []
+    columns = [*classes, "outside", "ceiling"] if breakdown else []
+    print("\npeak matmul FLOP/s: " + ", ".join(f"{d} {p / 1e12:.2f} T" for d, p in peaks.items()))
+    if breakdown:
+        print(
+            "shares of one profiled step's self time; outside = not matmul or attention; "
+            "ceiling = the MFU if only matmuls and attention took time"
+        )
+    header = f"{'config':>9} {'dtype':>9} {'params':>7} {'active':>7} {'tokens/s':>9} {'MFU':>6}"
+    header += "".join(f" {c:>12}" for c in columns)
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        line = (
+            f"{row['config']:>9} {row['dtype']:>9} {row['total_params'] / 1e6:>6.1f}M "
+            f"{row['active_params'] / 1e6:>6.1f}M {row['tokens_per_s']:>9,.0f} "
+            f"{100 * row['mfu']:>5.1f}%"
+        )
+        if breakdown:
+            parts = row["breakdown"]
+            shares = [parts["shares"][c] for c in classes]
+            shares += [parts["outside_share"], parts["mfu_ceiling"]]
+            line += "".join(f" {100 * share:>11.1f}%" for share in shares)
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", choices=list(ROWS), default=list(ROWS))
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out (default 3)")
-    parser.add_argument("--configs", nargs="+", default=["tiny", "medium"])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument(
         "--breakdown", action="store_true", help="profile one step per row (time shares)"
     )
     parser.add_argument("--out", type=Path, default=Path("bench_results/train_step.json"))
     args = parser.parse_args()
+    if args.steps <= args.warmup:
+        parser.error(f"--steps={args.steps} must exceed --warmup={args.warmup}")
 
     peaks = {
         dtype: measure_matmul_peak(DTYPES[dtype], torch.device("cpu")) for dtype in args.dtypes
@@ -135,49 +228,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
             for dtype in args.dtypes:
-                rows.append(
-                    run_one(
-                        name,
-                        dtype,
-                        args.steps,
-                        args.warmup,
-                        peaks[dtype],
-                        Path(tmp),
-                        args.breakdown,
-                    )
-                )
-                row = rows[-1]
+                row = run_one(name, dtype, args, peaks[dtype], Path(tmp))
+                rows.append(row)
                 print(
-                    f"{row['config']:>8} {row['dtype']:>9}  {row['tokens_per_s']:>10,.0f} tok/s  "
+                    f"{row['config']:>9} {row['dtype']:>9}  {row['tokens_per_s']:>10,.0f} tok/s  "
                     f"MFU {100 * row['mfu']:5.1f}%  step {row['step_time_s']:.3f} s",
                     flush=True,
                 )
-
-    print()
-    print("peak matmul FLOP/s: " + ", ".join(f"{d} {p / 1e12:.2f} T" for d, p in peaks.items()))
-    header = f"{'config':>8} {'dtype':>9} {'params':>8} {'active':>8} {'tokens/s':>10} {'MFU':>6}"
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(
-            f"{row['config']:>8} {row['dtype']:>9} {row['total_params'] / 1e6:>7.1f}M "
-            f"{row['active_params'] / 1e6:>7.1f}M {row['tokens_per_s']:>10,.0f} "
-            f"{100 * row['mfu']:>5.1f}%"
-        )
-    if args.breakdown:
-        classes = list(rows[0]["breakdown"]["shares"])
-        print(
-            "\nshare of one profiled step's time, and the MFU if only matmuls+attention took time"
-        )
-        header = f"{'config':>8} {'dtype':>9}" + "".join(f" {c:>17}" for c in classes)
-        print(header + f" {'MFU ceiling':>12}")
-        for row in rows:
-            shares = row["breakdown"]["shares"]
-            print(
-                f"{row['config']:>8} {row['dtype']:>9}"
-                + "".join(f" {100 * shares[c]:>16.1f}%" for c in classes)
-                + f" {100 * row['breakdown']['mfu_ceiling']:>11.1f}%"
-            )
+    print_table(rows, peaks)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"peak_flops": peaks, "runs": rows}, indent=2))
     print(f"\nwrote {args.out}")
