@@ -213,14 +213,15 @@ def _assert_views_parameter(master: Tensor, param: Tensor, flat_start: int) -> N
 
 
 def _compare_with_reference(results: list[dict]) -> None:
-    """Every rank's norms, weights and state equal the single-process reference (norms
-    exactly, updates to float32 rounding)."""
+    """Every rank's norms, weights and state equal the single-process reference (norms to
+    the rounding of the per-tensor fp32 norms they are summed from, updates to float32
+    rounding)."""
     pp, dp, ep, *_ = results[0]["layout"]
     reference = _Reference(pp, dp, ep)
     for step, (lr, max_norm) in enumerate(zip(LRS, CLIPS, strict=True)):
         expected_norm = reference.step(step, lr, max_norm)
         for rank, result in enumerate(results):
-            assert result["norms"][step] == pytest.approx(expected_norm, rel=1e-12), rank
+            assert result["norms"][step] == pytest.approx(expected_norm, rel=1e-7), rank
             _, _, _, stage, ep_rank = result["layout"]
             for name, weight in result["weights"][step].items():
                 if name == "frozen":

@@ -11,10 +11,16 @@ where the parameters are of a lower precision; FP32 parameters are their own mas
 1. `arm()` before the last micro-batch's backward, `finish()` after it (the `GradientReducer`
    protocol): each bucket's gradients are reduce-scattered as soon as they are final, so a rank
    receives the summed gradient of its shard; the full `.grad` tensors are released.
+   Low-precision parameters (bfloat16, float16) accumulate every backward's gradient in an
+   FP32 buffer (their `.grad` released at once), which is reduce-scattered in FP32.
 2. `clip_grad_norm_(max_norm)`: the global norm from the shards, each element counted once.
 3. `step(lr)`: AdamW on the FP32 shards, then an all-gather writes the updated shards into the
-   module's parameters, in their dtype (FP32: the other ranks' shards).
+   module's parameters, in their dtype (bfloat16 masters are rounded before the gather, which
+   moves 2 bytes an element; FP32: the other ranks' shards).
 4. `zero_grad()`.
+
+Per element of a bfloat16 parameter a rank holds 2 bytes of weight, 4 of FP32 gradient and
+(4 of master weight + 8 of moments) / group size.
 
 The module's parameters stay whole on every rank (expert weights: this rank's experts), so
 forward and backward are those of plain data parallelism; nothing gathers weights per
@@ -33,6 +39,7 @@ from torch.distributed import ProcessGroup
 
 from moe_parallel.expert_params import is_expert_parameter
 from moe_parallel.flat_shards import ShardedBucket
+from moe_parallel.grad_norm import scale_to_norm_, squared_norm
 from moe_parallel.grad_sync import DEFAULT_BUCKET_BYTES, _runs
 from moe_parallel.layout import Layout
 
@@ -94,8 +101,9 @@ class DistributedAdamW:
     The update is torch.optim.AdamW(fused=True)'s (its kernel runs on the shards: decoupled
     weight decay, bias correction); weight decay applies where `decays(name, param)` is true.
     Parameters without a gradient in a step count as zero gradients (all replicas must take
-    the same step). Every rank of the layout must construct it for the same model structure
-    at the same point (it checks that with a collective). Per step: `arm()` before the last
+    the same step). Low-precision parameters accumulate their gradients in FP32 (their
+    `.grad` stays None; see `grad_pieces`). Every rank of the layout must construct it for
+    the same model structure at the same point (it checks that with a collective). Per step: `arm()` before the last
     backward, `finish()` after it, `clip_grad_norm_`, `step(lr)`, `zero_grad()`; the
     parameters' `.grad` are released as their buckets are reduced, so clip with
     `clip_grad_norm_`, not with `moe_parallel.clip_grad_norm`.
@@ -189,9 +197,12 @@ class DistributedAdamW:
         self._next_launch = len(self._buckets)
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket = self._buckets[self._bucket_of[id(param)]]
+        if bucket.grad_accum is not None and not self._reduced:
+            bucket.accumulate(param)  # after a reduction `.grad` stays, for `finish` to refuse
         if not self._armed:
             return
-        self._buckets[self._bucket_of[id(param)]].ready_ids.add(id(param))
+        bucket.ready_ids.add(id(param))
         while self._next_launch < len(self._buckets):
             head = self._buckets[self._next_launch]
             if len(head.ready_ids) < len(head.params):
@@ -212,19 +223,15 @@ class DistributedAdamW:
         if not max_norm > 0:
             raise ValueError(f"max_norm={max_norm} must be positive (inf: no clipping)")
         self.finish()
-        total_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for bucket in self._buckets:
-            total_sq += torch.linalg.vector_norm(bucket.grad_shard, dtype=torch.float64).square()
+        shards = [bucket.grad_shard for bucket in self._buckets]
+        total_sq = squared_norm(shards, self.device)
         layout = self.layout
         if layout.dp > 1:
             dist.all_reduce(total_sq, group=layout.dp_group)
         if layout.pp > 1:
             dist.all_reduce(total_sq, group=layout.pp_group)
         total = total_sq.sqrt()
-        if max_norm != float("inf"):
-            scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for bucket in self._buckets:
-                bucket.grad_shard.mul_(scale.to(bucket.dtype))
+        scale_to_norm_(shards, max_norm, total)
         return total
 
     @torch.no_grad()
@@ -270,13 +277,24 @@ class DistributedAdamW:
         self._write_params()
 
     def zero_grad(self) -> None:
-        """Drop the reduced gradient shards and any `.grad` of the parameters."""
+        """Drop the reduced gradient shards, the FP32 gradient sums and any `.grad` of the
+        parameters."""
         for bucket in self._buckets:
-            bucket.grad_shard = None
-            for p in bucket.params:
-                p.grad = None
+            bucket.clear_grads()
         self._reduced = False
         self._armed = False
+
+    def grad_pieces(self) -> list[Tensor]:
+        """The reduced gradient of each of `state_pieces()`, in the same order: 1-D views of
+        this rank's gradient shards (FP32 for low-precision parameters; writing them changes
+        what `step` uses). Valid from `finish` until `zero_grad`."""
+        pieces = []
+        for bucket in self._buckets:
+            if bucket.grad_shard is None:
+                raise ValueError("no reduced gradients: call finish() first (not zero_grad())")
+            for s in bucket.segments:
+                pieces.append(bucket.grad_shard[s.shard_start : s.shard_start + s.numel])
+        return pieces
 
     def _write_params(self) -> None:
         gathers = [bucket.start_gather() for bucket in self._buckets]
@@ -286,6 +304,11 @@ class DistributedAdamW:
             bucket.write_params(full)
 
     # State: size and checkpoints.
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds now: the reduced shards, FP32
+        accumulation buffers of low-precision parameters, and any `.grad` not yet reduced."""
+        return sum(bucket.gradient_bytes() for bucket in self._buckets)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank: the FP32 moments of its shards (8 bytes

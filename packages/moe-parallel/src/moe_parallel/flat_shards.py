@@ -6,17 +6,23 @@ flat buffer padded to a multiple of the group size; rank i of the group owns ele
 plus FP32 master weights when the parameters are of another dtype. FP32 parameters are their
 own master weights: the optimizer updates the elements of the shard in place, through views
 of the parameters (`Segment.param_view`). The padding is zeros and stays zero.
+
+Gradients of low-precision parameters (bfloat16, float16) accumulate, backward by backward,
+in a persistent FP32 flat buffer of the whole bucket (`accumulate`), which is reduce-scattered
+as it is; other parameters' `.grad` are packed into a flat buffer of their dtype at reduction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+
+from moe_parallel.grad_sync import fold_grad, is_low_precision
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,9 @@ class ShardedBucket:
         for p in self.params:
             self.offsets.append(numel)
             numel += p.numel()
+        self._offset_of = {
+            id(p): offset for p, offset in zip(self.params, self.offsets, strict=True)
+        }
         self.numel = numel
         self.shard_numel = -(-numel // self.group_size)
         self.padded_numel = self.shard_numel * self.group_size
@@ -88,8 +97,14 @@ class ShardedBucket:
         self.exp_avg = torch.zeros(self.shard_numel, **zeros)
         self.exp_avg_sq = torch.zeros(self.shard_numel, **zeros)
 
+        self.grad_accum: Tensor | None = None
+        """FP32 gradients of the whole bucket (padded), summed over this rank's backwards,
+        for low-precision parameters; None for others (their `.grad` holds the sum)."""
+        if is_low_precision(self.params[0]):
+            self.grad_accum = torch.zeros(self.padded_numel, **zeros)
         self.grad_shard: Tensor | None = None
-        """The summed gradient of this rank's shard, in the parameters' dtype."""
+        """The summed gradient of this rank's shard: FP32 for low-precision parameters,
+        otherwise in the parameters' dtype."""
         self.ready_ids: set[int] = set()
         self._flat_grads: Tensor | None = None
         self._work: dist.Work | None = None
@@ -99,6 +114,25 @@ class ShardedBucket:
         weights if kept apart from the parameters."""
         words = 2 if self.master is None else 3
         return words * 4 * self.shard_numel
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradient storage the bucket holds now: the FP32 accumulation buffer, the
+        reduced shard (when apart from it) and any `.grad` of its parameters."""
+        held = [self.grad_accum, self.grad_shard, *(p.grad for p in self.params)]
+        return _distinct_storage_bytes(t for t in held if t is not None)
+
+    def accumulate(self, param: nn.Parameter) -> None:
+        """Add `param.grad` into the FP32 accumulation buffer and release it."""
+        offset = self._offset_of[id(param)]
+        fold_grad(param, self.grad_accum[offset : offset + param.numel()].view_as(param))
+
+    def clear_grads(self) -> None:
+        """Drop the reduced shard, zero the accumulation buffer and release any `.grad`."""
+        self.grad_shard = None
+        if self.grad_accum is not None:
+            self.grad_accum.zero_()
+        for p in self.params:
+            p.grad = None
 
     def master_views(self) -> list[Tensor]:
         """This rank's FP32 master weights, one 1-D view per segment (of the master shard, or
@@ -125,8 +159,25 @@ class ShardedBucket:
 
     @torch.no_grad()
     def launch_reduction(self) -> None:
-        """Pack the gradients into the flat buffer (absent ones as zeros), release `.grad`,
-        and start the reduce-scatter that leaves this rank the sum of its shard."""
+        """Pack the gradients into the flat buffer (absent ones as zeros; low-precision ones
+        are there already), release `.grad`, and start the reduce-scatter that leaves this
+        rank the sum of its shard."""
+        if self.grad_accum is not None:
+            for p in self.params:
+                self.accumulate(p)  # a `.grad` set outside backward
+            flat = self.grad_accum
+        else:
+            flat = self._pack_grads()
+        if self.group_size == 1:
+            self.grad_shard = flat
+            return
+        self.grad_shard = torch.empty(self.shard_numel, dtype=flat.dtype, device=self.device)
+        self._flat_grads = flat  # the input must live until the collective completes
+        self._work = dist.reduce_scatter_tensor(
+            self.grad_shard, flat, group=self.group, async_op=True
+        )
+
+    def _pack_grads(self) -> Tensor:
         flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         for p, offset in zip(self.params, self.offsets, strict=True):
             target = flat[offset : offset + p.numel()].view_as(p)
@@ -136,14 +187,7 @@ class ShardedBucket:
                 target.copy_(p.grad)
             p.grad = None
         flat[self.numel :].zero_()
-        if self.group_size == 1:
-            self.grad_shard = flat
-            return
-        self.grad_shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
-        self._flat_grads = flat  # the input must live until the collective completes
-        self._work = dist.reduce_scatter_tensor(
-            self.grad_shard, flat, group=self.group, async_op=True
-        )
+        return flat
 
     def wait_reduction(self) -> None:
         """Block until this bucket's reduce-scatter has completed."""
@@ -176,6 +220,12 @@ class ShardedBucket:
             return
         for p, offset in zip(self.params, self.offsets, strict=True):
             p.copy_(full[offset : offset + p.numel()].view_as(p))
+
+
+def _distinct_storage_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the distinct storages under `tensors` (views of one buffer count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def _cut(shard_tensors: tuple[Tensor, ...], segment: Segment) -> tuple[Tensor, ...]:

@@ -1,47 +1,83 @@
-"""Global gradient-norm clipping that counts every gradient element once across ranks."""
+"""Global gradient-norm clipping that counts every gradient element once across ranks.
+
+The norm is taken with torch's multi-tensor kernels: `torch._foreach_norm` per dtype
+(accumulating in FP32 within each tensor, bfloat16 ones included), the per-tensor norms
+combined into a sum of squares in float64, and the scale applied with `torch._foreach_mul_`.
+It agrees with a norm accumulated wholly in float64 to float32 rounding (a relative 1e-7 or
+so), not to the last bit.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from moe_parallel.expert_params import is_expert_parameter
 from moe_parallel.layout import Layout
 
 
 @torch.no_grad()
-def clip_grad_norm(module: nn.Module, max_norm: float, layout: Layout) -> torch.Tensor:
+def clip_grad_norm(
+    module: nn.Module,
+    max_norm: float,
+    layout: Layout,
+    *,
+    grads: Sequence[tuple[nn.Parameter, Tensor]] | None = None,
+) -> Tensor:
     """Scale gradients so their global L2 norm is at most `max_norm`; returns the norm.
 
     Call after gradients are reduced: dense gradients are then identical over dp and counted
     once per pipeline stage; expert gradients differ over the ep group and are summed over it.
+    `grads`: the (parameter, gradient) pairs to measure and scale instead of each parameter's
+    `.grad`, e.g. `GradientReducer.gradients()`, whose FP32 gradients of low-precision
+    parameters are not in `.grad`.
     """
-    dense_sq, expert_sq = _squared_norms(module)
+    if grads is None:
+        grads = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+    device = next(module.parameters()).device
+    dense = [g.detach() for p, g in grads if not is_expert_parameter(p)]
+    expert = [g.detach() for p, g in grads if is_expert_parameter(p)]
+    dense_sq = squared_norm(dense, device)
+    expert_sq = squared_norm(expert, device)
     if layout.ep_group is not None and layout.ep > 1:
         dist.all_reduce(expert_sq, group=layout.ep_group)
     total_sq = dense_sq + expert_sq
     if layout.pp_group is not None and layout.pp > 1:
         dist.all_reduce(total_sq, group=layout.pp_group)
     total = total_sq.sqrt()
-    if max_norm != float("inf"):
-        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.device, p.grad.dtype))
+    scale_to_norm_(dense + expert, max_norm, total)
     return total
 
 
-def _squared_norms(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    device = next(module.parameters()).device
-    dense = torch.zeros((), dtype=torch.float64, device=device)
-    expert = torch.zeros((), dtype=torch.float64, device=device)
-    for p in module.parameters():
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum()
-        if is_expert_parameter(p):
-            expert += sq
-        else:
-            dense += sq
-    return dense, expert
+@torch.no_grad()
+def squared_norm(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    """The sum of squares of every element of `tensors`, as a float64 scalar on `device`:
+    one `torch._foreach_norm` per dtype (FP32 or wider), the per-tensor norms squared and
+    summed in float64."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for dtype, group in _by_dtype(tensors).items():
+        # Low-precision tensors: accumulated and returned in FP32, not rounded to their dtype.
+        norms = torch._foreach_norm(group, 2, dtype=torch.promote_types(dtype, torch.float32))
+        total += torch.stack(norms).double().square().sum()
+    return total
+
+
+@torch.no_grad()
+def scale_to_norm_(tensors: Sequence[Tensor], max_norm: float, total: Tensor) -> None:
+    """Scale `tensors` in place by ``min(1, max_norm / (total + 1e-6))`` (nothing if
+    `max_norm` is inf); the scale is cast to each tensor's dtype first."""
+    if max_norm == float("inf"):
+        return
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for dtype, group in _by_dtype(tensors).items():
+        torch._foreach_mul_(group, scale.to(dtype))
+
+
+def _by_dtype(tensors: Sequence[Tensor]) -> dict[torch.dtype, list[Tensor]]:
+    groups: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups

@@ -9,6 +9,14 @@ copy and no second copy of the gradients at the peak. During the backward of the
 as soon as all of its gradients are final, overlapping communication with the rest of the
 backward. Buckets are launched strictly in order, so every rank issues the same collectives
 in the same order whatever order its hooks fire in.
+
+Parameters of lower precision than FP32 (bfloat16, float16) accumulate their gradients in
+FP32: autograd yields each backward's gradient in the parameter's dtype, and a hook adds it
+into the parameter's view of an FP32 bucket and releases `.grad` at once, so a sum over many
+micro-batches is not rounded to 8 mantissa bits and the low-precision gradient lives only
+transiently. Those buckets are kept (without a collective) even when a group has one rank;
+their `.grad` stays None and `gradients()` gives the FP32 sums. FP32 parameters take the
+path above (their `.grad` a view into the bucket; no bucket without a collective).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from moe_parallel.expert_params import is_expert_parameter
@@ -25,23 +33,42 @@ from moe_parallel.expert_params import is_expert_parameter
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 
+def is_low_precision(param: Tensor) -> bool:
+    """True for a floating dtype narrower than FP32: its gradients accumulate in FP32 and
+    the optimizers keep FP32 master weights of it."""
+    return param.is_floating_point() and param.element_size() < 4
+
+
+@torch.no_grad()
+def fold_grad(param: nn.Parameter, into: Tensor) -> None:
+    """Add `param.grad` (if any) into the FP32 `into` and release it."""
+    if param.grad is not None:
+        into.add_(param.grad)
+        param.grad = None
+
+
 @dataclass
 class _Bucket:
-    group: ProcessGroup
+    group: ProcessGroup | None
+    """None: no collective (one rank); only low-precision buckets exist without one."""
     params: list[nn.Parameter]
-    flat: torch.Tensor
-    views: list[torch.Tensor]
+    flat: Tensor
+    views: list[Tensor]
+    fp32_accumulation: bool
+    """The parameters are of low precision: `flat` is FP32 and `.grad` is not a view of it."""
     work: dist.Work | None = None
     ready_ids: set[int] = field(default_factory=set)
 
 
 class GradientReducer:
-    """Sums `.grad` of every parameter over its replicas.
+    """Sums the gradient of every parameter over its replicas.
 
     Use: `arm()` before the backward of the step's last micro-batch (reductions then start
     during that backward), and `finish()` after it; or only `finish()` to reduce everything
     after the backward. Clear gradients with `zero_grad()`, which keeps the `.grad` views
     (a `.grad` replaced or set to None elsewhere still works, at the cost of a copy).
+    Low-precision parameters accumulate in FP32 buffers instead of `.grad`: read every
+    gradient through `gradients()`.
     """
 
     def __init__(
@@ -53,32 +80,32 @@ class GradientReducer:
     ) -> None:
         # Reverse registration order approximates the order in which backward finishes
         # gradients, so early buckets fill first.
-        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        params = self._params[::-1]
         self._buckets: list[_Bucket] = []
         for group, members in (
             (dense_group, [p for p in params if not is_expert_parameter(p)]),
             (expert_group, [p for p in params if is_expert_parameter(p)]),
         ):
             if group is None or dist.get_world_size(group) == 1:
-                continue
-            for run in _runs(members, bucket_bytes):
-                flat = torch.zeros(
-                    sum(p.numel() for p in run), dtype=run[0].dtype, device=run[0].device
-                )
-                views = []
-                offset = 0
-                for p in run:
-                    views.append(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
-                    p.grad = views[-1]
-                self._buckets.append(_Bucket(group=group, params=run, flat=flat, views=views))
+                group = None
+                members = [p for p in members if is_low_precision(p)]
+            self._buckets += [_make_bucket(group, run) for run in _runs(members, bucket_bytes)]
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
         self._unbucketed = [p for p in params if id(p) not in self._bucket_of]
+        self._fp32_grad = {
+            id(p): view
+            for b in self._buckets
+            if b.fp32_accumulation
+            for p, view in zip(b.params, b.views, strict=True)
+        }
         self._armed = False
         self._next_launch = 0
         for bucket in self._buckets:
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(
+                    self._on_fp32_grad if bucket.fp32_accumulation else self._on_grad_ready
+                )
 
     def arm(self) -> None:
         """Start each bucket's reduction as soon as its gradients are final in this backward."""
@@ -97,7 +124,8 @@ class GradientReducer:
             self._launch(bucket)
         self._next_launch = len(self._buckets)
         for bucket in self._buckets:
-            bucket.work.wait()
+            if bucket.work is not None:
+                bucket.work.wait()
             bucket.work = None
 
     def zero_grad(self) -> None:
@@ -105,9 +133,24 @@ class GradientReducer:
         for bucket in self._buckets:
             bucket.flat.zero_()
             for p, view in zip(bucket.params, bucket.views, strict=True):
-                p.grad = view
+                p.grad = None if bucket.fp32_accumulation else view
         for p in self._unbucketed:
             p.grad = None
+
+    def gradients(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """(parameter, gradient) in the module's parameter order: the FP32 accumulation
+        buffer of a low-precision parameter (summed over its replicas once `finish` has run;
+        write it to change the gradient), `.grad` of any other (left out where None)."""
+        pairs = []
+        for p in self._params:
+            grad = self._fp32_grad.get(id(p), p.grad)
+            if grad is not None:
+                pairs.append((p, grad))
+        return pairs
+
+    def _on_fp32_grad(self, param: nn.Parameter) -> None:
+        fold_grad(param, self._fp32_grad[id(param)])
+        self._on_grad_ready(param)
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._armed:
@@ -124,12 +167,35 @@ class GradientReducer:
     @staticmethod
     def _launch(bucket: _Bucket) -> None:
         for p, view in zip(bucket.params, bucket.views, strict=True):
-            if p.grad is None:  # unused in this step (or cleared elsewhere): contributes zeros
+            if bucket.fp32_accumulation:
+                fold_grad(p, view)  # a `.grad` set outside backward
+            elif p.grad is None:  # unused in this step (or cleared elsewhere): contributes zeros
                 view.zero_()
             elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
                 view.copy_(p.grad)  # replaced outside zero_grad: pack it
-            p.grad = view
-        bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+            if not bucket.fp32_accumulation:
+                p.grad = view
+        if bucket.group is not None:
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+
+
+def _make_bucket(group: ProcessGroup | None, run: list[nn.Parameter]) -> _Bucket:
+    """A bucket of `run` (one dtype) with its flat buffer: FP32 for low-precision parameters,
+    whose `.grad` it leaves alone; otherwise of their dtype, each `.grad` set to its view."""
+    fp32 = is_low_precision(run[0])
+    flat = torch.zeros(
+        sum(p.numel() for p in run),
+        dtype=torch.float32 if fp32 else run[0].dtype,
+        device=run[0].device,
+    )
+    views = []
+    offset = 0
+    for p in run:
+        views.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+        if not fp32:
+            p.grad = views[-1]
+    return _Bucket(group=group, params=run, flat=flat, views=views, fp32_accumulation=fp32)
 
 
 def _runs(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
