@@ -70,7 +70,14 @@ NUM_EXPERTS, TOP_K, EXPERT_HIDDEN = 8, 2, 512
 SEQ_LEN, BATCH = 256, 4
 LR, BETAS, EPS, WEIGHT_DECAY, GRAD_CLIP = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
 LB_LOSS_WEIGHT, Z_LOSS_WEIGHT, ROPE_THETA, NORM_EPS = 0.01, 0.001, 10000, 1e-5
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PRECISIONS = {
+    "float32": ("float32", "float32"),
+    "bfloat16": ("float32", "bfloat16"),
+    "bf16-params": ("bfloat16", "bfloat16"),
+}
+"""Row dtype: this trainer's (param_dtype, compute_dtype). OLMo-core runs fp32 parameters
+under autocast to the compute dtype in every row (its CPU-runnable path has no FP32-master
+optimizer)."""
 PARAM_TOLERANCE = 0.03
 """Largest relative difference of the two parameter counts this comparison accepts."""
 
@@ -118,7 +125,9 @@ def ours_config(dtype: str) -> Config:
                 "weight_decay": WEIGHT_DECAY,
                 "grad_clip": GRAD_CLIP,
             },
-            "precision": {"param_dtype": "float32", "compute_dtype": dtype},
+            "precision": dict(
+                zip(("param_dtype", "compute_dtype"), PRECISIONS[dtype], strict=True)
+            ),
         }
     )
 
@@ -236,7 +245,8 @@ def build_olmo_core(dtype: str) -> System:
         eps=EPS,
         fused=True,
     )
-    autocast = torch.autocast("cpu", dtype=DTYPES[dtype], enabled=dtype != "float32")
+    compute_dtype = getattr(torch, PRECISIONS[dtype][1])
+    autocast = torch.autocast("cpu", dtype=compute_dtype, enabled=dtype != "float32")
 
     def step(batch: torch.Tensor) -> None:
         with autocast:
@@ -324,7 +334,7 @@ def paired_ratio(ours: System, theirs: System, per_round: int) -> float:
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'system':>10} {'dtype':>9} {'params':>8} {'step ms':>8} {'tokens/s':>9} "
+        f"{'system':>10} {'dtype':>11} {'params':>8} {'step ms':>8} {'tokens/s':>9} "
         f"{'ours/olmo-core':>15} {'paired':>7}"
     )
     print(header)
@@ -332,7 +342,7 @@ def print_table(rows: list[dict]) -> None:
     for row in rows:
         ratio, paired = row.get("ratio_vs_olmo_core"), row.get("paired_ratio_vs_olmo_core")
         print(
-            f"{row['system']:>10} {row['dtype']:>9} {row['params'] / 1e6:>7.2f}M "
+            f"{row['system']:>10} {row['dtype']:>11} {row['params'] / 1e6:>7.2f}M "
             f"{1000 * row['step_time_s']:>8.1f} {row['tokens_per_s']:>9,.0f} "
             f"{f'{ratio:.2f}x' if ratio else '':>15} {f'{paired:.2f}x' if paired else '':>7}"
         )
@@ -347,7 +357,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per system and dtype")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--per-round", type=int, default=2, help="steps per system per round")
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, default=Path("bench_results/olmo_core_compare.json"))
     args = parser.parse_args()

@@ -1,4 +1,5 @@
-"""Training-step throughput and MFU of the tiny, medium and bench-14m configs, fp32 and bf16.
+"""Training-step throughput and MFU of the tiny, medium and bench-14m configs: fp32, bf16
+compute on fp32 parameters, and bf16 parameters (`PRECISIONS`).
 
 MFU is model FLOPs (6 x active parameters + causal attention) per second over the peak
 matmul rate of this machine, measured once per dtype at the start of this run and shared by
@@ -14,7 +15,7 @@ matmul-and-attention time alone times the peak: the MFU this step would reach if
 else took no time at all, with the kernels this torch build has for these shapes.
 
     uv run python benchmarks/train_step.py [--configs tiny medium bench-14m]
-        [--dtypes float32 bfloat16] [--steps 8] [--warmup 3] [--breakdown]
+        [--dtypes float32 bfloat16 bf16-params] [--steps 8] [--warmup 3] [--breakdown]
         [--out bench_results/train_step.json]
 """
 
@@ -36,7 +37,14 @@ from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PRECISIONS: dict[str, tuple[str, ...]] = {
+    "float32": ("--precision.compute_dtype=float32",),
+    "bfloat16": ("--precision.compute_dtype=bfloat16", "--precision.param_dtype=float32"),
+    "bf16-params": ("--precision.compute_dtype=bfloat16", "--precision.param_dtype=bfloat16"),
+}
+"""Row dtype: fp32; bf16 compute on fp32 parameters (autocast); bf16 parameters with FP32
+masters in the optimizer."""
+PEAK_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16-params": torch.bfloat16}
 
 BENCH_14M = (
     "--model.vocab_size=1024",
@@ -143,7 +151,7 @@ def row_config(name: str, dtype: str, steps: int, peak: float, root: Path) -> Co
         CONFIG_DIR / f"{file}.yaml",
         [
             *overrides,
-            f"--precision.compute_dtype={dtype}",
+            *PRECISIONS[dtype],
             f"--train.max_steps={steps}",
             "--train.progress=false",
             f"--train.peak_flops={peak}",
@@ -210,7 +218,7 @@ def print_table(rows: list[dict], peaks: dict[str, float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", choices=list(ROWS), default=list(ROWS))
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
     parser.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out (default 3)")
     parser.add_argument(
@@ -222,7 +230,7 @@ def main() -> None:
         parser.error(f"--steps={args.steps} must exceed --warmup={args.warmup}")
 
     peaks = {
-        dtype: measure_matmul_peak(DTYPES[dtype], torch.device("cpu")) for dtype in args.dtypes
+        dtype: measure_matmul_peak(PEAK_DTYPES[dtype], torch.device("cpu")) for dtype in args.dtypes
     }
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -269,8 +269,13 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class PrecisionConfig:
-    param_dtype: Literal["float32"] = "float32"
-    """Dtype of the parameters and optimizer state."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the parameters the forward and backward use. float32: the parameters are
+    their own master weights. bfloat16: the compute uses the bf16 parameters directly (no
+    cast copies); each backward's gradients are summed into FP32 buffers, and the optimizer
+    holds FP32 master weights and moments (sharded with parallel.distributed_optimizer) and
+    writes the updated weights back in bf16. Checkpoints hold the FP32 masters either way.
+    bfloat16 needs compute_dtype=bfloat16."""
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Dtype of matmuls (bfloat16 runs under autocast; router logits and losses stay fp32)."""
     expert_gemm: Literal["torch", "triton", "auto", "mxfp8"] = "torch"
@@ -286,6 +291,12 @@ class PrecisionConfig:
     the head stay in compute_dtype. mxfp8 needs compute_dtype=bfloat16."""
 
     def validate(self, path: str) -> None:
+        if self.param_dtype == "bfloat16" and self.compute_dtype != "bfloat16":
+            raise ConfigError(
+                f"{path}.param_dtype=bfloat16 needs {path}.compute_dtype=bfloat16 (fp32 "
+                f"products of bf16 weights would only add casts), got "
+                f"{path}.compute_dtype={self.compute_dtype}"
+            )
         if self.expert_gemm == "mxfp8" and self.compute_dtype != "bfloat16":
             raise ConfigError(
                 f"{path}.expert_gemm=mxfp8 needs {path}.compute_dtype=bfloat16 (MXFP8 is a bf16 "

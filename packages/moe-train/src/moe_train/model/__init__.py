@@ -1,9 +1,15 @@
 """The reference MoE transformer."""
 
 from moe_train.model.accounting import ParamCounts, count_params, flops_per_token
+from moe_train.model.loss import head_lm_loss, lm_loss
 from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput
-from moe_train.model.training_choices import EXPERT_GEMMS, apply_expert_gemm, apply_recompute
-from moe_train.model.transformer import DispatcherFactory, Transformer, lm_loss
+from moe_train.model.training_choices import (
+    EXPERT_GEMMS,
+    apply_expert_gemm,
+    apply_param_dtype,
+    apply_recompute,
+)
+from moe_train.model.transformer import DispatcherFactory, Transformer
 
 __all__ = [
     "EXPERT_GEMMS",
@@ -15,8 +21,10 @@ __all__ = [
     "RouterOutput",
     "Transformer",
     "apply_expert_gemm",
+    "apply_param_dtype",
     "apply_recompute",
     "count_params",
     "flops_per_token",
+    "head_lm_loss",
     "lm_loss",
 ]

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_train.model.fused import rms_norm, rotary
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation with a learned per-channel scale, computed in fp32."""
@@ -20,9 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -36,9 +36,7 @@ def apply_rope(x_BHSD: Tensor, cos_SD: Tensor, sin_SD: Tensor, start: int = 0) -
     """Rotate pairs (first half, second half) of each head's channels by position angles;
     `x_BHSD` holds positions `start, start + 1, ...`."""
     end = start + x_BHSD.shape[-2]
-    cos, sin = cos_SD[start:end].to(x_BHSD.dtype), sin_SD[start:end].to(x_BHSD.dtype)
-    first, second = x_BHSD.chunk(2, dim=-1)
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return rotary(x_BHSD, cos_SD[start:end].to(x_BHSD.dtype), sin_SD[start:end].to(x_BHSD.dtype))
 
 
 @dataclass

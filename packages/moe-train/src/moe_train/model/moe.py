@@ -11,6 +11,7 @@ from moe_dispatch import Dispatcher
 from moe_kernels import grouped_mm, mxfp8_grouped_mm
 from moe_parallel import mark_expert_parameter
 from moe_train.config import MoEConfig
+from moe_train.model.fused import swiglu
 from moe_train.model.recompute import recording_side_effects
 
 ExpertGemm = Literal["torch", "triton", "auto", "mxfp8"]
@@ -34,8 +35,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(self.gate_up(x)))
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,8 @@ class Experts(nn.Module):
         offsets = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
         w_gate_up = self.cast_cache.get(self.w_gate_up_EDO, dtype)
         w_down = self.cast_cache.get(self.w_down_EHD, dtype)
-        gate, up = self._grouped_mm(x_PD.to(dtype), w_gate_up, offsets).chunk(2, dim=-1)
-        return self._grouped_mm(F.silu(gate) * up, w_down, offsets)
+        hidden_PH = swiglu(self._grouped_mm(x_PD.to(dtype), w_gate_up, offsets))
+        return self._grouped_mm(hidden_PH, w_down, offsets)
 
     def _grouped_mm(self, x_TK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
         if self.gemm == "mxfp8":

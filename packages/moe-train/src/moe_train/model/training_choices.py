@@ -1,4 +1,5 @@
-"""Training choices applied to a built model: activation recompute and the expert GEMMs.
+"""Training choices applied to a built model: activation recompute, the expert GEMMs and the
+parameters' dtype.
 
 The model is built from its config alone (`Transformer(config, ...)`); how it trains (what
 backward recomputes, which kernels and number format the expert GEMMs use) is set on the
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import typing
 
+import torch
 from torch import nn
 
 from moe_train.model.moe import ExpertGemm, Experts
@@ -37,3 +39,12 @@ def apply_expert_gemm(model: nn.Module, gemm: ExpertGemm) -> None:
     for module in model.modules():
         if isinstance(module, Experts):
             module.gemm = gemm
+
+
+@torch.no_grad()
+def apply_param_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every floating-point parameter of `model` in `dtype`, in place: the same
+    `Parameter` objects (ties and marks kept), buffers left as they are."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)

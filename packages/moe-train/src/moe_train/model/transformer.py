@@ -8,12 +8,12 @@ import zlib
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_dispatch import Dispatcher, make_dispatcher
 from moe_train.config import ModelConfig
 from moe_train.model.attention import Attention, LayerKVCache, RMSNorm, rope_tables
+from moe_train.model.loss import head_lm_loss
 from moe_train.model.moe import Experts, MoEFeedForward, SwiGLU
 from moe_train.model.recompute import RecomputeMode, run_with_recompute
 
@@ -189,6 +189,18 @@ class Transformer(nn.Module):
         cache.length = end
         return self.head(self.norm(x_BSD))
 
+    def loss(self, tokens_BS: Tensor, targets_BS: Tensor) -> Tensor:
+        """Mean next-token cross-entropy of the whole model's predictions for `targets_BS`
+        (fp32), with the head fused into the loss: the logits of all tokens never exist."""
+        x_BSD = self.run_layers(tokens_BS, list(self.blocks), embed=True)
+        return self.head_loss(x_BSD, targets_BS)
+
+    def head_loss(self, x_BSD: Tensor, targets_BS: Tensor) -> Tensor:
+        """The final norm, the head and the mean cross-entropy, fused (see `loss`)."""
+        if self.head is None:
+            raise ValueError("head_loss needs the module holding the head (the last stage)")
+        return head_lm_loss(self.norm(x_BSD), self.head.weight, targets_BS)
+
     def new_kv_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         """An empty KV cache for `batch` sequences of up to `capacity` positions, in `dtype`
         (default: the attention weights' dtype). `capacity` may exceed `max_seq_len`: the
@@ -264,8 +276,3 @@ def _seeded_normal(tensor: Tensor, name: str, seed: int, std: float) -> None:
     generator = torch.Generator(device=tensor.device)
     generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     tensor.normal_(0.0, std, generator=generator)
-
-
-def lm_loss(logits_BSV: Tensor, targets_BS: Tensor) -> Tensor:
-    """Mean next-token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())

@@ -21,7 +21,7 @@ from torch import Tensor
 from moe_train.config import Config
 from moe_train.data import TokenDataset
 from moe_train.errors import DataError
-from moe_train.model import lm_loss
+from moe_train.model import head_lm_loss
 from moe_train.train.runtime import Runtime
 from moe_train.train.step import StepRunner
 
@@ -81,8 +81,7 @@ class Evaluator:
         runner = self.runner
         if runner.pipeline is None:
             with runner.autocast():
-                logits = runner.model(micro[:, :-1])
-            return lm_loss(logits, micro[:, 1:]).double()
+                return runner.model.loss(micro[:, :-1], micro[:, 1:]).double()
         return _pipeline_micro_loss(runner, micro)
 
 
@@ -104,13 +103,14 @@ def _pipeline_micro_loss(runner: StepRunner, micro: Tensor) -> Tensor:
         if stage > 0:
             previous = dist.get_global_rank(layout.pp_group, (stage - 1) % layout.pp)
             if previous != layout.rank:
-                hidden = torch.empty(hidden_shape, dtype=torch.float32, device=micro.device)
+                hidden = torch.empty(hidden_shape, dtype=runner.param_dtype, device=micro.device)
                 dist.recv(hidden, src=previous)
         output = modules[stage](inputs if stage == 0 else hidden)
         if stage == plan.num_stages - 1:
-            loss += lm_loss(output, targets).double()
+            with runner.autocast():
+                loss += head_lm_loss(output, runner.model.head.weight, targets).double()
             continue
-        hidden = output.float().contiguous()
+        hidden = output.contiguous()
         following = dist.get_global_rank(layout.pp_group, (stage + 1) % layout.pp)
         if following != owner:
             dist.send(hidden, dst=following)

@@ -5,7 +5,8 @@ Built on `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1F1B). Stage `
 `s % pp` (the loop placement interleaved schedules expect); the embedding belongs to stage 0
 and the final norm and head to the last stage. Each pp rank builds one `Transformer` holding
 only its stages' layers (parameter names stay global), and one `StageModule` per stage runs
-its part. The MoE auxiliary losses need nothing from the schedule: they enter the backward
+its part; the last stage ends with the final norm, and the schedule's loss function applies
+the head fused with the loss (`head_lm_loss`). The MoE auxiliary losses need nothing from the schedule: they enter the backward
 inside their own stage (see `Transformer.set_aux_loss_scale`).
 """
 
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from moe_parallel import Layout
 from moe_train.config import Config
 from moe_train.errors import ConfigError
-from moe_train.model import Transformer, lm_loss
+from moe_train.model import Transformer, head_lm_loss
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ def plan_stages(n_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1) -
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: runs its layers (and the embedding / head at the ends)."""
+    """One pipeline stage: runs its layers (after the embedding on the first; with the final
+    norm on the last, whose output the loss function takes to the head)."""
 
     def __init__(
         self,
@@ -116,6 +118,7 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList(model.blocks[str(i)] for i in layers)
         self.embed = model.embed if first else None
         self.head = nn.ModuleList([model.norm, model.head]) if last else None
+        self._norm = model.norm
         self._run = model.run_layers
         self._layer_names = [str(i) for i in layers]
         self._first, self._last = first, last
@@ -123,7 +126,8 @@ class StageModule(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         with self._autocast():
-            return self._run(x, self._layer_names, embed=self._first, head=self._last)
+            x = self._run(x, self._layer_names, embed=self._first)
+            return self._norm(x) if self._last else x
 
 
 class PipelineRunner:
@@ -136,7 +140,7 @@ class PipelineRunner:
         config: Config,
         layout: Layout,
         device: torch.device,
-        compute_dtype: torch.dtype,
+        hidden_dtype: torch.dtype,
         autocast: Callable[[], contextlib.AbstractContextManager],
         micro_batches: int,
         num_micro_total: int,
@@ -157,16 +161,21 @@ class PipelineRunner:
         }
         self.plan = plan
         self.num_micro_total = num_micro_total
+        self._autocast = autocast
+        self._head_weight = model.head.weight if plan.has_last else None
         self.step_losses: list[Tensor] = []
         data, model_config = config.data, config.model
         micro_shape = (data.micro_batch_size, data.seq_len)
         # Shapes and dtypes of what stages exchange (static: no shape-inference pass). Hidden
         # states need gradients, so the stages also exchange their gradients in backward.
-        hidden = torch.empty(*micro_shape, model_config.d_model, device=device, requires_grad=True)
-        tokens = torch.empty(micro_shape, dtype=torch.long, device=device)
-        logits = torch.empty(
-            *micro_shape, model_config.vocab_size, dtype=compute_dtype, device=device
+        hidden = torch.empty(
+            *micro_shape,
+            model_config.d_model,
+            dtype=hidden_dtype,
+            device=device,
+            requires_grad=True,
         )
+        tokens = torch.empty(micro_shape, dtype=torch.long, device=device)
         self.stages = []
         for stage in plan.stages:
             first, last = stage == 0, stage == plan.num_stages - 1
@@ -180,7 +189,7 @@ class PipelineRunner:
                     plan.num_stages,
                     device,
                     input_args=tokens if first else hidden,
-                    output_args=logits if last else hidden,
+                    output_args=hidden,
                     group=layout.pp_group,
                 )
             )
@@ -195,8 +204,9 @@ class PipelineRunner:
             scale_grads=False,
         )
 
-    def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        loss = lm_loss(logits, targets)
+    def _loss(self, normed_BSD: Tensor, targets: Tensor) -> Tensor:
+        with self._autocast():
+            loss = head_lm_loss(normed_BSD, self._head_weight, targets)
         self.step_losses.append(loss.detach())
         return loss / self.num_micro_total
 

@@ -63,10 +63,15 @@ def _global_placement(model: Transformer, name: str) -> tuple[tuple[int, ...], i
 def _optimizer_slices(
     model: Transformer, optimizer: TrainingOptimizer, layout: Layout
 ) -> list[OwnedSlice]:
-    """The moments this rank owns (each element has exactly one owner) and the step count."""
+    """The moments this rank owns (each element has exactly one owner), the step count, and
+    the FP32 master weights of parameters of a lower precision (the model tensors saved)."""
     slices = []
     for piece in optimizer.state_pieces():
         global_shape, offset = _global_placement(model, piece.name)
+        if model.get_parameter(piece.name).dtype != torch.float32:
+            slices.append(
+                OwnedSlice(piece.name, global_shape, offset + piece.flat_start, piece.param)
+            )
         for key in OPTIM_STATES:
             slices.append(
                 OwnedSlice(
@@ -85,13 +90,15 @@ def _optimizer_slices(
 
 
 def model_slices(model: Transformer, layout: Layout, *, owned_only: bool) -> list[OwnedSlice]:
-    """Parameters and buffers this rank holds (`owned_only`: those it writes)."""
+    """Parameters and buffers this rank holds (`owned_only`: those it writes; parameters of
+    a lower precision than FP32 are written from the optimizer's FP32 masters instead)."""
     num_experts = model.config.moe.num_experts
     slices = []
     for name, tensor in _named_state(model):
-        expert = isinstance(tensor, nn.Parameter) and is_expert_parameter(tensor)
+        is_param = isinstance(tensor, nn.Parameter)
+        expert = is_param and is_expert_parameter(tensor)
         owner = layout.edp_rank == 0 if expert else layout.dp_rank == 0
-        if owned_only and not owner:
+        if owned_only and (not owner or (is_param and tensor.dtype != torch.float32)):
             continue
         slices.append(_slice(model, name, tensor, num_experts, expert))
     return slices

@@ -22,6 +22,7 @@ from moe_parallel import (
     DistributedAdamW,
     Layout,
     ReplicatedAdamW,
+    StateRequest,
     TrainingOptimizer,
     decay_matrices,
 )
@@ -31,8 +32,8 @@ from moe_train.model import (
     DispatcherFactory,
     Transformer,
     apply_expert_gemm,
+    apply_param_dtype,
     apply_recompute,
-    lm_loss,
 )
 from moe_train.train.pipeline import PipelineRunner, check_pipeline, plan_stages
 from moe_train.train.runtime import Runtime
@@ -97,6 +98,33 @@ def dispatcher_factory(config: Config, runtime: Runtime) -> DispatcherFactory:
     return build
 
 
+def _lower_precision_params(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Store the parameters of `model` in `dtype`; for a dtype other than FP32, returns
+    copies of their FP32 values first (by name), else nothing."""
+    if dtype == torch.float32:
+        return {}
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    apply_param_dtype(model, dtype)
+    return initial
+
+
+def _master_reader(
+    initial: dict[str, torch.Tensor],
+) -> Callable[[list[StateRequest]], list[torch.Tensor]]:
+    """A `load_state` reader of FP32 master weights from `initial` and zero moments."""
+
+    def read(requests: list[StateRequest]) -> list[torch.Tensor]:
+        values = []
+        for r in requests:
+            if r.kind == "param":
+                values.append(initial[r.name].view(-1)[r.flat_start : r.flat_start + r.numel])
+            else:
+                values.append(torch.zeros(r.numel, device=initial[r.name].device))
+        return values
+
+    return read
+
+
 @dataclass(frozen=True)
 class StepStats:
     """A step's losses and routing figures, over every rank and micro-batch."""
@@ -132,8 +160,7 @@ def accumulate_gradients(
         if index == len(micro_batches) - 1:
             reducer.arm()  # gradient reductions overlap this last backward
         with autocast():
-            logits = model(micro[:, :-1])
-        loss = lm_loss(logits, micro[:, 1:])
+            loss = model.loss(micro[:, :-1], micro[:, 1:])
         # Every micro-batch of the step weighs 1/num_micro, on whichever rank it is; the MoE
         # auxiliary losses ride along (see Transformer.set_aux_loss_scale).
         (loss / num_micro).backward()
@@ -208,6 +235,7 @@ class StepRunner:
         check_pipeline(config, layout.dp)
         self.config, self.runtime = config, runtime
         self.compute_dtype = DTYPES[config.precision.compute_dtype]
+        self.param_dtype = DTYPES[config.precision.param_dtype]
         self.num_micro = data.global_batch_size // data.micro_batch_size
         """Micro-batches of a step, over all dp ranks."""
         self.my_micro = self.num_micro // layout.dp
@@ -231,7 +259,10 @@ class StepRunner:
         apply_recompute(self.model, config.parallel.recompute)
         apply_expert_gemm(self.model, config.precision.expert_gemm)
         self.model.set_aux_loss_scale(1.0 / self.num_micro)
+        initial = _lower_precision_params(self.model, self.param_dtype)
         self.optimizer = build_optimizer(self.model, config, layout)
+        if initial:  # the FP32 masters start from the FP32 initialisation, not its rounding
+            self.optimizer.load_state(0, _master_reader(initial))
         self.pipeline = (
             PipelineRunner(
                 self.model,
@@ -239,7 +270,7 @@ class StepRunner:
                 config,
                 layout,
                 device,
-                self.compute_dtype,
+                self.param_dtype,
                 self.autocast,
                 self.my_micro,
                 self.num_micro,
