@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from moe_parallel.grad_sync import fold_grad, is_low_precision
+from moe_parallel.grad_sync import Fp32Sums, is_low_precision
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,6 @@ class ShardedBucket:
         for p in self.params:
             self.offsets.append(numel)
             numel += p.numel()
-        self._offset_of = {
-            id(p): offset for p, offset in zip(self.params, self.offsets, strict=True)
-        }
         self.numel = numel
         self.shard_numel = -(-numel // self.group_size)
         self.padded_numel = self.shard_numel * self.group_size
@@ -100,8 +97,15 @@ class ShardedBucket:
         self.grad_accum: Tensor | None = None
         """FP32 gradients of the whole bucket (padded), summed over this rank's backwards,
         for low-precision parameters; None for others (their `.grad` holds the sum)."""
+        self._sums: Fp32Sums | None = None
         if is_low_precision(self.params[0]):
-            self.grad_accum = torch.zeros(self.padded_numel, **zeros)
+            self.grad_accum = torch.zeros(self.padded_numel, **zeros)  # padding stays zero
+            self._sums = Fp32Sums(
+                {
+                    id(p): self.grad_accum[o : o + p.numel()].view_as(p)
+                    for p, o in zip(self.params, self.offsets, strict=True)
+                }
+            )
         self.grad_shard: Tensor | None = None
         """The summed gradient of this rank's shard: FP32 for low-precision parameters,
         otherwise in the parameters' dtype."""
@@ -122,15 +126,14 @@ class ShardedBucket:
         return _distinct_storage_bytes(t for t in held if t is not None)
 
     def accumulate(self, param: nn.Parameter) -> None:
-        """Add `param.grad` into the FP32 accumulation buffer and release it."""
-        offset = self._offset_of[id(param)]
-        fold_grad(param, self.grad_accum[offset : offset + param.numel()].view_as(param))
+        """Move `param.grad` into the FP32 accumulation buffer (see `Fp32Sums`)."""
+        self._sums.fold(param)
 
     def clear_grads(self) -> None:
-        """Drop the reduced shard, zero the accumulation buffer and release any `.grad`."""
+        """Drop the reduced shard, start new FP32 sums and release any `.grad`."""
         self.grad_shard = None
-        if self.grad_accum is not None:
-            self.grad_accum.zero_()
+        if self._sums is not None:
+            self._sums.reset()
         for p in self.params:
             p.grad = None
 
@@ -165,6 +168,7 @@ class ShardedBucket:
         if self.grad_accum is not None:
             for p in self.params:
                 self.accumulate(p)  # a `.grad` set outside backward
+            self._sums.settle()
             flat = self.grad_accum
         else:
             flat = self._pack_grads()

@@ -21,6 +21,7 @@ path above (their `.grad` a view into the bucket; no bucket without a collective
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,12 +40,41 @@ def is_low_precision(param: Tensor) -> bool:
     return param.is_floating_point() and param.element_size() < 4
 
 
-@torch.no_grad()
-def fold_grad(param: nn.Parameter, into: Tensor) -> None:
-    """Add `param.grad` (if any) into the FP32 `into` and release it."""
-    if param.grad is not None:
-        into.add_(param.grad)
+class Fp32Sums:
+    """FP32 sums of low-precision gradients, one view of a buffer per parameter, kept
+    without a zeroing pass per step: a parameter's first gradient after `reset` is copied
+    into its view (converted), later ones are added; `settle` zeroes the views no gradient
+    reached, so that every view holds its parameter's sum."""
+
+    def __init__(self, views: dict[int, Tensor]) -> None:
+        self.views = views
+        """FP32 view of each parameter, by `id`."""
+        self._unwritten = set(views)
+
+    @torch.no_grad()
+    def fold(self, param: nn.Parameter) -> None:
+        """Move `param.grad` (if any) into the sum and release it."""
+        if param.grad is None:
+            return
+        view = self.views[id(param)]
+        if id(param) in self._unwritten:
+            view.copy_(param.grad)
+            self._unwritten.discard(id(param))
+        else:
+            view.add_(param.grad)
         param.grad = None
+
+    @torch.no_grad()
+    def settle(self, params: Iterable[nn.Parameter] | None = None) -> None:
+        """Zero the views of `params` (default: all) that no gradient reached since `reset`."""
+        ids = self._unwritten if params is None else {id(p) for p in params} & self._unwritten
+        for key in ids:
+            self.views[key].zero_()
+        self._unwritten -= ids
+
+    def reset(self) -> None:
+        """Start new sums: every view is stale until its first gradient (or `settle`)."""
+        self._unwritten = set(self.views)
 
 
 @dataclass
@@ -93,12 +123,14 @@ class GradientReducer:
             self._buckets += [_make_bucket(group, run) for run in _runs(members, bucket_bytes)]
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
         self._unbucketed = [p for p in params if id(p) not in self._bucket_of]
-        self._fp32_grad = {
-            id(p): view
-            for b in self._buckets
-            if b.fp32_accumulation
-            for p, view in zip(b.params, b.views, strict=True)
-        }
+        self._fp32_sums = Fp32Sums(
+            {
+                id(p): view
+                for b in self._buckets
+                if b.fp32_accumulation
+                for p, view in zip(b.params, b.views, strict=True)
+            }
+        )
         self._armed = False
         self._next_launch = 0
         for bucket in self._buckets:
@@ -131,9 +163,14 @@ class GradientReducer:
     def zero_grad(self) -> None:
         """Zero the bucketed gradients in place (keeping the views); others become None."""
         for bucket in self._buckets:
+            if bucket.fp32_accumulation:
+                for p in bucket.params:
+                    p.grad = None
+                continue
             bucket.flat.zero_()
             for p, view in zip(bucket.params, bucket.views, strict=True):
-                p.grad = None if bucket.fp32_accumulation else view
+                p.grad = view
+        self._fp32_sums.reset()
         for p in self._unbucketed:
             p.grad = None
 
@@ -141,15 +178,16 @@ class GradientReducer:
         """(parameter, gradient) in the module's parameter order: the FP32 accumulation
         buffer of a low-precision parameter (summed over its replicas once `finish` has run;
         write it to change the gradient), `.grad` of any other (left out where None)."""
+        self._fp32_sums.settle()
         pairs = []
         for p in self._params:
-            grad = self._fp32_grad.get(id(p), p.grad)
+            grad = self._fp32_sums.views.get(id(p), p.grad)
             if grad is not None:
                 pairs.append((p, grad))
         return pairs
 
     def _on_fp32_grad(self, param: nn.Parameter) -> None:
-        fold_grad(param, self._fp32_grad[id(param)])
+        self._fp32_sums.fold(param)
         self._on_grad_ready(param)
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
@@ -164,16 +202,17 @@ class GradientReducer:
             self._launch(head)
             self._next_launch += 1
 
-    @staticmethod
-    def _launch(bucket: _Bucket) -> None:
-        for p, view in zip(bucket.params, bucket.views, strict=True):
-            if bucket.fp32_accumulation:
-                fold_grad(p, view)  # a `.grad` set outside backward
-            elif p.grad is None:  # unused in this step (or cleared elsewhere): contributes zeros
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
-                view.copy_(p.grad)  # replaced outside zero_grad: pack it
-            if not bucket.fp32_accumulation:
+    def _launch(self, bucket: _Bucket) -> None:
+        if bucket.fp32_accumulation:
+            for p in bucket.params:
+                self._fp32_sums.fold(p)  # a `.grad` set outside backward
+            self._fp32_sums.settle(bucket.params)
+        else:
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                if p.grad is None:  # unused in this step (or cleared elsewhere): zeros
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
+                    view.copy_(p.grad)  # replaced outside zero_grad: pack it
                 p.grad = view
         if bucket.group is not None:
             bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)

@@ -216,6 +216,10 @@ class TrainConfig:
     """Print progress on stderr: a line redrawn after every step on a terminal, elsewhere one
     line every log_interval steps (the start banner, run facts and the summary print either
     way)."""
+    compile: bool = False
+    """Fuse the elementwise parts of the model (RMSNorm, SwiGLU activations) with
+    torch.compile, at the first step (needs a C++ compiler on a CPU, Triton on a GPU). Off by
+    default: it adds compilation time to the start of a run (see the README)."""
     max_skipped_steps: int = 5
     """A step whose loss or gradient norm is not finite is skipped (no update); after this
     many such steps in a row the run stops, its last good checkpoint intact. 0 stops at the

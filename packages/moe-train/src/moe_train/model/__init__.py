@@ -5,6 +5,7 @@ from moe_train.model.loss import head_lm_loss, lm_loss
 from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput
 from moe_train.model.training_choices import (
     EXPERT_GEMMS,
+    apply_compile,
     apply_expert_gemm,
     apply_param_dtype,
     apply_recompute,
@@ -20,6 +21,7 @@ __all__ = [
     "Router",
     "RouterOutput",
     "Transformer",
+    "apply_compile",
     "apply_expert_gemm",
     "apply_param_dtype",
     "apply_recompute",

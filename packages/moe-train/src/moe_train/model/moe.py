@@ -1,5 +1,6 @@
 """The mixture-of-experts feed-forward block: router, SwiGLU experts, dispatch and combine."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,9 +34,11 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
         self.down = nn.Linear(hidden, d_model, bias=False)
+        self.activation: Callable[[Tensor], Tensor] = swiglu
+        """silu(gate) * up (a compiled one after `apply_compile`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(swiglu(self.gate_up(x)))
+        return self.down(self.activation(self.gate_up(x)))
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,8 @@ class Experts(nn.Module):
         """Global index of local expert 0 (experts may be split over ranks)."""
         self.gemm: ExpertGemm = "torch"
         """How the grouped GEMMs run (see `ExpertGemm`)."""
+        self.activation: Callable[[Tensor], Tensor] = swiglu
+        """silu(gate) * up (a compiled one after `apply_compile`)."""
         # Stored [E, in, out], the layout grouped_mm multiplies by directly: no transposed
         # views, so weight gradients arrive contiguous and accumulate without a strided copy.
         self.w_gate_up_EDO = mark_expert_parameter(
@@ -160,7 +165,7 @@ class Experts(nn.Module):
         offsets = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
         w_gate_up = self.cast_cache.get(self.w_gate_up_EDO, dtype)
         w_down = self.cast_cache.get(self.w_down_EHD, dtype)
-        hidden_PH = swiglu(self._grouped_mm(x_PD.to(dtype), w_gate_up, offsets))
+        hidden_PH = self.activation(self._grouped_mm(x_PD.to(dtype), w_gate_up, offsets))
         return self._grouped_mm(hidden_PH, w_down, offsets)
 
     def _grouped_mm(self, x_TK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:

@@ -1,5 +1,5 @@
-"""Training choices applied to a built model: activation recompute, the expert GEMMs and the
-parameters' dtype.
+"""Training choices applied to a built model: activation recompute, the expert GEMMs, the
+parameters' dtype and compilation.
 
 The model is built from its config alone (`Transformer(config, ...)`); how it trains (what
 backward recomputes, which kernels and number format the expert GEMMs use) is set on the
@@ -8,12 +8,16 @@ built modules afterwards, so model code carries no training flags.
 
 from __future__ import annotations
 
+import functools
 import typing
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from moe_train.model.moe import ExpertGemm, Experts
+from moe_train.model.attention import RMSNorm
+from moe_train.model.fused import rms_norm_formula, swiglu
+from moe_train.model.moe import ExpertGemm, Experts, SwiGLU
 from moe_train.model.recompute import RECOMPUTE_MODES, RecomputeMode
 from moe_train.model.transformer import Block
 
@@ -48,3 +52,21 @@ def apply_param_dtype(model: nn.Module, dtype: torch.dtype) -> None:
     for param in model.parameters():
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Run the elementwise parts of `model` (RMSNorm and the SwiGLU activations, dense and
+    expert) through `torch.compile`, which fuses each into one pass forward and one
+    backward. Every module shares one compiled function per kind; graphs are built at the
+    first forward (per input shape). Attention, the matrix products and the token dispatch
+    stay eager: compiling them measured no faster."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = _compiled(rms_norm_formula)
+        elif isinstance(module, SwiGLU | Experts):
+            module.activation = _compiled(swiglu)
+
+
+@functools.cache
+def _compiled(function: Callable) -> Callable:
+    return torch.compile(function)

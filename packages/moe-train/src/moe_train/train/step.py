@@ -31,6 +31,7 @@ from moe_train.errors import ConfigError
 from moe_train.model import (
     DispatcherFactory,
     Transformer,
+    apply_compile,
     apply_expert_gemm,
     apply_param_dtype,
     apply_recompute,
@@ -258,6 +259,8 @@ class StepRunner:
         ).to(device)
         apply_recompute(self.model, config.parallel.recompute)
         apply_expert_gemm(self.model, config.precision.expert_gemm)
+        if config.train.compile:
+            apply_compile(self.model)
         self.model.set_aux_loss_scale(1.0 / self.num_micro)
         initial = _lower_precision_params(self.model, self.param_dtype)
         self.optimizer = build_optimizer(self.model, config, layout)

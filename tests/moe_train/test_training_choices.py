@@ -1,4 +1,5 @@
-"""precision.expert_gemm (mxfp8, triton) in the trainer and the MoE layer."""
+"""Training choices applied to a built model: precision.expert_gemm (mxfp8, triton),
+recompute and train.compile, in the trainer and the MoE layer."""
 
 import copy
 import os
@@ -20,7 +21,9 @@ from moe_train.config import (
     saved_config_from_dict,
 )
 from moe_train.errors import ConfigError
-from moe_train.model import Transformer, apply_expert_gemm, apply_recompute
+from moe_train.model import Transformer, apply_compile, apply_expert_gemm, apply_recompute
+from moe_train.model.attention import RMSNorm
+from moe_train.model.fused import rms_norm, swiglu
 from moe_train.model.moe import MoEFeedForward
 from moe_train.train import train
 
@@ -236,3 +239,24 @@ def test_training_choices_are_set_on_the_built_model():
         apply_expert_gemm(model, "fp4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="recompute mode 'some' is not one of none"):
         apply_recompute(model, "some")  # type: ignore[arg-type]
+
+
+def test_compiled_elementwise_parts_train_like_eager(make_config, tmp_path):
+    """train.compile=true swaps compiled RMSNorm and SwiGLU into every module and gives the
+    eager losses (to fp32 rounding: the compiled kernels sum in another order)."""
+    model = Transformer(
+        ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2,
+                    dense_layers=1, dense_hidden=32, qk_norm=True,
+                    moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16)),
+        max_seq_len=8,
+    )  # fmt: skip
+    apply_compile(model)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.kernel is not rms_norm for m in norms)
+    assert all(layer.experts.activation is not swiglu for layer in model.moe_layers().values())
+    losses = {}
+    for compile_ in (False, True):
+        config = make_config(tmp_path / str(compile_), train={"max_steps": 3, "compile": compile_})
+        losses[compile_] = train(config).losses
+    for eager, compiled in zip(losses[False], losses[True], strict=True):
+        assert compiled == pytest.approx(eager, rel=1e-5)
