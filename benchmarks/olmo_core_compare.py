@@ -37,7 +37,8 @@ without its torch, into an ignored folder laid over the project's environment
 
     scripts/olmo_core_env.sh
     PYTHONPATH=.cache/olmo-core uv run --no-sync python benchmarks/olmo_core_compare.py
-        [--steps 20] [--warmup 3] [--dtypes float32 bfloat16] [--threads N]
+        [--steps 20] [--warmup 3] [--dtypes float32 bfloat16 bf16-params] [--compile]
+        [--threads N]
         [--out bench_results/olmo_core_compare.json]
 
 Steps are timed one by one and the rows give tokens per second at the median step time. The
@@ -93,7 +94,7 @@ class System:
     step_times: list[float] = field(default_factory=list)
 
 
-def ours_config(dtype: str) -> Config:
+def ours_config(dtype: str, compile_: bool = False) -> Config:
     """The benchmark model as this trainer's config (the data section is not read)."""
     return config_from_dict(
         {
@@ -132,8 +133,8 @@ def ours_config(dtype: str) -> Config:
     )
 
 
-def build_ours(dtype: str) -> System:
-    config = ours_config(dtype)
+def build_ours(dtype: str, compile_: bool) -> System:
+    config = ours_config(dtype, compile_)
     runtime = start_runtime(config, torch.device("cpu"))
     runner = StepRunner(config, runtime)
     params = sum(p.numel() for p in runner.model.parameters())
@@ -289,9 +290,10 @@ def run_interleaved(
                 system.step_times.append(time.perf_counter() - start)
 
 
-def measure(dtype: str, steps: int, warmup: int, per_round: int) -> list[dict]:
+def measure(dtype: str, args: argparse.Namespace) -> list[dict]:
     """Rows (ours, OLMo-core) for one dtype."""
-    ours, theirs = build_ours(dtype), build_olmo_core(dtype)
+    steps, warmup, per_round = args.steps, args.warmup, args.per_round
+    ours, theirs = build_ours(dtype, args.compile), build_olmo_core(dtype)
     try:
         check_param_counts(ours, theirs)
         generator = torch.Generator().manual_seed(0)
@@ -359,6 +361,9 @@ def main() -> None:
     parser.add_argument("--per-round", type=int, default=2, help="steps per system per round")
     parser.add_argument("--dtypes", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--compile", action="store_true", help="this trainer with train.compile=true"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_results/olmo_core_compare.json"))
     args = parser.parse_args()
 
@@ -366,11 +371,16 @@ def main() -> None:
     keep_freed_host_memory()
     rows = []
     for dtype in args.dtypes:
-        rows += measure(dtype, args.steps, args.warmup, args.per_round)
+        rows += measure(dtype, args)
     print(f"\ntorch {torch.__version__}, {args.threads} threads, {BATCH}x{SEQ_LEN} tokens/step")
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": args.threads, "olmo_core": olmo_core_version()}
+    meta = {
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "olmo_core": olmo_core_version(),
+        "compile": args.compile,
+    }
     args.out.write_text(json.dumps({**meta, "runs": rows}, indent=2))
     print(f"\nwrote {args.out}")
 

@@ -15,7 +15,7 @@ matmul-and-attention time alone times the peak: the MFU this step would reach if
 else took no time at all, with the kernels this torch build has for these shapes.
 
     uv run python benchmarks/train_step.py [--configs tiny medium bench-14m]
-        [--dtypes float32 bfloat16 bf16-params] [--steps 8] [--warmup 3] [--breakdown]
+        [--dtypes float32 bfloat16 bf16-params] [--compile] [--steps 8] [--warmup 3] [--breakdown]
         [--out bench_results/train_step.json]
 """
 
@@ -144,7 +144,9 @@ def profile_step(config: Config, peak: float) -> dict:
     }
 
 
-def row_config(name: str, dtype: str, steps: int, peak: float, root: Path) -> Config:
+def row_config(
+    name: str, dtype: str, steps: int, peak: float, root: Path, compile_: bool = False
+) -> Config:
     """The config of one row: its file and overrides, plus the benchmark's run settings."""
     file, overrides = ROWS[name]
     return load_config(
@@ -159,13 +161,14 @@ def row_config(name: str, dtype: str, steps: int, peak: float, root: Path) -> Co
             "--optim.warmup_steps=1",
             "--checkpoint.interval=0",
             "--checkpoint.interval_minutes=0",
+            *(["--train.compile=true"] if compile_ else []),
         ],
     )
 
 
 def run_one(name: str, dtype: str, args: argparse.Namespace, peak: float, root: Path) -> dict:
     """Train one row for ``args.steps`` steps; its medians, and with --breakdown its profile."""
-    config = row_config(name, dtype, args.steps, peak, root)
+    config = row_config(name, dtype, args.steps, peak, root, args.compile)
     result = train(config)
     records = read_metrics(result.run_dir / "metrics.jsonl")[args.warmup :]
     params = count_params(config.model)
@@ -224,6 +227,7 @@ def main() -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="profile one step per row (time shares)"
     )
+    parser.add_argument("--compile", action="store_true", help="rows with train.compile=true")
     parser.add_argument("--out", type=Path, default=Path("bench_results/train_step.json"))
     args = parser.parse_args()
     if args.steps <= args.warmup:

@@ -238,3 +238,29 @@ def test_capacity_dispatch_is_sync_free_on_gpu() -> None:
         torch.cuda.set_sync_debug_mode("default")
     keep = reference_keep(topk_idx.tolist(), 8, dispatcher.capacity(64, 2))
     assert int(handle.dropped_copies) == sum(not kept for row in keep for kept in row)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_the_routers_counts_give_the_same_dispatch_without_recounting(capacity_factor) -> None:
+    """Handing dispatch the histogram the router counted changes nothing but the work: the
+    same rows, counts and drops; the handle's group ends are the counts' cumulative sums."""
+    num_tokens, top_k, num_experts = 45, 2, 6
+    topk_idx = routing(num_tokens, top_k, num_experts, seed=11, skew=True)
+    x = torch.randn(num_tokens, 8, generator=torch.Generator().manual_seed(3))
+    weight = torch.full((num_tokens, top_k), 0.5)
+    counts = torch.bincount(topk_idx.flatten(), minlength=num_experts)
+    dispatcher = make_dispatcher(
+        "local", num_experts=num_experts, capacity_factor=capacity_factor, group_alignment=4
+    )
+    plain = dispatcher.dispatch(x, topk_idx, weight)
+    counted = dispatcher.dispatch(x, topk_idx, weight, counts)
+    assert torch.equal(counted[0], plain[0])
+    assert torch.equal(counted[1], plain[1])
+    assert int(counted[2].dropped_copies) == int(plain[2].dropped_copies)
+    assert (int(plain[2].dropped_copies) > 0) == (capacity_factor is not None)
+    for _, rows_per_expert, handle in (plain, counted):
+        ends = torch.cumsum(rows_per_expert, 0).to(torch.int32)
+        assert torch.equal(handle.group_ends, ends)
+    assert torch.equal(
+        dispatcher.combine(counted[0], counted[2]), dispatcher.combine(plain[0], plain[2])
+    )

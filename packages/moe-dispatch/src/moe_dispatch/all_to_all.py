@@ -19,7 +19,7 @@ from torch import Tensor
 from moe_dispatch.capacity import (
     capacity_per_expert,
     check_capacity_factor,
-    keep_mask_within_capacity,
+    keep_within_capacity,
 )
 from moe_dispatch.protocol import DispatchHandle, check_expert_output, check_routing, state_of
 from moe_dispatch.transport_a2a import exchange_rows
@@ -88,13 +88,21 @@ class AllToAllDispatcher:
         return capacity_per_expert(self.capacity_factor, num_tokens, top_k, self.num_experts)
 
     def dispatch(
-        self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
+        self,
+        x_TD: Tensor,
+        topk_idx_TK: Tensor,
+        topk_weight_TK: Tensor,
+        copies_per_expert: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Send each kept copy to its expert's rank; rows grouped by local expert."""
         check_routing("AllToAllDispatcher", topk_idx_TK, topk_weight_TK)
         ep, num_local = self.ep, self.num_local_experts
-        keep_TK = keep_mask_within_capacity(topk_idx_TK, self.num_experts, self.capacity_factor)
-        x_sorted_FD, send_permutation = permute(x_TD, topk_idx_TK, self.num_experts, keep_TK)
+        keep_TK, kept_E = keep_within_capacity(
+            topk_idx_TK, self.num_experts, self.capacity_factor, copies_per_expert
+        )
+        x_sorted_FD, send_permutation = permute(
+            x_TD, topk_idx_TK, self.num_experts, keep_TK, tokens_per_expert_E=kept_E
+        )
 
         # Global expert e = r * L + l, so the [E] counts are already [ep, L] by destination.
         send_counts_E = send_permutation.tokens_per_expert
@@ -113,8 +121,14 @@ class AllToAllDispatcher:
         local_expert_R1 = torch.repeat_interleave(
             local_expert_of_block, recv_counts_E, output_size=sum(recv_splits)
         ).unsqueeze(1)
+        # The local experts' received rows: the sum over source ranks of recv_counts.
         expert_input_PD, recv_permutation = permute(
-            recv_rows_RD, local_expert_R1, num_local, None, self.group_alignment
+            recv_rows_RD,
+            local_expert_R1,
+            num_local,
+            None,
+            self.group_alignment,
+            tokens_per_expert_E=recv_counts_E.view(ep, num_local).sum(0),
         )
         num_copies = topk_idx_TK.numel()
         handle = DispatchHandle(
@@ -127,6 +141,7 @@ class AllToAllDispatcher:
             ),
             dropped_copies=num_copies - send_counts_E.sum(),
             num_copies=num_copies,
+            group_ends=recv_permutation.offsets,
         )
         return expert_input_PD, recv_permutation.rows_per_expert, handle
 

@@ -11,7 +11,7 @@ __all__ = [
     "capacity_keep_mask",
     "capacity_per_expert",
     "check_capacity_factor",
-    "keep_mask_within_capacity",
+    "keep_within_capacity",
     "position_in_expert",
 ]
 
@@ -33,16 +33,21 @@ def capacity_per_expert(
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
-def position_in_expert(expert_of_copy_F: Tensor, num_experts: int) -> Tensor:
-    """[F] int64: how many earlier copies (in copy order) went to the same expert. No host sync."""
+def position_in_expert(
+    expert_of_copy_F: Tensor, num_experts: int, copies_per_expert_E: Tensor | None = None
+) -> Tensor:
+    """[F] int64: how many earlier copies (in copy order) went to the same expert. No host
+    sync. `copies_per_expert_E`: the [E] int64 histogram of `expert_of_copy_F`, if the caller
+    has it (not recounted then)."""
     num_copies = expert_of_copy_F.shape[0]
     # Stable sort by expert: within an expert, copies stay in copy order, so a copy's position
     # in its expert is its sorted row minus the first sorted row of that expert.
     copy_of_sorted_F = torch.argsort(expert_of_copy_F, stable=True)
-    copies_per_expert_E = torch.zeros(
-        num_experts, dtype=torch.int64, device=expert_of_copy_F.device
-    )
-    copies_per_expert_E.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
+    if copies_per_expert_E is None:
+        copies_per_expert_E = torch.zeros(
+            num_experts, dtype=torch.int64, device=expert_of_copy_F.device
+        )
+        copies_per_expert_E.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
     first_sorted_E = torch.cumsum(copies_per_expert_E, 0) - copies_per_expert_E
     sorted_rows_F = torch.arange(num_copies, device=expert_of_copy_F.device)
     position_of_sorted_F = sorted_rows_F - first_sorted_E[expert_of_copy_F[copy_of_sorted_F]]
@@ -51,21 +56,35 @@ def position_in_expert(expert_of_copy_F: Tensor, num_experts: int) -> Tensor:
     )
 
 
-def capacity_keep_mask(topk_idx_TK: Tensor, num_experts: int, capacity: int) -> Tensor:
+def capacity_keep_mask(
+    topk_idx_TK: Tensor,
+    num_experts: int,
+    capacity: int,
+    copies_per_expert_E: Tensor | None = None,
+) -> Tensor:
     """[T, K] bool: keep a copy iff fewer than ``capacity`` earlier copies went to its expert.
 
     "Earlier" is token order, then k order. Computed on the device, without host sync.
+    `copies_per_expert_E`: the histogram of `topk_idx_TK`, if known (see `position_in_expert`).
     """
     expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
-    return (position_in_expert(expert_of_copy_F, num_experts) < capacity).view(topk_idx_TK.shape)
+    position_F = position_in_expert(expert_of_copy_F, num_experts, copies_per_expert_E)
+    return (position_F < capacity).view(topk_idx_TK.shape)
 
 
-def keep_mask_within_capacity(
-    topk_idx_TK: Tensor, num_experts: int, capacity_factor: float | None
-) -> Tensor | None:
-    """[T, K] keep mask of the copies within each expert's capacity; None when dropless."""
+def keep_within_capacity(
+    topk_idx_TK: Tensor,
+    num_experts: int,
+    capacity_factor: float | None,
+    copies_per_expert_E: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """The [T, K] keep mask of the copies within each expert's capacity (None when dropless)
+    and, when `copies_per_expert_E` (the [E] int64 histogram of `topk_idx_TK`) is given, the
+    kept copies per expert (else None): what `permute` would count."""
     num_tokens, top_k = topk_idx_TK.shape
     capacity = capacity_per_expert(capacity_factor, num_tokens, top_k, num_experts)
     if capacity is None:
-        return None
-    return capacity_keep_mask(topk_idx_TK, num_experts, capacity)
+        return None, copies_per_expert_E
+    keep_TK = capacity_keep_mask(topk_idx_TK, num_experts, capacity, copies_per_expert_E)
+    kept_E = None if copies_per_expert_E is None else copies_per_expert_E.clamp(max=capacity)
+    return keep_TK, kept_E

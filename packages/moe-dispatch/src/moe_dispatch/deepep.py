@@ -235,9 +235,14 @@ class DeepEPDispatcher:
         return self._buffer, self._buffer_size
 
     def dispatch(
-        self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
+        self,
+        x_TD: Tensor,
+        topk_idx_TK: Tensor,
+        topk_weight_TK: Tensor,
+        copies_per_expert: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, DispatchHandle]:
-        """DeepEP dispatch, then a local permutation into local-expert groups."""
+        """DeepEP dispatch, then a local permutation into local-expert groups (DeepEP counts
+        the copies per rank itself: `copies_per_expert` is not needed)."""
         num_tokens, top_k = check_routing("DeepEPDispatcher", topk_idx_TK, topk_weight_TK)
         if x_TD.dim() != 2 or x_TD.shape[0] != num_tokens:
             raise ValueError(
@@ -268,6 +273,7 @@ class DeepEPDispatcher:
             state=_DeepEPState(buffer, ep_handle, permutation, recv_weight_RK, buffer_size.hidden),
             dropped_copies=torch.zeros((), dtype=torch.int64, device=x_TD.device),
             num_copies=topk_idx_TK.numel(),
+            group_ends=permutation.offsets,
         )
         return expert_input_PD, permutation.rows_per_expert, handle
 

@@ -10,7 +10,7 @@ from moe_dispatch.capacity import (
     capacity_keep_mask,
     capacity_per_expert,
     check_capacity_factor,
-    keep_mask_within_capacity,
+    keep_within_capacity,
 )
 from moe_dispatch.protocol import DispatchHandle, check_routing, state_of
 from moe_kernels import Permutation, permute, unpermute
@@ -55,13 +55,24 @@ class LocalDispatcher:
         return capacity_per_expert(self.capacity_factor, num_tokens, top_k, self.num_experts)
 
     def dispatch(
-        self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
+        self,
+        x_TD: Tensor,
+        topk_idx_TK: Tensor,
+        topk_weight_TK: Tensor,
+        copies_per_expert: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Permute token copies into expert order (T*K rows; dropped copies after the kept ones)."""
         check_routing("LocalDispatcher", topk_idx_TK, topk_weight_TK)
-        keep_TK = keep_mask_within_capacity(topk_idx_TK, self.num_experts, self.capacity_factor)
+        keep_TK, kept_E = keep_within_capacity(
+            topk_idx_TK, self.num_experts, self.capacity_factor, copies_per_expert
+        )
         expert_input_PD, permutation = permute(
-            x_TD, topk_idx_TK, self.num_experts, keep_TK, self.group_alignment
+            x_TD,
+            topk_idx_TK,
+            self.num_experts,
+            keep_TK,
+            self.group_alignment,
+            tokens_per_expert_E=kept_E,
         )
         num_copies = topk_idx_TK.numel()
         dropped_copies = num_copies - permutation.tokens_per_expert.sum()
@@ -69,6 +80,7 @@ class LocalDispatcher:
             state=_LocalState(permutation=permutation, topk_weight_TK=topk_weight_TK),
             dropped_copies=dropped_copies,
             num_copies=num_copies,
+            group_ends=permutation.offsets,
         )
         return expert_input_PD, permutation.rows_per_expert, handle
 

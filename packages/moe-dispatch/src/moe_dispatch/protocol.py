@@ -33,6 +33,10 @@ class DispatchHandle:
     """0-dim int64 on the device: token copies dropped for capacity in this call."""
     num_copies: int
     """T * K: token copies routed in this call (the denominator of the dropped fraction)."""
+    group_ends: Tensor | None = None
+    """[num_local_experts] int32 cumulative row counts of the expert groups of
+    ``expert_input`` (the ``offsets`` of a grouped GEMM), when the backend built them; None
+    when it did not (take the cumulative sum of ``tokens_per_expert``)."""
 
 
 @runtime_checkable
@@ -47,9 +51,17 @@ class Dispatcher(Protocol):
     """Global index of this rank's first expert (its experts are a contiguous block)."""
 
     def dispatch(
-        self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
+        self,
+        x_TD: Tensor,
+        topk_idx_TK: Tensor,
+        topk_weight_TK: Tensor,
+        copies_per_expert: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Send each token copy to its expert.
+
+        ``copies_per_expert``: the [num_experts] int64 histogram of ``topk_idx_TK`` if the
+        caller counted it (the router does), so that the backend need not count again; it must
+        match ``topk_idx_TK`` (not checked).
 
         Returns ``(expert_input, tokens_per_expert, handle)``: ``expert_input`` rows grouped by
         local expert; ``tokens_per_expert`` [num_local_experts] int64 on the device, the rows

@@ -282,7 +282,11 @@ class RowwiseDispatcher:
         return -(-rows // self.group_alignment) * self.group_alignment
 
     def dispatch(
-        self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor
+        self,
+        x_TD: Tensor,
+        topk_idx_TK: Tensor,
+        topk_weight_TK: Tensor,
+        copies_per_expert: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Write each kept copy into its slot of its expert's buffer on the owner rank."""
         num_tokens, top_k = check_routing("RowwiseDispatcher", topk_idx_TK, topk_weight_TK)
@@ -296,7 +300,7 @@ class RowwiseDispatcher:
         device = x_TD.device
 
         expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
-        position_F = position_in_expert(expert_of_copy_F, num_experts)
+        position_F = position_in_expert(expert_of_copy_F, num_experts, copies_per_expert)
         kept_F = position_F < capacity
         slot_of_copy_F = torch.where(kept_F, expert_of_copy_F * capacity + position_F, 0)
         # Each slot's copy; dropped copies go to a trash slot past the end, cut off after.

@@ -231,6 +231,7 @@ def permute(
     keep_TK: Tensor | None = None,
     group_alignment: int = 1,
     backend: PermuteBackend = "torch",
+    tokens_per_expert_E: Tensor | None = None,
 ) -> tuple[Tensor, Permutation]:
     """Copy each token once per chosen expert, grouped by expert (stable within an expert).
 
@@ -242,6 +243,9 @@ def permute(
             expert's rows (past ``offsets[-1]``) and not counted in ``tokens_per_expert``.
         group_alignment: pad each expert's group with zero rows to a multiple of this.
         backend: how rows are moved, one of ``PERMUTE_BACKENDS`` (the layout is the same).
+        tokens_per_expert_E: optional [E] int64 kept copies per expert, when the caller has
+            counted them already (e.g. the router's histogram, capped by a capacity): saves
+            counting again. Must be the counts of ``topk_idx`` and ``keep`` (not checked).
 
     Returns:
         ``(x_perm_PD, permutation)`` with always P = T*K + E*(group_alignment-1) rows,
@@ -278,9 +282,14 @@ def permute(
         )
 
     copy_of_sorted_S = torch.argsort(expert_of_copy_F, stable=True)
-    copies_per_bucket = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    copies_per_bucket.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
-    tokens_per_expert_E = copies_per_bucket[:num_experts].clone()
+    if tokens_per_expert_E is None:
+        copies_per_bucket = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+        copies_per_bucket.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
+        tokens_per_expert_E = copies_per_bucket[:num_experts].clone()
+    else:
+        tokens_per_expert_E = tokens_per_expert_E.to(torch.int64)
+        dropped = (num_copies - tokens_per_expert_E.sum()).reshape(1)
+        copies_per_bucket = torch.cat([tokens_per_expert_E, dropped])
     if group_alignment == 1:
         copy_of_row_P = copy_of_sorted_S
         row_of_copy_F = torch.empty_like(copy_of_row_P).scatter_(

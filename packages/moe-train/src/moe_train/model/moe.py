@@ -48,7 +48,8 @@ class RouterOutput:
     topk_weight_TK: Tensor
     """Combine weight of each chosen expert, fp32, differentiable."""
     copies_per_expert: Tensor
-    """[E] fp32 count of token copies routed to each expert (before any capacity drop)."""
+    """[E] int64 count of token copies routed to each expert (before any capacity drop):
+    counted once here, and handed to the dispatcher."""
     lb_loss: Tensor
     """Load-balancing loss E * sum_e f_e * P_e (unweighted, fp32 scalar)."""
     z_loss: Tensor
@@ -90,11 +91,10 @@ class Router(nn.Module):
             topk_weight_TK = topk_weight_TK / topk_weight_TK.sum(dim=-1, keepdim=True)
 
         num_tokens = x_TD.shape[0]
+        expert_of_copy_F = topk_idx_TK.flatten()
         copies_per_expert = torch.zeros(
-            config.num_experts, device=x_TD.device, dtype=torch.float32
-        ).scatter_add_(
-            0, topk_idx_TK.flatten(), torch.ones_like(topk_idx_TK.flatten(), dtype=torch.float32)
-        )
+            config.num_experts, device=x_TD.device, dtype=torch.int64
+        ).scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
         routed_fraction_E = copies_per_expert / (num_tokens * config.top_k)
         lb_loss = config.num_experts * (routed_fraction_E * probs_TE.mean(dim=0)).sum()
         z_loss = torch.logsumexp(logits_TE, dim=-1).square().mean()
@@ -160,9 +160,15 @@ class Experts(nn.Module):
         )
         self.cast_cache = CastCache()
 
-    def forward(self, x_PD: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    def forward(
+        self, x_PD: Tensor, tokens_per_expert: Tensor, group_ends: Tensor | None = None
+    ) -> Tensor:
+        """The experts' outputs for rows grouped by expert (`tokens_per_expert` rows each;
+        `group_ends`: their int32 cumulative sums, if the dispatcher built them)."""
         dtype = compute_dtype_of(x_PD)
-        offsets = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
+        offsets = group_ends
+        if offsets is None:
+            offsets = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
         w_gate_up = self.cast_cache.get(self.w_gate_up_EDO, dtype)
         w_down = self.cast_cache.get(self.w_down_EHD, dtype)
         hidden_PH = self.activation(self._grouped_mm(x_PD.to(dtype), w_gate_up, offsets))
@@ -261,9 +267,12 @@ class MoEFeedForward(nn.Module):
         routed = self.router(x_TD)
         # Tokens travel in the compute dtype: half the bytes to permute and exchange.
         expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(
-            x_TD.to(compute_dtype_of(x_TD)), routed.topk_idx_TK, routed.topk_weight_TK
+            x_TD.to(compute_dtype_of(x_TD)),
+            routed.topk_idx_TK,
+            routed.topk_weight_TK,
+            routed.copies_per_expert,
         )
-        expert_output = self.experts(expert_input, tokens_per_expert)
+        expert_output = self.experts(expert_input, tokens_per_expert, handle.group_ends)
         # Left in the compute dtype, as a dense feed-forward under autocast returns it: the
         # residual add promotes it, so a separate cast pass (and its backward) is saved.
         y_TD = self.dispatcher.combine(expert_output, handle)
