@@ -60,3 +60,16 @@ def test_head_loss_without_gradients_gives_the_same_value(monkeypatch):
     with torch.no_grad():
         got = head_lm_loss(hidden, weight, targets)
     torch.testing.assert_close(got, lm_loss(hidden @ weight.T, targets), rtol=1e-6, atol=0)
+
+
+def test_the_model_forward_with_targets_is_the_loss_of_its_logits():
+    from moe_train.model import Transformer
+    from training import small_model_config
+
+    model = Transformer(small_model_config(2), max_seq_len=16, seed=1)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(4))
+    fused = model(tokens[:, :-1], targets_BS=tokens[:, 1:])
+    plain = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="targets or a KV cache, not both"):
+        model(tokens[:, :-1], model.new_kv_cache(2, 16), targets_BS=tokens[:, 1:])

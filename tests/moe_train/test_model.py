@@ -154,39 +154,33 @@ def test_group_alignment_does_not_change_the_model():
     torch.testing.assert_close(aligned(tokens), plain(tokens), rtol=1e-6, atol=1e-6)
 
 
-def _accumulate_two_micro_batches(model, batches):
-    for tokens in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1])
-        lm_loss(logits, tokens[:, 1:]).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_the_forward_after_an_optimizer_step_uses_the_updated_weights(
+    make_config, tmp_path, distributed_optimizer
+):
+    """bf16 compute on fp32 weights: after the trainer's optimizer step (fused AdamW, which
+    updates the weights in place without bumping their version counters) the next forward
+    computes with the new weights, as a fresh model holding them does."""
+    from moe_train.train.runtime import start_runtime
+    from moe_train.train.step import StepRunner
 
-
-def test_cast_cache_gives_the_same_gradients_and_follows_weight_updates():
-    from moe_train.model.moe import CastCache, Experts
-
-    torch.manual_seed(0)
-    batches = [torch.randint(0, 64, (2, 17)) for _ in range(2)]
-    cached = Transformer(small_model_config(), max_seq_len=16)
-    uncached = Transformer(small_model_config(), max_seq_len=16)
-    uncached.load_state_dict(cached.state_dict())
-    experts = [m for m in uncached.modules() if isinstance(m, Experts)]
-
-    grads = _accumulate_two_micro_batches(cached, batches)
-    reference = {}
-    for tokens in batches:  # a fresh cache for every micro-batch: no reuse
-        for module in experts:
-            module.cast_cache = CastCache()
-        reference = _accumulate_two_micro_batches(uncached, [tokens])
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, reference[name], rtol=0, atol=0, msg=name)
-
-    # An in-place update (as the optimizer makes) must reach the next forward.
-    with torch.no_grad():
-        for a, b in zip(cached.parameters(), uncached.parameters(), strict=True):
-            a.add_(0.1)
-            b.add_(0.1)
-    for module in experts:
-        module.cast_cache = CastCache()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        torch.testing.assert_close(cached(batches[0][:, :-1]), uncached(batches[0][:, :-1]))
+    config = make_config(
+        tmp_path,
+        precision={"compute_dtype": "bfloat16"},
+        parallel={"distributed_optimizer": distributed_optimizer},
+    )
+    runtime = start_runtime(config)
+    try:
+        runner = StepRunner(config, runtime)
+        tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
+        with runner.autocast():
+            before = runner.model(tokens[:, :-1]).float()
+        assert runner.train_step(tokens, 1e-2).applied
+        fresh = Transformer(config.model, config.data.seq_len)
+        fresh.load_state_dict(runner.model.state_dict())
+        with runner.autocast():
+            after, want = runner.model(tokens[:, :-1]).float(), fresh(tokens[:, :-1]).float()
+    finally:
+        runtime.close(clean=True)
+    assert not torch.equal(after, before)
+    torch.testing.assert_close(after, want, rtol=0, atol=0)

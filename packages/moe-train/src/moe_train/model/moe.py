@@ -108,31 +108,6 @@ class Router(nn.Module):
             self.expert_bias += self.config.bias_update_rate * torch.sign(load.mean() - load)
 
 
-class CastCache:
-    """Low-precision copies of weights, made once per weight version and reused.
-
-    Under gradient accumulation every micro-batch of a step would otherwise cast the same
-    fp32 expert weights to the compute dtype again (for the medium config that is 200M
-    parameters per micro-batch). A cached copy is valid while the weight's version counter,
-    storage, dtype and grad mode are unchanged; the optimizer's in-place update bumps the
-    version, so a step never sees stale weights. The copy stays in the autograd graph, so
-    gradients still reach the fp32 weight.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[tuple, Tensor]] = {}
-
-    def get(self, weight: Tensor, dtype: torch.dtype) -> Tensor:
-        if weight.dtype == dtype:
-            return weight
-        key = (weight._version, weight.data_ptr(), dtype, torch.is_grad_enabled())
-        entry = self._entries.get(id(weight))
-        if entry is None or entry[0] != key:
-            entry = (key, weight.to(dtype))
-            self._entries[id(weight)] = entry
-        return entry[1]
-
-
 class Experts(nn.Module):
     """SwiGLU experts with weights stacked on a leading expert dimension (grouped GEMMs).
 
@@ -158,7 +133,6 @@ class Experts(nn.Module):
         self.w_down_EHD = mark_expert_parameter(
             nn.Parameter(torch.empty(num_experts, hidden, d_model))
         )
-        self.cast_cache = CastCache()
 
     def forward(
         self, x_PD: Tensor, tokens_per_expert: Tensor, group_ends: Tensor | None = None
@@ -169,8 +143,8 @@ class Experts(nn.Module):
         offsets = group_ends
         if offsets is None:
             offsets = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
-        w_gate_up = self.cast_cache.get(self.w_gate_up_EDO, dtype)
-        w_down = self.cast_cache.get(self.w_down_EHD, dtype)
+        # A no-op for bf16 parameters; fp32 ones are cast per forward, as autocast does.
+        w_gate_up, w_down = self.w_gate_up_EDO.to(dtype), self.w_down_EHD.to(dtype)
         hidden_PH = self.activation(self._grouped_mm(x_PD.to(dtype), w_gate_up, offsets))
         return self._grouped_mm(hidden_PH, w_down, offsets)
 

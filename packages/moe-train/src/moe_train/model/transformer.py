@@ -171,11 +171,24 @@ class Transformer(nn.Module):
                         module.w_down_EHD[local], f"{name}.w_down_EHD.{expert}", seed, out_std
                     )
 
-    def forward(self, tokens_BS: Tensor, cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self,
+        tokens_BS: Tensor,
+        cache: KVCache | None = None,
+        *,
+        targets_BS: Tensor | None = None,
+    ) -> Tensor:
         """Logits [B, S, V] of `tokens_BS`; with a `cache`, the tokens continue the
-        `cache.length` positions it holds (inference only: see `new_kv_cache`)."""
+        `cache.length` positions it holds (inference only: see `new_kv_cache`). With
+        `targets_BS`, instead the mean next-token cross-entropy of the predictions for them
+        (fp32), the head fused into the loss: the logits of all tokens never exist."""
         if self.embed is None or self.head is None or len(self.blocks) != self.config.n_layers:
             raise ValueError("forward needs the whole model; use run_layers on a part of it")
+        if targets_BS is not None:
+            if cache is not None:
+                raise ValueError("forward takes targets or a KV cache, not both")
+            x_BSD = self.run_layers(tokens_BS, list(self.blocks), embed=True)
+            return self.head_loss(x_BSD, targets_BS)
         if cache is None:
             return self.run_layers(tokens_BS, list(self.blocks), embed=True, head=True)
         start, end = cache.length, cache.length + tokens_BS.shape[1]
@@ -189,14 +202,8 @@ class Transformer(nn.Module):
         cache.length = end
         return self.head(self.norm(x_BSD))
 
-    def loss(self, tokens_BS: Tensor, targets_BS: Tensor) -> Tensor:
-        """Mean next-token cross-entropy of the whole model's predictions for `targets_BS`
-        (fp32), with the head fused into the loss: the logits of all tokens never exist."""
-        x_BSD = self.run_layers(tokens_BS, list(self.blocks), embed=True)
-        return self.head_loss(x_BSD, targets_BS)
-
     def head_loss(self, x_BSD: Tensor, targets_BS: Tensor) -> Tensor:
-        """The final norm, the head and the mean cross-entropy, fused (see `loss`)."""
+        """The final norm, the head and the mean cross-entropy, fused (see `forward`)."""
         if self.head is None:
             raise ValueError("head_loss needs the module holding the head (the last stage)")
         return head_lm_loss(self.norm(x_BSD), self.head.weight, targets_BS)

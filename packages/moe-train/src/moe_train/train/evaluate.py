@@ -81,7 +81,7 @@ class Evaluator:
         runner = self.runner
         if runner.pipeline is None:
             with runner.autocast():
-                return runner.model.loss(micro[:, :-1], micro[:, 1:]).double()
+                return runner.model(micro[:, :-1], targets_BS=micro[:, 1:]).double()
         return _pipeline_micro_loss(runner, micro)
 
 

@@ -161,7 +161,7 @@ def accumulate_gradients(
         if index == len(micro_batches) - 1:
             reducer.arm()  # gradient reductions overlap this last backward
         with autocast():
-            loss = model.loss(micro[:, :-1], micro[:, 1:])
+            loss = model(micro[:, :-1], targets_BS=micro[:, 1:])
         # Every micro-batch of the step weighs 1/num_micro, on whichever rank it is; the MoE
         # auxiliary losses ride along (see Transformer.set_aux_loss_scale).
         (loss / num_micro).backward()
