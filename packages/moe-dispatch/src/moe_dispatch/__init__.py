@@ -17,6 +17,7 @@ from moe_dispatch.rowwise import (
     make_row_transport,
 )
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
+from moe_dispatch.transport_nvshmem import NvshmemTransport
 from moe_dispatch.transport_symm import SymmetricMemoryTransport, symm_mem_available
 
 try:
@@ -36,6 +37,7 @@ __all__ = [
     "DispatchHandle",
     "Dispatcher",
     "LocalDispatcher",
+    "NvshmemTransport",
     "PaddedAllToAllTransport",
     "RowTransport",
     "RowwiseDispatcher",

@@ -24,6 +24,7 @@ from moe_dispatch.all_to_all import check_expert_parallel_args
 from moe_dispatch.capacity import capacity_per_expert, position_in_expert
 from moe_dispatch.protocol import DispatchHandle, check_expert_output, check_routing, state_of
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
+from moe_dispatch.transport_nvshmem import NvshmemTransport
 from moe_dispatch.transport_symm import SymmetricMemoryTransport
 
 __all__ = [
@@ -34,8 +35,8 @@ __all__ = [
     "position_in_expert",
 ]
 
-TransportName = Literal["all_to_all", "symmetric_memory"]
-ROW_TRANSPORT_NAMES: tuple[str, ...] = ("all_to_all", "symmetric_memory")
+TransportName = Literal["all_to_all", "symmetric_memory", "nvshmem"]
+ROW_TRANSPORT_NAMES: tuple[str, ...] = ("all_to_all", "symmetric_memory", "nvshmem")
 """Valid transports of the rowwise dispatcher."""
 
 
@@ -64,11 +65,16 @@ class RowTransport(Protocol):
 
 
 def make_row_transport(name: str, group: dist.ProcessGroup) -> RowTransport:
-    """The rowwise transport called ``name`` over ``group`` (share one between layers)."""
+    """The rowwise transport called ``name`` over ``group`` (share one between layers).
+
+    Building one needs no optional library: nvshmem checks for nvshmem4py and CUDA at
+    ``connect`` (and the first exchange), raising ``BackendUnavailable`` there."""
     if name == "all_to_all":
         return PaddedAllToAllTransport(group)
     if name == "symmetric_memory":
         return SymmetricMemoryTransport(group)
+    if name == "nvshmem":
+        return NvshmemTransport(group)
     raise ValueError(
         f"parallel.rowwise_transport={name!r} is not a rowwise transport; valid: "
         f"{', '.join(ROW_TRANSPORT_NAMES)}"

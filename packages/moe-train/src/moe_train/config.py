@@ -254,11 +254,13 @@ class ParallelConfig:
     dispatcher: Literal["auto", "local", "all_to_all", "rowwise", "deepep"] = "auto"
     """Token dispatch backend between expert-parallel ranks: auto (local with ep = 1,
     all_to_all with ep > 1), or one by name; with ep = 1 every one is local."""
-    rowwise_transport: Literal["all_to_all", "symmetric_memory"] = "all_to_all"
+    rowwise_transport: Literal["all_to_all", "symmetric_memory", "nvshmem"] = "all_to_all"
     """How dispatcher=rowwise moves its fixed-size blocks: all_to_all (an even all-to-all over
-    the process group, any backend) or symmetric_memory (written straight into peers' buffers;
+    the process group, any backend), symmetric_memory (written straight into peers' buffers;
     every rank of an EP group on one node: torch symmetric memory on GPUs, not yet run on one,
-    and shared memory on CPUs)."""
+    and shared memory on CPUs) or nvshmem (the same exchange on NVSHMEM's symmetric heap, GPUs
+    only, peers on other nodes reached by put; needs moestack-dispatch[nvshmem]; not yet run on
+    a GPU)."""
     distributed_optimizer: bool = False
     """Shard optimizer state over each gradient-reduction group."""
     recompute: Literal["none", "selective", "full"] = "none"
