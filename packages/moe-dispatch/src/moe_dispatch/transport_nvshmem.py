@@ -248,23 +248,3 @@ class NvshmemTransport(SymmetricMemoryTransport):
                     message if source == self.rank else f"rank {source} of the EP group: {message}"
                 )
         _start_nvshmem(self.group, device_index)
-
-    def connect(self, device: torch.device) -> None:
-        """Start NVSHMEM and exchange one value per rank now (collective; reads it back on the
-        host): a rank without nvshmem4py or CUDA, or that cannot reach its peers, stops every
-        rank here with one line, not in a forward."""
-        device = torch.device(device)
-        received_P1 = self.exchange_blocks(
-            (1,),
-            torch.int64,
-            device,
-            lambda peer, dest: dest.fill_(self.rank),
-            lambda received: received.clone(),
-        )
-        expected_P1 = torch.arange(self.ep, device=device).unsqueeze(1)
-        if not torch.equal(received_P1, expected_P1):
-            raise RuntimeError(
-                f"rowwise transport nvshmem: rank {self.rank} received "
-                f"{received_P1.flatten().tolist()} from its peers, not their ranks "
-                f"{list(range(self.ep))}; use the all_to_all transport"
-            )

@@ -237,7 +237,7 @@ class SymmetricMemoryTransport:
         expected_P1 = torch.arange(self.ep, device=device).unsqueeze(1)
         if not torch.equal(received_P1, expected_P1):
             raise RuntimeError(
-                f"rowwise transport symmetric_memory on {device.type}: rank {self.rank} "
+                f"rowwise transport {self.name} on {device.type}: rank {self.rank} "
                 f"received {received_P1.flatten().tolist()} from its peers, not their ranks "
                 f"{list(range(self.ep))}; use the all_to_all transport"
             )

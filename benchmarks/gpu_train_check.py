@@ -1,0 +1,729 @@
+"""GPU check that trains: a ~1B-parameter MoE for 30 bf16 steps on one GPU, and the step's parts.
+
+Rows, in order (each reports and goes on; one table at the end, JSON in
+``bench_results/gpu_check.json``):
+
+- train: ``moe_train.train`` end to end on ``builtin:stdlib`` for 30 steps, bf16 compute on
+  bf16 parameters (FP32 masters in the optimizer). The model is OLMoE-1B-7B's width, heads and
+  expert width with 8 of its 16 layers and 16 of its 64 experts at top-2 (its 1-in-8 routing)
+  and the byte-level vocabulary of the built-in data: 0.94B parameters, 0.24B active. Reports
+  tokens/s and MFU (medians after the first steps; MFU over the data-sheet bf16 dense peak
+  that ``moe_train.train.peak_flops`` finds for the GPU) and the peak of
+  ``torch.cuda.max_memory_allocated`` over the steps.
+- sync-free step (local, rowwise): one whole training step of the trainer's ``StepRunner``
+  (router, dispatch, experts, combine, backward, gradient reduction and clipping, optimizer
+  update, balancing biases) under ``torch.cuda.set_sync_debug_mode("error")``, around the
+  step's one deliberate host read (its loss and routing figures, which with the gradient norm
+  decide whether the step is applied). The model is the trained one cut to 2 layers, one
+  micro-batch per step.
+  The trainer builds ``local`` at ep = 1 (every backend reduces to it), so the rowwise row puts
+  a ``RowwiseDispatcher`` over the trainer's one-rank EP group (a process group of world 1)
+  into every MoE layer; rowwise runs at ep = 1, its exchange then being a copy to itself. The
+  figure counts the host syncs of the unsplit ``train_step`` (sync debug mode "warn").
+- grouped GEMM: ``moe_kernels.grouped_mm`` with the Triton and the torch backends, forward +
+  backward at the trained model's gate_up shape (``benchmarks/grouped_mm_backends.py``'s
+  timing), against a dense matmul of the same FLOPs.
+- rowwise exchange (all_to_all, nvshmem): one transport exchange of a layer's dispatch block at
+  ep = 1 through ``moe_dispatch.make_row_transport(name, group)``, checked for the bytes sent
+  and timed under the sync debug mode; nvshmem reports "skipped: <reason>" when nvshmem4py or
+  the transport cannot start here.
+- nvshmem4py (1 PE): NVSHMEM started with one PE (or found started by the nvshmem transport),
+  an all-to-all and a put to itself on the symmetric heap.
+
+With ``--parts FILE`` the rows of ``benchmarks/gpu_check.sh``'s other parts (their exit
+status, time and headline figure) open the table. ``--device cpu`` is the dry run that CI
+runs: the same code paths with a tiny model and a few steps, the CUDA-only checks reported as
+"skipped (cpu)"; it exits 1 when any row fails, like the GPU run.
+
+    bash benchmarks/gpu_check.sh                               # on the GPU machine, all parts
+    uv run python benchmarks/gpu_train_check.py --device cpu  # this script's dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import importlib
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from grouped_mm_backends import bench_shape
+from moe_dispatch import make_dispatcher, make_row_transport
+from moe_train.config import Config, load_config
+from moe_train.model import count_params
+from moe_train.train import peak_flops, read_metrics, train
+from moe_train.train.runtime import start_runtime
+from moe_train.train.step import StepRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_CONFIG = ROOT / "configs" / "olmoe-1b-7b.yaml"
+
+MODEL_1B = (
+    "--model.vocab_size=320",
+    "--model.n_layers=8",
+    "--model.moe.num_experts=16",
+    "--model.moe.top_k=2",
+    "--data.paths=[builtin:stdlib]",
+    "--parallel.ep=1",
+    "--parallel.dispatcher=auto",
+    "--precision.compute_dtype=bfloat16",
+    "--precision.param_dtype=bfloat16",
+    "--optim.warmup_steps=5",
+)
+"""Overrides of configs/olmoe-1b-7b.yaml: its d_model 2048, 16 heads, QK-norm and expert width
+1024; 8 layers, 16 experts at top-2 (OLMoE's 1-in-8 routing), the built-in byte-level data.
+0.94B parameters, 0.24B active."""
+
+BATCH_GPU = ("--data.seq_len=2048", "--data.global_batch_size=32", "--data.micro_batch_size=8")
+"""4 micro-batches of 8 x 2048 tokens: 65,536 tokens per step."""
+
+TINY = (
+    "--model.d_model=64",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=4",
+    "--model.n_layers=2",
+    "--model.moe.num_experts=4",
+    "--model.moe.expert_hidden=32",
+    "--data.seq_len=32",
+    "--data.global_batch_size=4",
+    "--data.micro_batch_size=2",
+)
+"""The dry run's model and batch, applied over MODEL_1B: the same config keys, CPU-sized."""
+
+STEP_ROWS = ("--model.n_layers=2",)
+"""The sync-free step rows: the trained model cut to 2 layers (and one micro-batch per step)."""
+
+ROWWISE = ("--model.moe.capacity_factor=1.25", "--parallel.dispatcher=rowwise")
+"""The rowwise step row: capacity-bounded routing (rowwise needs a capacity)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What each row runs: the GPU check's sizes, or the dry run's."""
+
+    overrides: tuple[str, ...]
+    steps: int
+    """Training steps of the train row."""
+    warmup: int
+    """First steps left out of the train row's medians."""
+    step_reps: int
+    """Checked steps per dispatcher."""
+    gemm_reps: int
+    """Timed grouped GEMMs per backend."""
+    exchange_reps: int
+    """Timed exchanges per transport."""
+
+
+GPU_SIZES = Sizes(
+    overrides=MODEL_1B + BATCH_GPU, steps=30, warmup=5, step_reps=3, gemm_reps=5, exchange_reps=10
+)
+DRY_RUN_SIZES = Sizes(
+    overrides=MODEL_1B + TINY, steps=3, warmup=1, step_reps=1, gemm_reps=1, exchange_reps=2
+)
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the table."""
+
+    check: str
+    result: str
+    """ok, FAIL, timeout, skipped, or skipped (cpu)."""
+    figure: str = ""
+    """The measurement, or why the row failed or was skipped."""
+    details: dict = dataclasses.field(default_factory=dict)
+    """Everything else, for the JSON."""
+
+    @property
+    def failed(self) -> bool:
+        return self.result in ("FAIL", "timeout")
+
+
+def one_line(error: BaseException) -> str:
+    """The error's type and first line, and where in this repository it was raised."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    ours = (str(ROOT / "packages"), str(ROOT / "benchmarks"))
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(ours)]
+    if frames:
+        text += f" (at {Path(frames[-1].filename).relative_to(ROOT)}:{frames[-1].lineno})"
+    return text
+
+
+def amount(count: float, unit: str = "") -> str:
+    """``count`` with a decimal prefix and three significant digits: 941M, 1.61T, 2.5k."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if count >= scale:
+            return f"{count / scale:.3g}{' ' if unit else ''}{prefix}{unit}"
+    return f"{count:.3g}{' ' if unit else ''}{unit}"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def host_sync_forbidden(device: torch.device) -> Iterator[None]:
+    """Any device-to-host synchronisation inside raises (CUDA; nothing is checked on a CPU)."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def host_sync_sites(fn: Callable[[], object], device: torch.device) -> list[str]:
+    """Run ``fn`` with sync debug mode "warn"; the file:line of each host sync it made."""
+    if device.type != "cuda":
+        fn()
+        return []
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+def build_config(sizes: Sizes, *extra: str) -> Config:
+    return load_config(BASE_CONFIG, [*sizes.overrides, *extra])
+
+
+def run_settings(steps: int, peak: float, run_dir: Path) -> tuple[str, ...]:
+    return (
+        f"--train.max_steps={steps}",
+        "--train.progress=false",
+        "--train.log_interval=1",
+        f"--train.peak_flops={peak}",
+        f"--train.run_dir={run_dir}",
+        "--checkpoint.interval=0",
+        "--checkpoint.interval_minutes=0",
+    )
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- train ----------------------------------------------------------------------------
+
+
+def train_row(
+    check: str, sizes: Sizes, device: torch.device, peak: float, peak_source: str, root: Path
+) -> Row:
+    """Train the model for ``sizes.steps`` steps; throughput, MFU and peak memory."""
+    config = build_config(sizes, *run_settings(sizes.steps, peak, root / "train"))
+    params = count_params(config.model)
+    result = train(config, device=device)
+    if result.stopped_by is not None:  # the trainer took gpu_check.sh's SIGTERM as a stop
+        raise OutOfTime
+    losses, metrics_path = list(result.losses), result.run_dir / "metrics.jsonl"
+    del result
+    free_memory(device)
+    records = read_metrics(metrics_path)
+    timed = records[sizes.warmup :]
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in timed)
+    mfu = statistics.median(r["mfu"] for r in timed)
+    peak_mem = max(r["peak_mem_bytes"] for r in records)
+    data = config.data
+    finite = all(math.isfinite(loss) for loss in losses)
+    memory = "peak allocated" if device.type == "cuda" else "peak RSS"
+    figure = (
+        f"{amount(params.total)} params ({amount(params.active)} active), "
+        f"{tokens_per_s:,.0f} tok/s, MFU {100 * mfu:.1f}% of {amount(peak, 'FLOP/s')}, "
+        f"{memory} {peak_mem / 2**30:.1f} GiB, loss {losses[0]:.2f} -> {losses[-1]:.2f}"
+    )
+    return Row(
+        check,
+        "ok" if finite else "FAIL",
+        figure if finite else f"non-finite loss: {losses}",
+        {
+            "overrides": list(config_overrides(sizes)),
+            "total_params": params.total,
+            "active_params": params.active,
+            "tokens_per_step": data.global_batch_size * data.seq_len,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "peak_flops": peak,
+            "peak_flops_source": peak_source,
+            "peak_mem_bytes": peak_mem,
+            "losses": losses,
+            "steps_timed": len(timed),
+            "metrics": records,
+        },
+    )
+
+
+def config_overrides(sizes: Sizes) -> tuple[str, ...]:
+    return (f"config {BASE_CONFIG.relative_to(ROOT)}", *sizes.overrides)
+
+
+# ---- sync-free step ---------------------------------------------------------------------
+
+
+def use_rowwise(runner: StepRunner, config: Config, device: torch.device) -> None:
+    """Put a RowwiseDispatcher over the runtime's EP group into every MoE layer, sharing one
+    transport, as the trainer's dispatcher factory does at ep > 1."""
+    moe, data = config.model.moe, config.data
+    group = runner.runtime.layout.ep_group
+    transport = make_row_transport(config.parallel.rowwise_transport, group)
+    transport.connect(device)
+    for layer in runner.model.moe_layers().values():
+        layer.dispatcher = make_dispatcher(
+            "rowwise",
+            num_experts=moe.num_experts,
+            capacity_factor=moe.capacity_factor,
+            group=group,
+            group_alignment=moe.group_alignment,
+            max_tokens_per_rank=data.micro_batch_size * data.seq_len,
+            row_transport=transport,
+        )
+
+
+def checked_step(runner: StepRunner, batch: Tensor, lr: float, device: torch.device) -> float:
+    """``StepRunner.train_step`` in its phases, the device work with host syncs forbidden;
+    returns the step's seconds."""
+    micro_batches = runner.my_micro_batches(batch)  # the host-to-device copy
+    synchronize(device)
+    start = time.perf_counter()
+    with host_sync_forbidden(device):
+        lm_loss_sum = runner.forward_backward(micro_batches)
+        runner.optimizer.finish()
+        runner.optimizer.clip_grad_norm_(runner.grad_clip)
+    # The step's host read of its loss and routing figures, which (with the gradient norm, left
+    # on the device here) decide whether the step is applied.
+    stats = runner.step_stats(lm_loss_sum)
+    with host_sync_forbidden(device):
+        runner.apply(lr, stats)
+        runner.optimizer.zero_grad()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def step_row(check: str, config: Config, sizes: Sizes, device: torch.device) -> Row:
+    """A warm-up step, the host syncs of one whole train_step, then checked steps (with the
+    rowwise dispatcher when ``config.parallel.dispatcher`` names it)."""
+    runtime = start_runtime(config, device)
+    try:
+        runner = StepRunner(config, runtime)
+        if config.parallel.dispatcher == "rowwise":
+            use_rowwise(runner, config, device)
+        data, lr = config.data, config.optim.lr
+        generator = torch.Generator().manual_seed(0)
+        batch = torch.randint(
+            0,
+            config.model.vocab_size,
+            (data.global_batch_size, data.seq_len + 1),
+            generator=generator,
+        )
+        runner.train_step(batch, lr)  # first-step allocations and kernel choices
+        sites = host_sync_sites(lambda: runner.train_step(batch, lr), device)
+        seconds = [checked_step(runner, batch, lr, device) for _ in range(sizes.step_reps)]
+    finally:
+        runtime.close(clean=True)
+        free_memory(device)
+    step_ms = 1e3 * statistics.median(seconds)
+    tokens = data.global_batch_size * data.seq_len
+    details = {"step_ms": step_ms, "tokens_per_step": tokens, "train_step_sync_sites": sites}
+    if device.type != "cuda":
+        return Row(check, "skipped (cpu)", f"step ran ({step_ms:.0f} ms); no sync check", details)
+    distinct = ", ".join(sorted(set(sites)))
+    figure = (
+        f"no host sync; {step_ms:.1f} ms/step of {tokens:,} tokens; unsplit train_step: "
+        f"{len(sites)} syncs ({distinct or 'none'})"
+    )
+    return Row(check, "ok", figure, details)
+
+
+# ---- grouped GEMM -------------------------------------------------------------------------
+
+
+def grouped_gemm_row(check: str, sizes: Sizes, device: torch.device) -> Row:
+    """Triton vs torch grouped GEMM, forward + backward, at the model's gate_up shape."""
+    config = build_config(sizes)
+    moe, data = config.model.moe, config.data
+    rows = data.micro_batch_size * data.seq_len * moe.top_k
+    shape = (rows, moe.num_experts, config.model.d_model, 2 * moe.expert_hidden)
+    triton = "triton backend" if device.type == "cuda" else "triton backend [interpreter]"
+    timing = argparse.Namespace(warmup=2 if device.type == "cuda" else 1, reps=sizes.gemm_reps)
+    timing.seed = 0
+    results = bench_shape(
+        shape, torch.bfloat16, device, ["torch backend", triton, "dense matmul (limit)"], timing
+    )
+    by_variant = {r["variant"]: r for r in results}
+    torch_tflops = by_variant["torch backend"]["tflops"]
+    triton_tflops = by_variant[triton]["tflops"]
+    difference = by_variant[triton]["max_rel_diff_vs_torch_backend"]
+    agree = difference is not None and difference < 5e-2
+    figure = (
+        f"T={shape[0]} E={shape[1]} K={shape[2]} N={shape[3]}: triton {triton_tflops:.1f}, "
+        f"torch {torch_tflops:.1f}, dense {by_variant['dense matmul (limit)']['tflops']:.1f} "
+        f"TFLOP/s; triton/torch {triton_tflops / torch_tflops:.2f}; rel diff {difference:.1e}"
+    )
+    result = "ok" if agree else "FAIL"
+    if device.type != "cuda":
+        result = "skipped (cpu)" if agree else "FAIL"
+        figure += " (interpreter: agreement checked, speeds mean nothing)"
+    return Row(check, result, figure, {"rows": results})
+
+
+# ---- rowwise transports and nvshmem -------------------------------------------------------
+
+
+def exchange_row(
+    check: str,
+    transport_name: str,
+    config: Config,
+    sizes: Sizes,
+    device: torch.device,
+    group: dist.ProcessGroup,
+) -> Row:
+    """One dispatch block of a layer through the transport at ep = 1: right bytes, no sync."""
+    try:
+        transport = make_row_transport(transport_name, group)
+        transport.connect(device)
+    except (ImportError, ValueError, RuntimeError) as e:  # BackendUnavailable is a RuntimeError
+        return Row(check, "skipped (cpu)" if device.type == "cpu" else "skipped", one_line(e))
+    moe, data = config.model.moe, config.data
+    # A layer's dispatch block: what one rank sends another, sized by the rowwise dispatcher.
+    dispatcher = make_dispatcher(
+        "rowwise", num_experts=moe.num_experts, capacity_factor=moe.capacity_factor, group=group
+    )
+    capacity = dispatcher.capacity(data.micro_batch_size * data.seq_len, moe.top_k)
+    ep = group.size()
+    block_shape = (moe.num_experts // ep, capacity, config.model.d_model)
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    payload_PB = torch.randn((ep, *block_shape), device=device, dtype=dtype)
+
+    def exchange() -> Tensor:
+        return transport.exchange_blocks(
+            block_shape,
+            dtype,
+            device,
+            lambda peer, dest: dest.copy_(payload_PB[peer]),
+            lambda received: received.clone(),
+        )
+
+    received_PB = exchange()  # allocates the buffers (host-blocking, once)
+    rank = dist.get_rank(group)
+    if not torch.equal(received_PB[rank], payload_PB[rank]):
+        return Row(check, "FAIL", "received block differs from the block sent to itself")
+    synchronize(device)
+    start = time.perf_counter()
+    with host_sync_forbidden(device):
+        for _ in range(sizes.exchange_reps):
+            exchange()
+    synchronize(device)
+    seconds = (time.perf_counter() - start) / sizes.exchange_reps
+    block_bytes = payload_PB.numel() * payload_PB.element_size()
+    sync = "no host sync; " if device.type == "cuda" else ""
+    figure = (
+        f"{sync}block {tuple(block_shape)} bf16 ({amount(block_bytes, 'B')}) in "
+        f"{1e3 * seconds:.2f} ms ({amount(block_bytes / seconds, 'B/s')})"
+    )
+    details = {"block_shape": block_shape, "block_bytes": block_bytes, "ms": 1e3 * seconds}
+    return Row(check, "ok", figure, details)
+
+
+NVSHMEM_ENV = {"NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo"}
+"""One GPU, one node: no network transport, and the unique-id bootstrap over loopback (set
+unless the environment already sets them)."""
+
+
+def nvshmem_row(check: str, device: torch.device) -> Row:
+    """nvshmem4py with one PE: started here, or found started by the nvshmem transport."""
+    if device.type != "cuda":
+        return Row(check, "skipped (cpu)", "NVSHMEM's heap is GPU memory")
+    try:
+        nvshmem = importlib.import_module("nvshmem.core")
+        cuda_core = importlib.import_module("cuda.core")
+        uid = nvshmem.get_unique_id()  # loads the NVSHMEM host library
+        started_here = nvshmem.init_status() < nvshmem.InitStatus.STATUS_IS_INITIALIZED
+        if started_here:
+            cuda_device = cuda_core.Device(device.index or 0)
+            cuda_device.set_current()
+            nvshmem.init(device=cuda_device, uid=uid, rank=0, nranks=1, initializer_method="uid")
+    except Exception as e:  # nvshmem4py's own error classes included
+        return Row(check, "skipped", one_line(e))
+    pes, me = nvshmem.n_pes(), nvshmem.my_pe()
+    source_PN = nvshmem.tensor((pes, 4096), dtype=torch.float32)
+    target_PN = nvshmem.tensor((pes, 4096), dtype=torch.float32)
+    put_PN = nvshmem.tensor((pes, 4096), dtype=torch.float32)
+    source_PN.copy_(torch.arange(source_PN.numel(), device=device).view_as(source_PN))
+    stream = torch.cuda.current_stream(device)
+    nvshmem.alltoall(nvshmem.Teams.TEAM_WORLD, target_PN, source_PN, stream=stream)
+    nvshmem.put(put_PN, source_PN, remote_pe=me, stream=stream)
+    nvshmem.barrier(nvshmem.Teams.TEAM_WORLD, stream=stream)
+    stream.synchronize()
+    alltoall_ok = torch.equal(target_PN, source_PN)
+    put_ok = torch.equal(put_PN, source_PN)
+    for t in (source_PN, target_PN, put_PN):
+        nvshmem.free_tensor(t)
+    version = nvshmem.get_version()
+    if started_here:
+        nvshmem.finalize()
+    how = "started here" if started_here else "started by the nvshmem transport"
+    figure = (
+        f"{pes} PE ({how}), libnvshmem {version.libnvshmem_version}, nvshmem4py "
+        f"{version.nvshmem4py_version}: alltoall {'ok' if alltoall_ok else 'WRONG'}, put to "
+        f"itself {'ok' if put_ok else 'WRONG'}"
+    )
+    ok = pes == 1 and alltoall_ok and put_ok
+    return Row(
+        check, "ok" if ok else "FAIL", figure, {"env": {k: os.environ.get(k) for k in NVSHMEM_ENV}}
+    )
+
+
+class OutOfTime(BaseException):
+    """SIGTERM, from gpu_check.sh's time limit: stop, and print the rows there are."""
+
+
+def stop_on_sigterm(signum: int, frame: object) -> None:
+    raise OutOfTime
+
+
+@contextlib.contextmanager
+def one_rank_process_group(device: torch.device) -> Iterator[dist.ProcessGroup]:
+    """A process group of world size 1 (NCCL on a GPU, gloo on a CPU) on a free port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the other parts of gpu_check.sh -------------------------------------------------------
+
+
+def part_rows(path: Path) -> list[Row]:
+    """Rows of gpu_check.sh's other parts from its file of `check rc seconds json log` lines."""
+    rows = []
+    for line in path.read_text().splitlines():
+        check, rc, seconds, json_path, log_path = line.split("\t")
+        figure = part_figure(check, Path(json_path), Path(log_path))
+        if rc == "cpu":
+            rows.append(Row(check, "skipped (cpu)", figure or "needs CUDA"))
+            continue
+        if rc == "0":
+            result, said = "ok", [figure, f"{seconds} s"]
+        elif rc in ("124", "137"):
+            result, said = "timeout", [f"stopped after {seconds} s", figure]
+        else:
+            error = last_error(Path(log_path))
+            result, said = "FAIL", [f"exit {rc} after {seconds} s", error, figure]
+        rows.append(Row(check, result, "; ".join(part for part in said if part)))
+    return rows
+
+
+def part_figure(check: str, json_path: Path, log_path: Path) -> str:
+    """The headline of a part's JSON (or its log's summary line); empty if there is none."""
+    try:
+        if check.startswith("gpu-marked tests"):
+            lines = [line.strip("= ") for line in log_path.read_text().splitlines()]
+            return next((line for line in reversed(lines) if " in " in line), "")
+        data = json.loads(json_path.read_text())
+        if check.startswith("gpu_dispatch"):
+            return "; ".join(
+                f"{r['backend']} {r['ms']:.2f} ms" + (f" ERROR {r['error']}" if r["error"] else "")
+                for r in data["rows"]
+            )
+        if check.startswith("gpu_moe_layer"):
+            return "; ".join(
+                f"{r['path']} {r['over_dense']:.2f}x dense, sync {r['host_sync']}"
+                if "error" not in r
+                else f"{r['path']} ERROR {r['error']}"
+                for r in data["rows"]
+            )
+        if check.startswith("grouped_mm_backends"):
+            by_shape: dict[str, list[str]] = {}
+            for r in data:
+                shape = f"{r['rows']},{r['experts']},{r['k']},{r['n']}"
+                by_shape.setdefault(shape, []).append(
+                    f"{r['variant'].split()[0]} {r['tflops']:.1f}"
+                )
+            return "; ".join(f"{shape}: {', '.join(v)} TFLOP/s" for shape, v in by_shape.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return ""
+
+
+def last_error(log_path: Path) -> str:
+    try:
+        lines = [line.strip() for line in log_path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return ""
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or [""])[-1][:160]
+
+
+# ---- table --------------------------------------------------------------------------------
+
+
+def print_table(rows: list[Row]) -> None:
+    width = max(len(row.check) for row in rows)
+    result_width = max(len(row.result) for row in rows)
+    print(f"\n{'check':<{width}}  {'result':<{result_width}}  figure")
+    print(f"{'-' * width}  {'-' * result_width}  {'-' * 6}")
+    for row in rows:
+        print(f"{row.check:<{width}}  {row.result:<{result_width}}  {row.figure}")
+
+
+def environment(device: torch.device) -> dict:
+    facts = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    with contextlib.suppress(ImportError):
+        import triton
+
+        facts["triton"] = triton.__version__
+    return facts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="tiny sizes (implied by --device cpu)"
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=160.0,
+        help="seconds; a row that would end after them is skipped (default 160)",
+    )
+    parser.add_argument("--parts", type=Path, help="gpu_check.sh's file of its other parts")
+    parser.add_argument("--out", type=Path, default=Path("bench_results/gpu_check.json"))
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here; use --device cpu for the dry run")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    sizes = DRY_RUN_SIZES if args.dry_run or device.type == "cpu" else GPU_SIZES
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        for key, value in NVSHMEM_ENV.items():
+            os.environ.setdefault(key, value)
+    else:
+        # Triton's kernels run on a CPU only interpreted; read when they are first decorated.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    started = time.monotonic()
+    rows = part_rows(args.parts) if args.parts else []
+    own: list[Row] = []
+
+    def run(check: str, needs_s: float, fn: Callable[[str], Row]) -> None:
+        """Row ``check`` from ``fn(check)``, unless fewer than ``needs_s`` of the budget are left."""
+        if time.monotonic() - started + needs_s > args.budget_s:
+            own.append(Row(check, "skipped", f"not started: --budget-s={args.budget_s:g}"))
+            return
+        began = time.monotonic()
+        try:
+            row = fn(check)
+        except OutOfTime:
+            own.append(Row(check, "timeout", "stopped by SIGTERM (gpu_check.sh's time limit)"))
+            raise
+        except Exception as e:  # one table for the whole check: report and go on
+            row = Row(check, "FAIL", one_line(e))
+            traceback.print_exc()
+        row.details["seconds"] = round(time.monotonic() - began, 1)
+        own.append(row)
+        print(f"[gpu_train_check] {row.check}: {row.result}  {row.figure}", flush=True)
+
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        peak, peak_source = peak_flops(torch.bfloat16, device, None)
+        one_micro_batch = f"--data.global_batch_size={build_config(sizes).data.micro_batch_size}"
+        step_config = build_config(sizes, *STEP_ROWS, one_micro_batch)
+        rowwise_config = build_config(sizes, *STEP_ROWS, *ROWWISE, one_micro_batch)
+        with tempfile.TemporaryDirectory() as tmp:
+            run(
+                f"train {sizes.steps} steps (bf16, local)",
+                0,
+                lambda check: train_row(check, sizes, device, peak, peak_source, Path(tmp)),
+            )
+        run("sync-free step (local)", 20, lambda check: step_row(check, step_config, sizes, device))
+        run(
+            "grouped GEMM fwd+bwd (triton vs torch)",
+            45,
+            lambda check: grouped_gemm_row(check, sizes, device),
+        )
+        with contextlib.ExitStack() as stack:
+            try:
+                group = stack.enter_context(one_rank_process_group(device))
+            except Exception as e:  # the rows that need a process group cannot run
+                group = None
+                own.append(Row("process group of world 1", "FAIL", one_line(e)))
+            if group is not None:
+                run(
+                    "sync-free step (rowwise)",
+                    20,
+                    lambda check: step_row(check, rowwise_config, sizes, device),
+                )
+                for name in ("all_to_all", "nvshmem"):
+                    run(
+                        f"rowwise exchange ({name}, ep=1)",
+                        10,
+                        lambda check, name=name: exchange_row(
+                            check, name, rowwise_config, sizes, device, group
+                        ),
+                    )
+            run("nvshmem4py (1 PE)", 10, lambda check: nvshmem_row(check, device))
+    except OutOfTime:
+        print("[gpu_train_check] stopped by SIGTERM: the rows so far", flush=True)
+
+    rows += own
+    print_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "environment": environment(device),
+                "sizes": "dry run" if sizes is DRY_RUN_SIZES else "gpu",
+                "config": list(config_overrides(sizes)),
+                "seconds": round(time.monotonic() - started, 1),
+                "rows": [dataclasses.asdict(row) for row in rows],
+            },
+            indent=2,
+            default=str,
+        )
+    )
+    print(f"wrote {args.out}")
+    return 1 if any(row.failed for row in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
