@@ -45,7 +45,6 @@ from moe_dispatch import (
     make_row_transport,
 )
 
-
 CPU_TRANSPORTS = tuple(name for name in ROW_TRANSPORT_NAMES if name != "nvshmem")
 """The transports that run on CPU tensors (nvshmem needs CUDA: test_nvshmem_transport.py runs
 it against a fake nvshmem4py)."""

