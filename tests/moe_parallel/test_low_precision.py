@@ -118,6 +118,7 @@ def _train(rank: int, ep: int, kind: str) -> dict:
             # A bfloat16 gradient lives only until it is added into the FP32 buffer.
             assert all(p.grad is None for p in model.parameters() if p.dtype != torch.float32)
         optimizer.finish()
+        out["grad_bytes"] = optimizer.gradient_bytes()
         out["grads"].append(
             [
                 (piece.name, _global_start(model, piece.name, piece.flat_start, ep_rank), g.clone())
@@ -332,6 +333,15 @@ def test_state_bytes_count_masters(world_two):
         for result in world_two:
             assert result["distributed", ep]["bytes_before"] == 12 * (16 + 30) + 8 * 2
             assert result["distributed", ep]["bytes_after"] == 12 * (16 + 30) + 8 * 2
+
+
+def test_distributed_gradients_take_four_bytes_per_bf16_element(world_two):
+    # After the reduction: the FP32 sums of the bfloat16 elements (32 dense, 60 experts at
+    # ep=1, 30 local at ep=2), reduce-scattered in place (no separate shard), and the FP32
+    # router's reduced shard (2 of 3 elements, padded).
+    for ep, local_bf16 in ((1, 32 + 60), (2, 32 + 30)):
+        for result in world_two:
+            assert result["distributed", ep]["grad_bytes"] == 4 * local_bf16 + 4 * 2
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ of the parameters (`Segment.param_view`). The padding is zeros and stays zero.
 
 Gradients of low-precision parameters (bfloat16, float16) accumulate, backward by backward,
 in a persistent FP32 flat buffer of the whole bucket (`accumulate`), which is reduce-scattered
-as it is; other parameters' `.grad` are packed into a flat buffer of their dtype at reduction.
+in place (this rank's shard of the sum is a view of it); other parameters' `.grad` are packed into a flat buffer of their dtype at reduction.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class ShardedBucket:
     ) -> None:
         self.group = group
         self.group_size = 1 if group is None else dist.get_world_size(group)
-        group_rank = 0 if group is None else dist.get_rank(group)
+        self.group_rank = 0 if group is None else dist.get_rank(group)
+        group_rank = self.group_rank
         self.params = [p for _, p in named_params]
         self.dtype = self.params[0].dtype
         self.device = self.params[0].device
@@ -107,8 +108,9 @@ class ShardedBucket:
                 }
             )
         self.grad_shard: Tensor | None = None
-        """The summed gradient of this rank's shard: FP32 for low-precision parameters,
-        otherwise in the parameters' dtype."""
+        """The summed gradient of this rank's shard: FP32 for low-precision parameters (a view
+        of `grad_accum`: the reduce-scatter runs in place), otherwise in the parameters'
+        dtype."""
         self.ready_ids: set[int] = set()
         self._flat_grads: Tensor | None = None
         self._work: dist.Work | None = None
@@ -175,7 +177,13 @@ class ShardedBucket:
         if self.group_size == 1:
             self.grad_shard = flat
             return
-        self.grad_shard = torch.empty(self.shard_numel, dtype=flat.dtype, device=self.device)
+        if self.grad_accum is not None:
+            # In place, in the form NCCL documents for it: the output is this rank's block of
+            # the input, so the FP32 gradients take 4 bytes per parameter, not 4 + 4 / group.
+            low = self.group_rank * self.shard_numel
+            self.grad_shard = flat[low : low + self.shard_numel]
+        else:
+            self.grad_shard = torch.empty(self.shard_numel, dtype=flat.dtype, device=self.device)
         self._flat_grads = flat  # the input must live until the collective completes
         self._work = dist.reduce_scatter_tensor(
             self.grad_shard, flat, group=self.group, async_op=True
@@ -197,6 +205,10 @@ class ShardedBucket:
         """Block until this bucket's reduce-scatter has completed."""
         if self._work is not None:
             self._work.wait()
+            if self.grad_accum is not None:
+                # The collective may leave partial sums outside this rank's block; the parameters'
+                # views are rewritten by the next step's first gradients, the padding is not.
+                self.grad_accum[self.numel :].zero_()
         self._flat_grads, self._work = None, None
 
     def start_gather(self) -> tuple[Tensor | None, dist.Work | None]:
