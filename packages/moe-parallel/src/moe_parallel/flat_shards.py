@@ -9,7 +9,8 @@ of the parameters (`Segment.param_view`). The padding is zeros and stays zero.
 
 Gradients of low-precision parameters (bfloat16, float16) accumulate, backward by backward,
 in a persistent FP32 flat buffer of the whole bucket (`accumulate`), which is reduce-scattered
-in place (this rank's shard of the sum is a view of it); other parameters' `.grad` are packed into a flat buffer of their dtype at reduction.
+in place (this rank's shard of the sum is a view of it); other parameters' `.grad` are packed
+into a flat buffer of their dtype at reduction.
 """
 
 from __future__ import annotations
