@@ -103,6 +103,10 @@ GEMMs are aten::_scaled_grouped_mm and aten::_scaled_mm."""
 MATMUL_CLASSES = ("matmul", "attention")
 """The classes whose time MFU counts; the rest of the step is "outside"."""
 
+TOP_OPS = 12
+"""How many of the ops with the most self time outside matmul and attention a breakdown
+lists per row."""
+
 
 def profile_step(config: Config, peak: float) -> dict:
     """Time shares of one profiled optimizer step and the MFU ceiling of its matmuls."""
@@ -129,10 +133,14 @@ def profile_step(config: Config, peak: float) -> dict:
     finally:
         runtime.close(clean=True)
     seconds = dict.fromkeys([name for name, _ in TIME_CLASSES] + ["other"], 0.0)
+    outside_ops = []
     for event in prof.key_averages():
         name = next((c for c, pattern in TIME_CLASSES if pattern.fullmatch(event.key)), "other")
         seconds[name] += event.self_cpu_time_total / 1e6
+        if name not in MATMUL_CLASSES:
+            outside_ops.append((event.self_cpu_time_total / 1e6, event.count, event.key))
     total = sum(seconds.values())
+    outside_ops.sort(reverse=True)
     matmul_s = sum(seconds[c] for c in MATMUL_CLASSES)
     step_flops = flops_per_token(config.model, data.seq_len) * data.global_batch_size * data.seq_len
     return {
@@ -141,6 +149,9 @@ def profile_step(config: Config, peak: float) -> dict:
         "shares": {name: s / total for name, s in seconds.items()},
         "outside_share": 1 - matmul_s / total,
         "mfu_ceiling": step_flops / (matmul_s * peak),
+        "top_outside": [
+            {"op": op, "calls": calls, "share": s / total} for s, calls, op in outside_ops[:TOP_OPS]
+        ],
     }
 
 
@@ -216,6 +227,11 @@ def print_table(rows: list[dict], peaks: dict[str, float]) -> None:
             shares += [parts["outside_share"], parts["mfu_ceiling"]]
             line += "".join(f" {100 * share:>11.1f}%" for share in shares)
         print(line)
+    if breakdown:
+        for row in rows:
+            print(f"\n{row['config']} {row['dtype']}: ops with the most self time outside")
+            for op in row["breakdown"]["top_outside"]:
+                print(f"  {100 * op['share']:5.1f}%  {op['calls']:>6} calls  {op['op']}")
 
 
 def main() -> None:
