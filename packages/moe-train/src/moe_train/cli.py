@@ -1,4 +1,5 @@
-"""The `moe-train` command line: train, prepare-data, inspect, export, import-hf, generate."""
+"""The `moe-train` command line: train, prepare-data, inspect, export, import-hf, generate,
+plan."""
 
 import argparse
 import json
@@ -104,7 +105,56 @@ def _parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     generate.add_argument("--json", action="store_true", help="print prompt_ids, ids and text")
+    _add_plan(commands)
     return parser
+
+
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    from moe_train.plan import DEVICES
+
+    plan = commands.add_parser(
+        "plan",
+        help="predict memory, traffic and throughput of a config's layouts on N devices",
+        description="Check CONFIG's layout at --gpus N with the trainer's own start checks, "
+        "then rank every layout that fits by predicted tokens/s per device: memory per "
+        "device by category, bytes per step by collective kind, pipeline bubble, a roofline "
+        "step time and MFU. Override config keys with --section.key=value.",
+    )
+    plan.add_argument("config", type=Path, help="YAML config file")
+    plan.add_argument("--gpus", type=int, required=True, metavar="N", help="devices in all")
+    plan.add_argument("--gpu", choices=list(DEVICES), default=None, help="the device (default h100)")
+    plan.add_argument("--gpus-per-node", type=int, default=None, metavar="G")
+    plan.add_argument("--gpu-memory-gib", type=float, default=None, metavar="M")
+    plan.add_argument("--gpu-tflops", type=float, default=None, metavar="F", help="dense bf16")
+    plan.add_argument("--intra-node-gbps", type=float, default=None, metavar="B", help="GB/s")
+    plan.add_argument("--inter-node-gbps", type=float, default=None, metavar="B", help="GB/s")
+    plan.add_argument("--top", type=int, default=15, help="rows of the ranked table")
+    plan.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+
+
+def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from moe_train.config import load_config
+    from moe_train.errors import ConfigError
+    from moe_train.plan import device_with, format_plan, make_plan, plan_json
+
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus} must be at least 1")
+    custom = [args.gpu_memory_gib, args.gpu_tflops, args.intra_node_gbps, args.inter_node_gbps]
+    name = args.gpu or (None if all(v is not None for v in custom) else "h100")
+    try:
+        device = device_with(
+            name,
+            memory_gib=args.gpu_memory_gib,
+            tflops=args.gpu_tflops,
+            intra_node_gbps=args.intra_node_gbps,
+            inter_node_gbps=args.inter_node_gbps,
+            gpus_per_node=args.gpus_per_node,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    plan = make_plan(load_config(args.config, overrides), args.gpus, device)
+    print(json.dumps(plan_json(plan), indent=1) if args.json else format_plan(plan, args.top))
+    return 0 if plan.own.error is None and plan.own.fits else 1
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -214,6 +264,8 @@ def run(argv: list[str]) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command == "train":
         return _train(args.config, extra)
+    if args.command == "plan":
+        return _plan(args, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "inspect":

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from moe_parallel import Layout, LayoutError, build_layout, check_layout
 from moe_train.config import Config
 from moe_train.errors import ConfigError, MoeTrainError, RankLost
+from moe_train.train.pipeline import check_pipeline
 
 LOST_PEER_MARKERS = (
     "Connection closed by peer",
@@ -146,7 +147,9 @@ def launched_world_size() -> int:
 
 
 def check_topology(config: Config, world_size: int) -> None:
-    """Reject a layout the world size or model cannot use, the same way on every rank."""
+    """Reject a layout the world size or model cannot use, the same way on every rank: the
+    one check of whether a config can start on `world_size` ranks (`moe-train plan` runs it
+    too, so that the two never disagree)."""
     parallel, moe, data = config.parallel, config.model.moe, config.data
     try:
         dp = check_layout(world_size, parallel.pp, parallel.ep, moe.num_experts)
@@ -168,6 +171,7 @@ def check_topology(config: Config, world_size: int) -> None:
             "parallel.dispatcher=rowwise needs model.moe.capacity_factor (its buffers are "
             "sized by it); set it, e.g. --model.moe.capacity_factor=2.0"
         )
+    check_pipeline(config, dp)
 
 
 def start_runtime(config: Config, device: torch.device | None = None) -> Runtime:

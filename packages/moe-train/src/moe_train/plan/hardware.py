@@ -1,0 +1,81 @@
+"""The devices `moe-train plan` knows, from their makers' published figures.
+
+Each can be overridden from the command line; for another device, give all four figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator and its links, as the planner's roofline sees them."""
+
+    name: str
+    memory_gib: float
+    """Memory a training process can use."""
+    bf16_tflops: float
+    """Dense bf16 matrix-multiply peak (no sparsity)."""
+    mxfp8: bool
+    """Whether MXFP8 matrix multiplies run natively (at twice the bf16 peak)."""
+    intra_node_gbps: float
+    """GB/s one device sends to its node's peers (NVLink, one direction)."""
+    inter_node_gbps: float
+    """GB/s one device sends to other nodes (its network adapter, one direction)."""
+    gpus_per_node: int = 8
+
+
+FLAGS = {
+    "memory_gib": "--gpu-memory-gib",
+    "bf16_tflops": "--gpu-tflops",
+    "intra_node_gbps": "--intra-node-gbps",
+    "inter_node_gbps": "--inter-node-gbps",
+}
+"""The command-line flag of each figure."""
+
+DEVICES: dict[str, Device] = {
+    # Memory as the driver reports it (a little under the marketed GB); NVLink 4 is 900 GB/s
+    # and NVLink 5 1.8 TB/s both directions together; one 400 Gb/s adapter per H100, H200 and
+    # B200, one 800 Gb/s adapter per B300.
+    "h100": Device("H100 SXM", 79.6, 989.0, False, 450.0, 50.0),
+    "h200": Device("H200 SXM", 139.8, 989.0, False, 450.0, 50.0),
+    "b200": Device("B200", 178.0, 2250.0, True, 900.0, 50.0),
+    "b300": Device("B300", 268.0, 2250.0, True, 900.0, 100.0),
+}
+
+
+def device_with(
+    name: str | None,
+    *,
+    memory_gib: float | None = None,
+    tflops: float | None = None,
+    intra_node_gbps: float | None = None,
+    inter_node_gbps: float | None = None,
+    gpus_per_node: int | None = None,
+) -> Device:
+    """A known device with some figures overridden, or (name None) one made of the figures,
+    all of which must then be given. Raises ValueError naming what is missing or wrong."""
+    figures = {
+        "memory_gib": memory_gib,
+        "bf16_tflops": tflops,
+        "intra_node_gbps": intra_node_gbps,
+        "inter_node_gbps": inter_node_gbps,
+    }
+    if name is None:
+        missing = [k for k, v in figures.items() if v is None]
+        if missing:
+            flags = ", ".join(FLAGS[k] for k in missing)
+            raise ValueError(f"without --gpu, give every device figure; missing {flags}")
+        device = Device("custom", 0.0, 0.0, False, 0.0, 0.0)
+    elif name not in DEVICES:
+        raise ValueError(f"--gpu {name!r} is not one of {', '.join(DEVICES)}")
+    else:
+        device = DEVICES[name]
+    changes = {k: v for k, v in figures.items() if v is not None}
+    if gpus_per_node is not None:
+        changes["gpus_per_node"] = gpus_per_node
+    for key, value in changes.items():
+        if not value > 0:
+            raise ValueError(f"{FLAGS.get(key, '--gpus-per-node')} {value} must be positive")
+    return replace(device, **changes)

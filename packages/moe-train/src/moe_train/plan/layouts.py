@@ -1,0 +1,162 @@
+"""Layouts of a config on N devices: which can start, which fit, and how fast each would run."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from moe_train.config import Config
+from moe_train.errors import ConfigError
+from moe_train.plan.hardware import Device
+from moe_train.plan.memory import MemoryPrediction, predict_memory
+from moe_train.plan.roofline import StepTime, mfu, step_time, tokens_per_second_per_device
+from moe_train.plan.traffic import Traffic, predict_traffic
+from moe_train.train.runtime import check_topology
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """One layout: the config that runs it, and whether and how it would run."""
+
+    config: Config
+    label: str
+    error: str | None
+    """Why the trainer would refuse to start it (None: it starts)."""
+    memory: MemoryPrediction | None = None
+    traffic: Traffic | None = None
+    time: StepTime | None = None
+    tokens_per_s: float = 0.0
+    """Per device."""
+    mfu: float = 0.0
+    fits: bool = False
+
+    @property
+    def reason(self) -> str:
+        """One line: why it cannot run, or empty."""
+        if self.error:
+            return self.error
+        if not self.fits and self.memory is not None:
+            return f"needs {self.memory.total / GIB:.1f} GiB per device"
+        return ""
+
+
+def evaluate(config: Config, world_size: int, device: Device) -> Evaluated:
+    """Check `config` at `world_size` with the trainer's own start checks, then predict."""
+    label = layout_label(config, world_size)
+    try:
+        config.validate()
+        check_topology(config, world_size)
+    except ConfigError as e:
+        return Evaluated(config, label, str(e))
+    memory = predict_memory(config, world_size)
+    traffic = predict_traffic(config, world_size, memory.pp_rank)
+    time = step_time(config, world_size, device, traffic)
+    tokens = tokens_per_second_per_device(config, world_size, time)
+    fits = memory.total <= device.memory_gib * GIB
+    return Evaluated(
+        config, label, None, memory, traffic, time, tokens, mfu(config, tokens, device), fits
+    )
+
+
+def layout_label(config: Config, world_size: int) -> str:
+    p, precision = config.parallel, config.precision
+    dp = world_size // p.pp if world_size % p.pp == 0 else 0
+    parts = [f"pp{p.pp}", f"dp{dp}", f"ep{p.ep}"]
+    if p.pp > 1:
+        parts.append(p.pp_schedule + (f"x{p.virtual_stages}" if p.virtual_stages > 1 else ""))
+    parts.append(f"mb{config.data.micro_batch_size}")
+    parts.append(f"rc:{p.recompute}")
+    if p.distributed_optimizer:
+        parts.append("dist-opt")
+    if precision.param_dtype != "float32":
+        parts.append("bf16-params")
+    if precision.expert_gemm == "mxfp8":
+        parts.append("mxfp8")
+    return " ".join(parts)
+
+
+def candidate_layouts(config: Config, world_size: int, device: Device) -> Iterator[Config]:
+    """The layouts the planner compares: pipeline and expert-parallel sizes that divide the
+    devices, schedules, micro-batch sizes that divide the batch, recompute modes, the
+    distributed optimizer, bf16 parameters and MXFP8 (where the device runs it)."""
+    model, data, precision = config.model, config.data, config.precision
+    bf16 = precision.compute_dtype == "bfloat16"
+    for pp in _divisors(world_size):
+        if pp > model.n_layers:
+            continue
+        dp = world_size // pp
+        for ep in _divisors(dp):
+            if model.moe.num_experts % ep:
+                continue
+            for schedule, virtual in _schedules(pp, model.n_layers):
+                for micro in _micro_batch_sizes(data.global_batch_size // dp):
+                    for recompute in ("none", "selective", "full"):
+                        for dist_opt in (False, True):
+                            for param_dtype in ("float32", "bfloat16") if bf16 else ("float32",):
+                                for gemm in _expert_gemms(precision.expert_gemm, bf16, device):
+                                    yield _with(
+                                        config,
+                                        pp=pp,
+                                        ep=ep,
+                                        schedule=schedule,
+                                        virtual=virtual,
+                                        micro=micro,
+                                        recompute=recompute,
+                                        dist_opt=dist_opt,
+                                        param_dtype=param_dtype,
+                                        gemm=gemm,
+                                    )
+
+
+def _with(config: Config, **c) -> Config:
+    parallel = config.parallel
+    dispatcher = parallel.dispatcher
+    if c["ep"] > 1 and dispatcher == "local":
+        dispatcher = "all_to_all"
+    if c["ep"] == 1:
+        dispatcher = "local"
+    return dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, micro_batch_size=c["micro"]),
+        parallel=dataclasses.replace(
+            parallel,
+            pp=c["pp"],
+            ep=c["ep"],
+            pp_schedule=c["schedule"],
+            virtual_stages=c["virtual"],
+            recompute=c["recompute"],
+            distributed_optimizer=c["dist_opt"],
+            dispatcher=dispatcher,
+        ),
+        precision=dataclasses.replace(
+            config.precision, param_dtype=c["param_dtype"], expert_gemm=c["gemm"]
+        ),
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _schedules(pp: int, n_layers: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    options = [("1f1b", 1)]
+    if n_layers % (2 * pp) == 0:
+        options.append(("interleaved_1f1b", 2))
+    return options
+
+
+def _micro_batch_sizes(per_rank_batch: int) -> list[int]:
+    sizes = [m for m in (1, 2, 4, 8, 16) if m <= per_rank_batch and per_rank_batch % m == 0]
+    return sizes or [1]
+
+
+def _expert_gemms(current: str, bf16: bool, device: Device) -> tuple[str, ...]:
+    base = current if current != "mxfp8" else "auto"
+    if bf16 and device.mxfp8:
+        return (base, "mxfp8")
+    return (base,)

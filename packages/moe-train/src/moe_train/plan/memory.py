@@ -1,0 +1,176 @@
+"""Memory per device of a training layout, by category, for the busiest pipeline rank.
+
+The categories are those `benchmarks/memory.py` measures: weights, gradients (as held at the
+optimizer step), optimizer state, activations (held after one micro-batch's forward), plus
+what a device must also fit: the activations of every micro-batch in flight, gradients before
+their reduction, dispatch buffers and allocator slack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_train.config import Config
+from moe_train.plan.activations import DTYPE_BYTES, FP32, held_per_micro_batch
+from moe_train.train.pipeline import plan_stages
+
+ALLOCATOR_SLACK = 0.10
+"""Fraction added for the caching allocator's fragmentation and the framework's own buffers
+(CUDA context, communicator buffers, workspace): a planning margin, not a measurement."""
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters held by one rank."""
+
+    dense: int
+    """Replicated over the data-parallel group (attention, norms, router, shared experts,
+    dense feed-forwards, embedding, head)."""
+    expert: int
+    """The rank's routed experts, replicated over the expert-data-parallel group."""
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Bytes per device of the busiest pipeline rank."""
+
+    weights: float
+    gradients: float
+    """Held at the optimizer step (after the reduction)."""
+    optimizer: float
+    activations: float
+    """Held after the forward of one micro-batch."""
+    in_flight: float
+    """Micro-batches whose activations are held at once (pipeline schedules)."""
+    gradients_before_reduction: float
+    """Extra gradient bytes held between backward and the reduction (unreduced `.grad` that
+    the distributed optimizer releases after its reduce-scatter)."""
+    dispatch_buffers: float
+    slack: float
+    pp_rank: int
+
+    @property
+    def total(self) -> float:
+        """The estimate of the peak: state, the in-flight activations, buffers and slack."""
+        return (
+            self.weights
+            + self.gradients
+            + self.gradients_before_reduction
+            + self.optimizer
+            + self.activations * self.in_flight
+            + self.dispatch_buffers
+            + self.slack
+        )
+
+    def categories(self) -> dict[str, float]:
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients + self.gradients_before_reduction,
+            "optimizer": self.optimizer,
+            "activations": self.activations * self.in_flight,
+            "dispatch": self.dispatch_buffers,
+            "slack": self.slack,
+        }
+
+
+def rank_params(config: Config, pp_rank: int) -> RankParams:
+    """Parameters pipeline rank `pp_rank` holds (its layers, and the embedding or head)."""
+    model, moe, parallel = config.model, config.model.moe, config.parallel
+    d = model.d_model
+    head_dim = d // model.n_heads
+    kv = model.n_kv_heads * head_dim
+    stages = plan_stages(model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
+    dense = expert = 0
+    for layer in stages.layers:
+        dense += d * (d + 2 * kv) + d * d + 2 * d + (2 * head_dim if model.qk_norm else 0)
+        if layer < model.dense_layers:
+            dense += 3 * d * model.dense_hidden
+        else:
+            dense += d * moe.num_experts + 3 * d * moe.shared_experts * moe.expert_hidden
+            expert += moe.num_experts // parallel.ep * 3 * d * moe.expert_hidden
+    if stages.has_first:
+        dense += model.vocab_size * d
+    if stages.has_last:
+        dense += d + (0 if model.tie_embeddings else model.vocab_size * d)
+    return RankParams(dense=dense, expert=expert)
+
+
+def in_flight_micro_batches(config: Config, dp: int, pp_rank: int) -> float:
+    """Micro-batches' worth of this rank's activations held at once by the schedule."""
+    parallel = config.parallel
+    pp, virtual = parallel.pp, parallel.virtual_stages
+    num_micro = config.data.global_batch_size // config.data.micro_batch_size // dp
+    if pp == 1:
+        return 1
+    if parallel.pp_schedule == "gpipe":
+        return num_micro
+    if parallel.pp_schedule == "1f1b":
+        return min(pp - pp_rank, num_micro)
+    # Interleaved: forwards of stage chunks (1 / virtual of the rank's layers each) before
+    # the first backward.
+    warmup = (pp - pp_rank - 1) * 2 + (virtual - 1) * pp
+    return min(warmup + 1, num_micro * virtual) / virtual
+
+
+def predict_memory(config: Config, world_size: int) -> MemoryPrediction:
+    """The busiest pipeline rank's memory (by estimated peak) for `config` on `world_size`."""
+    return max(
+        (_rank_memory(config, world_size, r) for r in range(config.parallel.pp)),
+        key=lambda m: m.total,
+    )
+
+
+def _rank_memory(config: Config, world_size: int, pp_rank: int) -> MemoryPrediction:
+    parallel, precision = config.parallel, config.precision
+    dp = world_size // parallel.pp
+    expert_dp = dp // parallel.ep
+    params = rank_params(config, pp_rank)
+    w = DTYPE_BYTES[precision.param_dtype]
+    low_precision = w < FP32
+    if parallel.distributed_optimizer:
+        sharded = params.dense / dp + params.expert / expert_dp
+        words = 3 if low_precision else 2
+        optimizer = words * FP32 * sharded
+        # FP32 parameters: `.grad` until its bucket's reduce-scatter, then the shard.
+        # Low-precision ones: the FP32 accumulation buffer, reduce-scattered in place.
+        gradients = FP32 * (params.total if low_precision else sharded)
+        before = 0 if low_precision else FP32 * params.total
+    else:
+        optimizer = 2 * FP32 * params.total + (FP32 * params.total if low_precision else 0)
+        gradients = FP32 * params.total
+        before = 0
+    stages = plan_stages(config.model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
+    activations = held_per_micro_batch(config, stages.layers, stages.has_first, stages.has_last)
+    in_flight = in_flight_micro_batches(config, dp, pp_rank)
+    dispatch = _dispatch_buffers(config)
+    state = params.total * w + gradients + before + optimizer + activations * in_flight
+    return MemoryPrediction(
+        weights=params.total * w,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=activations,
+        in_flight=in_flight,
+        gradients_before_reduction=before,
+        dispatch_buffers=dispatch,
+        slack=ALLOCATOR_SLACK * (state + dispatch),
+        pp_rank=pp_rank,
+    )
+
+
+def _dispatch_buffers(config: Config) -> float:
+    """Static buffers of the rowwise dispatcher's peer-memory transports: two alternating
+    receive buffers of one block per peer."""
+    parallel, moe = config.parallel, config.model.moe
+    if parallel.dispatcher != "rowwise" or parallel.rowwise_transport == "all_to_all":
+        return 0
+    if moe.capacity_factor is None:
+        return 0
+    tokens = config.data.micro_batch_size * config.data.seq_len
+    capacity = -(-int(moe.capacity_factor * tokens * moe.top_k) // moe.num_experts)
+    local = moe.num_experts // parallel.ep
+    c = DTYPE_BYTES[config.precision.compute_dtype]
+    return 2 * parallel.ep * local * capacity * config.model.d_model * c

@@ -1,0 +1,99 @@
+"""Step time of a layout from a roofline of its compute and its links.
+
+Compute runs at a fixed fraction of the device's matmul peak; the expert-parallel exchanges
+sit on the critical path (each MoE layer waits for its tokens); gradient reductions overlap
+the backward and only what outlasts it shows; the distributed optimizer's all-gather follows
+the step; a pipeline adds its bubble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_train.config import Config
+from moe_train.model.accounting import count_params, flops_per_token
+from moe_train.plan.hardware import Device
+from moe_train.plan.traffic import Traffic
+
+MATMUL_EFFICIENCY = 0.6
+"""Fraction of the datasheet peak that the matrix products reach: a planning constant, not a
+measurement of this trainer."""
+
+BACKWARD_SHARE = 2 / 3
+"""Share of a step's compute in the backward (two of the three matmuls per weight)."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    exchange_s: float
+    """Expert-parallel dispatch and combine, not overlapped."""
+    reduction_s: float
+    """Gradient reductions and parameter gathers that do not overlap the backward."""
+    bubble_s: float
+    pipeline_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.exchange_s + self.reduction_s + self.bubble_s + self.pipeline_s
+
+
+def step_time(config: Config, world_size: int, device: Device, traffic: Traffic) -> StepTime:
+    """The roofline's step time of one rank (all ranks alike, pipeline stages balanced)."""
+    parallel, data, model = config.parallel, config.data, config.model
+    dp = world_size // parallel.pp
+    tokens_per_rank = data.global_batch_size * data.seq_len / dp / parallel.pp
+    flops = flops_per_token(model, data.seq_len) * tokens_per_rank * _recompute_factor(config)
+    compute_s = flops / (device.bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
+    if config.precision.expert_gemm == "mxfp8" and device.mxfp8:
+        compute_s -= _expert_share(config) * compute_s / 2  # expert GEMMs at twice the rate
+    exchange_s = reduction_s = pipeline_s = 0.0
+    for kind, wire in traffic.wire.items():
+        seconds = wire / (_bandwidth(device, kind, parallel.ep, dp) * 1e9)
+        if kind.startswith("ep "):
+            exchange_s += seconds
+        elif kind == "pipeline":
+            pipeline_s += seconds
+        elif kind.endswith("all-gather"):
+            reduction_s += seconds
+        else:
+            reduction_s += max(0.0, seconds - BACKWARD_SHARE * compute_s)
+    num_micro = data.global_batch_size // data.micro_batch_size // dp
+    bubble = 0.0
+    if parallel.pp > 1:
+        chunks = parallel.virtual_stages if parallel.pp_schedule == "interleaved_1f1b" else 1
+        bubble = (parallel.pp - 1) / (chunks * num_micro)
+    busy = compute_s + exchange_s
+    return StepTime(compute_s, exchange_s, reduction_s, bubble * busy, pipeline_s)
+
+
+def _recompute_factor(config: Config) -> float:
+    """Compute relative to no recompute: full reruns the forward (a third of the step)."""
+    mode = config.parallel.recompute
+    return 4 / 3 if mode == "full" else 1.0 + (0.02 if mode == "selective" else 0.0)
+
+
+def _expert_share(config: Config) -> float:
+    """Share of the active matmul parameters in the routed experts."""
+    model, moe = config.model, config.model.moe
+    moe_layers = model.n_layers - model.dense_layers
+    expert = moe_layers * moe.top_k * 3 * model.d_model * moe.expert_hidden
+    return expert / count_params(model).active
+
+
+def _bandwidth(device: Device, kind: str, ep: int, dp: int) -> float:
+    """GB/s of the links a collective kind uses: an EP group is ep consecutive ranks, a dp
+    group dp consecutive ones, an expert-dp group spans the dp block (stride ep), and
+    pipeline peers are dp ranks apart; a group within one node uses NVLink."""
+    span = {"ep": ep, "pipeline": dp + 1}.get(kind.split(" ")[0], dp)
+    return device.intra_node_gbps if span <= device.gpus_per_node else device.inter_node_gbps
+
+
+def tokens_per_second_per_device(config: Config, world_size: int, time: StepTime) -> float:
+    return config.data.global_batch_size * config.data.seq_len / time.total_s / world_size
+
+
+def mfu(config: Config, tokens_per_s_per_device: float, device: Device) -> float:
+    """Model FLOPs utilisation against the device's bf16 peak."""
+    flops = flops_per_token(config.model, config.data.seq_len)
+    return flops * tokens_per_s_per_device / (device.bf16_tflops * 1e12)

@@ -1,0 +1,336 @@
+"""The planner's predictions against what runs here: tensors saved for backward, the memory
+benchmark's per-category measurements, and the bytes the process-group calls carry."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+
+from distributed import run_distributed
+from moe_train.config import load_config
+from moe_train.model.training_choices import apply_param_dtype, apply_recompute
+from moe_train.model.transformer import Transformer
+from moe_train.plan import (
+    DEVICES,
+    device_with,
+    evaluate,
+    held_per_micro_batch,
+    predict_memory,
+    predict_traffic,
+)
+from moe_train.plan.activations import HOST_GRAPH_BYTES_PER_BLOCK, loss_bytes
+from moe_train.plan.memory import _rank_memory
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = [
+    "--model.d_model=64",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.moe.num_experts=4",
+    "--model.moe.top_k=2",
+    "--model.moe.expert_hidden=96",
+    "--data.seq_len=32",
+    "--data.micro_batch_size=2",
+    "--data.global_batch_size=4",
+]
+
+
+def _memory_benchmark():
+    """benchmarks/memory.py, imported once per process."""
+    if "memory_benchmark" not in sys.modules:
+        path = ROOT / "benchmarks/memory.py"
+        spec = importlib.util.spec_from_file_location("memory_benchmark", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules["memory_benchmark"]
+
+
+def _saved_bytes(config) -> int:
+    """Bytes of the new tensors a forward keeps for backward, counted by torch's hooks."""
+    torch.manual_seed(0)
+    model = Transformer(config.model, config.data.seq_len)
+    apply_recompute(model, config.parallel.recompute)
+    if config.precision.param_dtype == "bfloat16":
+        apply_param_dtype(model, torch.bfloat16)
+    batch, seq = config.data.micro_batch_size, config.data.seq_len
+    tokens = torch.randint(0, config.model.vocab_size, (batch, seq + 1))
+    existing = [*model.parameters(), *model.buffers(), tokens]
+    before = {t.untyped_storage().data_ptr() for t in existing}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    bf16 = config.precision.compute_dtype == "bfloat16"
+    with saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", enabled=bf16):
+        model(tokens[:, :-1], targets_BS=tokens[:, 1:])
+    return sum(size for ptr, size in storages.items() if ptr not in before)
+
+
+# Configs whose forward makes no autocast weight copies (FP32 compute, or bf16 parameters),
+# so that everything it holds is a saved tensor.
+SAVED_CASES = {
+    "fp32": [],
+    "bf16 params": ["--precision.param_dtype=bfloat16"],
+    "qk-norm, sigmoid, shared expert": [
+        "--model.qk_norm=true",
+        "--model.moe.router=sigmoid",
+        "--model.moe.shared_experts=1",
+    ],
+    "dense first layer, tied": ["--model.dense_layers=1", "--model.tie_embeddings=true"],
+    "capacity, alignment 8": ["--model.moe.capacity_factor=1.5", "--model.moe.group_alignment=8"],
+    "full recompute": ["--parallel.recompute=full"],
+    "full recompute, bf16 params": [
+        "--parallel.recompute=full",
+        "--precision.param_dtype=bfloat16",
+    ],
+}
+
+
+@pytest.mark.parametrize("case", list(SAVED_CASES))
+def test_activations_are_the_tensors_saved_for_backward(case):
+    overrides = ["--precision.compute_dtype=float32", *SAVED_CASES[case]]
+    if "--precision.param_dtype=bfloat16" in overrides:
+        overrides[0] = "--precision.compute_dtype=bfloat16"
+    config = load_config(None, [*SMALL, *overrides])
+    layers = list(range(config.model.n_layers))
+    predicted = held_per_micro_batch(config, layers, first=True, last=True)
+    assert predicted == _saved_bytes(config)
+
+
+def test_the_busiest_rank_and_what_a_device_must_fit():
+    config = load_config(
+        None, [*SMALL, "--model.n_layers=4", "--parallel.pp=2", "--data.global_batch_size=8"]
+    )
+    memory = predict_memory(config, world_size=2)
+    first, last = (_rank_memory(config, 2, rank) for rank in (0, 1))
+    # 1F1B: the first stage holds two micro-batches in flight, the last one.
+    assert (first.in_flight, last.in_flight) == (2, 1)
+    assert memory.total == max(first.total, last.total)
+    assert memory.total > memory.weights + memory.gradients + memory.optimizer
+
+
+# --- against the memory benchmark and the process-group calls, on two gloo ranks ---
+
+COUNTED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")
+
+
+class CollectiveBytes:
+    """Counts the input bytes of each process-group call while installed, by call and group
+    size; pipeline sends by their tensors."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> CollectiveBytes:
+        for name in COUNTED:
+            original = getattr(dist, name)
+            self._saved[name] = original
+            setattr(dist, name, self._wrap(name, original))
+        original_batch = dist.batch_isend_irecv
+        self._saved["batch_isend_irecv"] = original_batch
+
+        def batch(ops):
+            for op in ops:
+                if op.op in (dist.isend, dist.send):
+                    self.bytes["send", "p2p"] += op.tensor.numel() * op.tensor.element_size()
+            return original_batch(ops)
+
+        dist.batch_isend_irecv = batch
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+    def _wrap(self, name, original):
+        def counted(*args, **kwargs):
+            tensor = args[1] if name != "all_reduce" else args[0]
+            group = kwargs.get("group")
+            size = dist.get_world_size(group)
+            kind = "int" if not tensor.is_floating_point() else str(size)
+            self.bytes[name, kind] += tensor.numel() * tensor.element_size()
+            return original(*args, **kwargs)
+
+        return counted
+
+
+TOPOLOGY_CASES = ["dp2", "dp2 dist-opt", "pp2 1f1b", "ep2 all_to_all"]
+
+
+def _rank_body(rank: int, world_size: int) -> dict:
+    from moe_train.train.runtime import start_runtime
+    from moe_train.train.step import StepRunner
+
+    bench = _memory_benchmark()
+    out: dict = {}
+    for name, (world, overrides, modes) in bench.TOPOLOGIES.items():
+        if world != world_size:
+            continue
+        for mode in modes:
+            config = bench._config([*bench.QUICK_MODEL, *overrides], mode, Path("/unused"), 4)
+            memory = bench.probe_memory(config, warm_steps=2)
+            out[name, mode] = {k: getattr(memory, k) for k in ("params", "grads", "optim")}
+            out[name, mode]["activations"] = memory.activations
+        # One step's collectives (after a warm step), the router random so that every
+        # rank's expected load is even.
+        random = [*bench.QUICK_MODEL, *overrides, "--model.moe.random_routing=true"]
+        config = bench._config(random, "none", Path("/unused"), 4)
+        runtime = start_runtime(config, torch.device("cpu"))
+        runner = StepRunner(config, runtime)
+        shape = (config.data.global_batch_size, config.data.seq_len + 1)
+        batch = torch.randint(0, config.model.vocab_size, shape)
+        runner.train_step(batch, 1e-4)
+        with CollectiveBytes() as counter:
+            runner.train_step(batch, 1e-4)
+        out[name, "bytes"] = dict(counter.bytes)
+        runtime.close(clean=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_distributed(_rank_body, world_size=2, timeout=600)
+
+
+def _measured_config(bench, name: str, mode: str):
+    world, overrides, _ = bench.TOPOLOGIES[name]
+    return world, bench._config([*bench.QUICK_MODEL, *overrides], mode, Path("/unused"), 4)
+
+
+def _check_memory_row(bench, name: str, mode: str, measured_by_rank: list[dict]) -> None:
+    from moe_train.train.pipeline import plan_stages
+
+    world, config = _measured_config(bench, name, mode)
+    dp = world // config.parallel.pp
+    windows = []
+    for rank, measured in enumerate(measured_by_rank):
+        pp_rank = rank // dp
+        predicted = _rank_memory(config, world, pp_rank)
+        label = f"{name} {mode} rank {rank}"
+        assert predicted.weights == measured["params"], label
+        assert predicted.gradients == pytest.approx(measured["grads"], rel=0.01), label
+        assert predicted.optimizer == pytest.approx(measured["optim"], rel=0.01), label
+        # The benchmark reads host memory after the forward of the model (or of the stage
+        # module: a pipeline's loss runs after it), where the autograd graph also lives.
+        stages = plan_stages(config.model.n_layers, config.parallel.pp, pp_rank)
+        window = predicted.activations + HOST_GRAPH_BYTES_PER_BLOCK * len(stages.layers)
+        if config.parallel.pp > 1 and stages.has_last:
+            window -= loss_bytes(config)
+        windows.append((window, measured["activations"], label))
+    if config.parallel.ep > 1:
+        # The router decides how the copies split between the expert-parallel ranks (the
+        # prediction assumes an even split); the sum over the ranks does not depend on it.
+        predicted_sum = sum(w for w, _, _ in windows)
+        measured_sum = sum(m for _, m, _ in windows)
+        assert predicted_sum == pytest.approx(measured_sum, rel=0.10), f"{name} {mode}"
+        return
+    for window, measured, label in windows:
+        assert window == pytest.approx(measured, rel=0.10), label
+
+
+@pytest.mark.slow
+def test_memory_matches_the_memory_benchmark_in_one_process():
+    bench = _memory_benchmark()
+    for mode in bench.TOPOLOGIES["1 process"][2]:
+        _, config = _measured_config(bench, "1 process", mode)
+        measured = bench.probe_memory(config, warm_steps=2)
+        row = {k: getattr(measured, k) for k in ("params", "grads", "optim", "activations")}
+        _check_memory_row(bench, "1 process", mode, [row])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TOPOLOGY_CASES)
+def test_memory_matches_the_memory_benchmark_on_two_ranks(two_ranks, name):
+    bench = _memory_benchmark()
+    for mode in bench.TOPOLOGIES[name][2]:
+        _check_memory_row(bench, name, mode, [r[name, mode] for r in two_ranks])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TOPOLOGY_CASES)
+def test_traffic_matches_the_bytes_of_the_process_group_calls(two_ranks, name):
+    bench = _memory_benchmark()
+    world, config = _measured_config(bench, name, "none")
+    dp = world // config.parallel.pp
+    for rank, result in enumerate(two_ranks):
+        counted = result[name, "bytes"]
+        predicted = predict_traffic(config, world, rank // dp).payload
+        label = f"{name} rank {rank}: counted {counted}, predicted {predicted}"
+        gradients = {k: v for k, v in predicted.items() if not k.startswith(("ep ", "pipe"))}
+        by_call = {
+            "all-reduce": counted.get(("all_reduce", "2"), 0),
+            "reduce-scatter": counted.get(("reduce_scatter_tensor", "2"), 0),
+            "all-gather": counted.get(("all_gather_into_tensor", "2"), 0),
+        }
+        for call, count in by_call.items():
+            want = sum(v for k, v in gradients.items() if k.endswith(call))
+            # Scalars (the gradient norm, step statistics) ride along with the reductions.
+            assert want <= count <= want + 4096, f"{call}: {label}"
+        if "pipeline" in predicted:
+            assert counted["send", "p2p"] == predicted["pipeline"] / 2, label
+        exchanged = counted.get(("all_to_all_single", "2"), 0)
+        want = predicted.get("ep dispatch", 0) + predicted.get("ep combine", 0)
+        assert exchanged == pytest.approx(want, rel=0.05), label
+    if name.startswith("ep"):
+        # Over both ranks every copy sent is a copy received: the sum is exact.
+        total = sum(r[name, "bytes"][("all_to_all_single", "2")] for r in two_ranks)
+        per_rank = predict_traffic(config, world).payload
+        assert total == 2 * (per_rank["ep dispatch"] + per_rank["ep combine"])
+
+
+# --- the command and the shipped configs ---
+
+
+def test_plan_refuses_what_training_refuses():
+    config = load_config(None, [*SMALL, "--parallel.ep=2", "--parallel.dispatcher=rowwise"])
+    result = evaluate(config, 2, DEVICES["h100"])
+    assert result.error is not None and "capacity_factor" in result.error
+    odd = evaluate(load_config(None, [*SMALL, "--parallel.ep=2"]), 3, DEVICES["h100"])
+    assert "must divide the data-parallel size 3" in odd.error
+
+
+def test_device_figures_are_checked():
+    assert device_with("b300").memory_gib > device_with("h100").memory_gib
+    assert device_with("h100", memory_gib=40).memory_gib == 40
+    with pytest.raises(ValueError, match="--gpu-tflops"):
+        device_with(None, memory_gib=40, intra_node_gbps=100, inter_node_gbps=10)
+    with pytest.raises(ValueError, match="'a100'"):
+        device_with("a100")
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "moe_train.cli", "plan", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+SHIPPED = {  # config: its world size and device, as its header says
+    "configs/tiny.yaml": ("1", "h100"),
+    "configs/medium.yaml": ("1", "h100"),
+    "configs/olmoe-1b-7b.yaml": ("8", "h100"),
+    "configs/moe-47b-a3b.yaml": ("8", "b300"),
+}
+
+
+@pytest.mark.slow
+def test_every_shipped_config_passes_plan_at_its_world_size():
+    for path, (gpus, gpu) in SHIPPED.items():
+        result = _plan(path, "--gpus", gpus, "--gpu", gpu, "--top", "3")
+        assert result.returncode == 0, f"{path}: {result.stdout[-2000:]} {result.stderr}"
+        assert "fits" in result.stdout
+    bad = _plan("configs/tiny.yaml", "--gpus", "3", "--parallel.ep=2")
+    assert bad.returncode == 1 and "cannot start" in bad.stdout
+    missing = _plan("configs/tiny.yaml", "--gpus", "2", "--gpu-memory-gib", "40", "--gpu", "x")
+    assert missing.returncode == 2
