@@ -10,7 +10,10 @@ from moe_train.errors import ConfigError
 CONFIGS = Path(__file__).parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["tiny", "medium", "olmoe-1b-7b", "moe-47b-a3b"])
+@pytest.mark.parametrize(
+    "name",
+    ["tiny", "medium", "olmoe-1b-7b", "moe-47b-a3b", "published-47b-a3b", "published-1t-a58b"],
+)
 def test_shipped_configs_load(name):
     config = load_config(CONFIGS / f"{name}.yaml")
     assert isinstance(config, Config)

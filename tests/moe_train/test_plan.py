@@ -321,11 +321,14 @@ SHIPPED = {  # config: its world size and device, as its header says
     "configs/medium.yaml": ("1", "h100"),
     "configs/olmoe-1b-7b.yaml": ("8", "h100"),
     "configs/moe-47b-a3b.yaml": ("8", "b300"),
+    "configs/published-47b-a3b.yaml": ("8", "b300"),
+    "configs/published-1t-a58b.yaml": ("512", "b300"),
 }
 
 
 @pytest.mark.slow
 def test_every_shipped_config_passes_plan_at_its_world_size():
+    assert sorted(SHIPPED) == sorted(f"configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml"))
     for path, (gpus, gpu) in SHIPPED.items():
         result = _plan(path, "--gpus", gpus, "--gpu", gpu, "--top", "3")
         assert result.returncode == 0, f"{path}: {result.stdout[-2000:]} {result.stderr}"

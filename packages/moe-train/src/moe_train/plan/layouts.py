@@ -145,8 +145,9 @@ def _schedules(pp: int, n_layers: int) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]
     options = [("1f1b", 1)]
-    if n_layers % (2 * pp) == 0:
-        options.append(("interleaved_1f1b", 2))
+    for virtual in (2, 3, 4):
+        if n_layers % (virtual * pp) == 0:
+            options.append(("interleaved_1f1b", virtual))
     return options
 
 

@@ -56,7 +56,7 @@ def format_plan(plan: Plan, top: int = 15) -> str:
         bubble = r.time.bubble_s / r.time.total_s
         exchange = r.time.exchange_s / r.time.total_s
         lines.append(
-            f"{r.label:<58} {r.memory.total / GIB:>6.1f} {r.tokens_per_s:>10,.0f} "
+            f"{r.label:<72} {r.memory.total / GIB:>6.1f} {r.tokens_per_s:>10,.0f} "
             f"{100 * r.mfu:>5.1f}% {100 * bubble:>6.1f}% {100 * exchange:>5.1f}%"
         )
     if len(plan.fitting) > top:
