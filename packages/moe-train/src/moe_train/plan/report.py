@@ -24,7 +24,7 @@ class Plan:
 def make_plan(config: Any, world_size: int, device: Device) -> Plan:
     """Evaluate the config's own layout and every candidate on `world_size` devices."""
     own = evaluate(config, world_size, device)
-    seen = {own.label}
+    seen: set[str] = set()
     fitting, rejected = [], []
     for candidate in candidate_layouts(config, world_size, device):
         result = evaluate(candidate, world_size, device)
