@@ -337,3 +337,14 @@ def test_every_shipped_config_passes_plan_at_its_world_size():
     assert bad.returncode == 1 and "cannot start" in bad.stdout
     missing = _plan("configs/tiny.yaml", "--gpus", "2", "--gpu-memory-gib", "40", "--gpu", "x")
     assert missing.returncode == 2
+
+
+def test_bytes_across_nodes():
+    from moe_train.plan.roofline import across_nodes
+
+    # An EP group of 16 over nodes of 8: 8 of a rank's 15 peers are on another node.
+    assert across_nodes("ep dispatch", 15.0, ep=16, dp=16, per_node=8) == 8.0
+    assert across_nodes("ep combine", 15.0, ep=8, dp=16, per_node=8) == 0.0
+    assert across_nodes("dp all-reduce", 3.0, ep=8, dp=16, per_node=8) == 3.0
+    assert across_nodes("dp all-reduce", 3.0, ep=1, dp=8, per_node=8) == 0.0
+    assert across_nodes("pipeline", 2.0, ep=1, dp=8, per_node=8) == 2.0

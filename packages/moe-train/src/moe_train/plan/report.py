@@ -7,6 +7,7 @@ from typing import Any
 
 from moe_train.plan.hardware import Device
 from moe_train.plan.layouts import GIB, Evaluated, candidate_layouts, evaluate
+from moe_train.plan.roofline import across_nodes
 
 
 @dataclass(frozen=True)
@@ -78,10 +79,12 @@ def _details(result: Evaluated, device: Device) -> list[str]:
         + " GiB",
         f"    activations {memory.activations / GIB:.2f} GiB per micro-batch x "
         f"{memory.in_flight:g} in flight",
-        "  bytes per step per device by kind (sent over links):",
+        "  bytes per step per device by kind (sent over links; of them across nodes):",
     ]
+    p = result.config.parallel
     for kind, wire in result.traffic.wire.items():
-        lines.append(f"    {kind:<28} {wire / 1e9:9.2f} GB")
+        network = across_nodes(kind, wire, p.ep, _dp(result), device.gpus_per_node)
+        lines.append(f"    {kind:<28} {wire / 1e9:9.2f} GB  ({network / 1e9:.2f} GB)")
     t = result.time
     lines.append(
         f"  step {t.total_s:.3f} s: compute {t.compute_s:.3f}, exchange {t.exchange_s:.3f}, "
@@ -91,18 +94,23 @@ def _details(result: Evaluated, device: Device) -> list[str]:
     return lines
 
 
+def _dp(result: Evaluated) -> int:
+    """The data-parallel size of an evaluated layout (its label holds it)."""
+    return int(result.label.split()[1].removeprefix("dp"))
+
+
 def plan_json(plan: Plan) -> dict[str, Any]:
     """The plan as JSON-ready data: every evaluated layout with its figures."""
     return {
         "world_size": plan.world_size,
         "device": plan.device.__dict__,
-        "own": _row(plan.own),
-        "fitting": [_row(r) for r in plan.fitting],
-        "rejected": [_row(r) for r in plan.rejected],
+        "own": _row(plan.own, plan.device),
+        "fitting": [_row(r, plan.device) for r in plan.fitting],
+        "rejected": [_row(r, plan.device) for r in plan.rejected],
     }
 
 
-def _row(r: Evaluated) -> dict[str, Any]:
+def _row(r: Evaluated, device: Device) -> dict[str, Any]:
     row: dict[str, Any] = {"layout": r.label, "starts": r.error is None, "fits": r.fits}
     if r.error:
         row["error"] = r.error
@@ -112,6 +120,10 @@ def _row(r: Evaluated) -> dict[str, Any]:
     row["in_flight_micro_batches"] = r.memory.in_flight
     row["payload_bytes_per_step"] = r.traffic.payload
     row["wire_bytes_per_step"] = r.traffic.wire
+    row["across_nodes_bytes_per_step"] = {
+        kind: across_nodes(kind, wire, r.config.parallel.ep, _dp(r), device.gpus_per_node)
+        for kind, wire in r.traffic.wire.items()
+    }
     row["step_s"] = r.time.__dict__
     row["tokens_per_s_per_device"] = r.tokens_per_s
     row["mfu"] = r.mfu

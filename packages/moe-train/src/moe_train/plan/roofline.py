@@ -49,7 +49,7 @@ def step_time(config: Config, world_size: int, device: Device, traffic: Traffic)
         compute_s -= _expert_share(config) * compute_s / 2  # expert GEMMs at twice the rate
     exchange_s = reduction_s = pipeline_s = 0.0
     for kind, wire in traffic.wire.items():
-        seconds = wire * _seconds_per_byte(device, kind, parallel.ep, dp)
+        seconds = _seconds(device, kind, wire, parallel.ep, dp)
         if kind.startswith("ep "):
             exchange_s += seconds
         elif kind == "pipeline":
@@ -81,22 +81,26 @@ def _expert_share(config: Config) -> float:
     return expert / count_params(model).active
 
 
-def _seconds_per_byte(device: Device, kind: str, ep: int, dp: int) -> float:
-    """Time per byte a rank sends in a collective kind. An EP group is ep consecutive ranks:
-    of its peers, those on the rank's node are reached over NVLink, the rest over the
-    network, both at once. A dp group is dp consecutive ranks and an expert-dp group spans
-    the same block (stride ep): a ring over several nodes runs at the network's speed.
-    Pipeline peers are dp ranks apart."""
-    nvlink, network = 1 / (device.intra_node_gbps * 1e9), 1 / (device.inter_node_gbps * 1e9)
-    per_node = device.gpus_per_node
-    kind_group = kind.split(" ")[0]
-    if kind_group == "ep":
-        if ep <= per_node:
-            return nvlink
-        near = (per_node - 1) / (ep - 1)  # share of the bytes for peers on this node
-        return max(near * nvlink, (1 - near) * network)
-    span = dp + 1 if kind_group == "pipeline" else dp
-    return nvlink if span <= per_node else network
+def across_nodes(kind: str, wire: float, ep: int, dp: int, per_node: int) -> float:
+    """The bytes of `wire` that a rank sends over the network rather than NVLink. An EP group
+    is ep consecutive ranks: its peers off the rank's node take (ep - G) / (ep - 1) of the
+    exchange. A dp group is dp consecutive ranks and an expert-dp group spans the same block
+    (stride ep): a ring over several nodes is counted as crossing (its slowest hop sets its
+    pace). Pipeline peers are dp ranks apart."""
+    group = kind.split(" ")[0]
+    if group == "ep":
+        return 0.0 if ep <= per_node else wire * (ep - per_node) / (ep - 1)
+    span = dp + 1 if group == "pipeline" else dp
+    return 0.0 if span <= per_node else wire
+
+
+def _seconds(device: Device, kind: str, wire: float, ep: int, dp: int) -> float:
+    """Time to send `wire` bytes of a collective kind: the NVLink and network parts at once."""
+    network = across_nodes(kind, wire, ep, dp, device.gpus_per_node)
+    return max(
+        (wire - network) / (device.intra_node_gbps * 1e9),
+        network / (device.inter_node_gbps * 1e9),
+    )
 
 
 def tokens_per_second_per_device(config: Config, world_size: int, time: StepTime) -> float:
