@@ -28,8 +28,11 @@ EOS = ByteTokenizer.eos_id
 
 
 def read_tokens(out_dir: Path) -> np.ndarray:
+    """The token stream of a prepared directory: its shards, in meta.json's order, joined."""
     meta = json.loads((out_dir / "meta.json").read_text())
-    return np.fromfile(out_dir / "tokens.bin", dtype=meta["dtype"])
+    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    shards = [np.fromfile(out_dir / shard["file"], dtype=dtype) for shard in meta["shards"]]
+    return np.concatenate(shards) if shards else np.empty(0, dtype)
 
 
 def byte_ids(text: str) -> list[int]:
@@ -37,8 +40,8 @@ def byte_ids(text: str) -> list[int]:
 
 
 def leftovers(parent: Path) -> list[str]:
-    """Temporary directories a failed or finished preparation left behind."""
-    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name)
+    """Temporary or unfinished directories a failed or finished preparation left behind."""
+    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".partial" in p.name)
 
 
 def save_npy(path: Path, ids: list[int] | np.ndarray, dtype: str = "int64") -> Path:
@@ -94,7 +97,7 @@ def test_prepare_text_jsonl_and_npy_places_eos_after_each_document(tmp_path):
     assert tokens.dtype == np.uint16
     np.testing.assert_array_equal(tokens, expected)
     assert meta == json.loads((out_dir / "meta.json").read_text())
-    assert meta["format"] == "moe-stack-tokens-v1"
+    assert meta["format"] == "moe-stack-tokens-v2"
     assert meta["dtype"] == "uint16"
     assert meta["num_tokens"] == len(expected)
     assert meta["vocab_size"] == 257
@@ -122,7 +125,7 @@ def test_prepare_uses_uint32_when_npy_ids_exceed_uint16(tmp_path):
     tokens = read_tokens(tmp_path / "out")
     assert tokens.dtype == np.uint32
     np.testing.assert_array_equal(tokens, [5, 70000, 65536, *byte_ids("# hi"), EOS])
-    assert (tmp_path / "out" / "tokens.bin").stat().st_size == 4 * tokens.size
+    assert (tmp_path / "out" / "tokens-000000.bin").stat().st_size == 4 * tokens.size
 
 
 def test_prepare_recurses_into_directories_in_sorted_order(tmp_path):
@@ -299,9 +302,11 @@ def test_corrupted_tokens_bin_size_is_an_error(tmp_path):
     text_file.write_text("some text to tokenize")
     out_dir = tmp_path / "prepared"
     prepare_data([text_file], out_dir)
-    tokens_bin = out_dir / "tokens.bin"
+    tokens_bin = out_dir / "tokens-000000.bin"
     tokens_bin.write_bytes(tokens_bin.read_bytes()[:-3])
-    with pytest.raises(DataError, match=r"prepared/tokens\.bin holds 41 bytes .*num_tokens=22"):
+    with pytest.raises(
+        DataError, match=r"prepared/tokens-000000\.bin holds 41 bytes .*num_tokens=22"
+    ):
         TokenDataset([out_dir], seq_len=4)
 
 
@@ -346,9 +351,9 @@ def test_builtin_dataset_is_byte_tokenized_stdlib_and_reused(builtin_cache):
     assert paths == sorted(paths) and all(p.suffix == ".py" for p in paths)
     assert not any({"site-packages", "test", "tests", "idlelib"} & set(p.parts) for p in paths)
 
-    mtime = (prepared / "tokens.bin").stat().st_mtime_ns
+    mtimes = {p.name: p.stat().st_mtime_ns for p in prepared.iterdir()}
     assert builtin_dataset_dir(builtin_cache) == prepared
-    assert (prepared / "tokens.bin").stat().st_mtime_ns == mtime
+    assert {p.name: p.stat().st_mtime_ns for p in prepared.iterdir()} == mtimes
     assert [p.name for p in builtin_cache.iterdir()] == [prepared.name]
 
     dataset = TokenDataset(["builtin:stdlib"], seq_len=256, cache_dir=builtin_cache)
@@ -366,8 +371,8 @@ def test_builtin_preparation_that_loses_the_rename_uses_the_winner(
 
     def write_while_another_process_finishes_first(files, dest_dir, tokenizer):
         os.makedirs(cache_dir / winner.name)
-        for name in ("tokens.bin", "meta.json"):
-            os.link(winner / name, cache_dir / winner.name / name)
+        for path in winner.iterdir():
+            os.link(path, cache_dir / winner.name / path.name)
         return real_write(files, dest_dir, tokenizer)
 
     monkeypatch.setattr(builtin_module, "write_dataset", write_while_another_process_finishes_first)
@@ -400,7 +405,8 @@ def test_concurrent_builtin_preparation_gives_one_valid_dir(tmp_path):
     assert len(printed) == 1
     prepared = Path(printed.pop())
     assert [p.name for p in cache_dir.iterdir()] == [prepared.name]
-    assert sorted(p.name for p in prepared.iterdir()) == ["meta.json", "tokens.bin"]
+    names = sorted(p.name for p in prepared.iterdir())
+    assert names[0] == "meta.json" and all(n.startswith("tokens-") for n in names[1:])
     assert TokenDataset([prepared], seq_len=1024).num_sequences > 1000
 
 

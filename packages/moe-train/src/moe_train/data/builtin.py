@@ -15,7 +15,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from moe_train.data.prepare import META_FILE, write_dataset
+from moe_train.data.prepare import write_dataset
+from moe_train.data.token_files import META_FILE
 from moe_train.data.tokenizer import ByteTokenizer
 from moe_train.errors import DataError
 

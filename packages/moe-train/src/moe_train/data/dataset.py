@@ -6,21 +6,21 @@ replaying earlier steps, whatever the parallel layout.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moe_train.data.builtin import BUILTIN_STDLIB, builtin_dataset_dir
-from moe_train.data.prepare import (
-    FORMAT,
-    META_FILE,
-    TOKENS_FILE,
+from moe_train.data.prepare import partial_dir
+from moe_train.data.token_files import (
+    TokenStream,
+    open_headerless,
+    open_prepared_dir,
     open_token_array,
-    token_array_max,
+    split_dtype_suffix,
 )
 from moe_train.errors import DataError
 
@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     import torch
 
 _VALID_PATHS = (
-    "a prepared data directory (meta.json + tokens.bin), a 1-D .npy id array or builtin:stdlib"
+    "a directory written by prepare-data, a 1-D .npy id array, a headerless token file with "
+    "its dtype (path:uint16, :uint32, :int32 or :int64) or builtin:stdlib"
 )
 _CACHED_PERMUTATIONS = 2
 
@@ -38,17 +39,17 @@ class TokenSource:
     """One entry of `data.paths`, opened read-only."""
 
     path: str
-    """The entry as given (a directory, a .npy file, or builtin:stdlib)."""
-    tokens: np.ndarray
+    """The entry as given (a directory, a .npy file, path:dtype, or builtin:stdlib)."""
+    tokens: TokenStream
     """All its token ids, memory-mapped."""
     vocab_size: int
-    """Declared by meta.json, or the largest id + 1 for a .npy file."""
+    """Declared by meta.json, or the largest id + 1 for a .npy or headerless file."""
     eos_id: int | None
     """End-of-document id when known (prepared directories)."""
 
     @property
     def num_tokens(self) -> int:
-        return int(self.tokens.size)
+        return self.tokens.num_tokens
 
 
 class TokenDataset:
@@ -122,8 +123,7 @@ class TokenDataset:
             raise IndexError(f"sequence {index} out of range 0..{self.num_sequences - 1}")
         source_index = int(np.searchsorted(self._window_ends, index, side="right"))
         start = (index - int(self._window_starts[source_index])) * self.seq_len
-        tokens = self.sources[source_index].tokens
-        return np.asarray(tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        return self.sources[source_index].tokens.read(start, start + self.seq_len + 1)
 
     def sequence_indices(self, step: int, global_batch_size: int, seed: int) -> np.ndarray:
         """Which windows make up step `step`'s global batch, in order.
@@ -194,64 +194,33 @@ def _open_source(path: str | Path, cache_dir: Path | None) -> TokenSource:
             raise DataError(
                 f"unknown built-in dataset {path!r}; the built-in one is {BUILTIN_STDLIB}"
             )
-        return _open_prepared_dir(path, builtin_dataset_dir(cache_dir))
-    file_path = Path(path)
+        return _prepared_source(path, builtin_dataset_dir(cache_dir))
+    try:
+        file_name, dtype_name = split_dtype_suffix(str(path))
+    except ValueError as e:
+        raise DataError(f"data.paths entry {path}: {e}") from e
+    file_path = Path(file_name)
+    if dtype_name is not None:
+        tokens = TokenStream([open_headerless(file_path, dtype_name)])
+        vocab_size = tokens.id_range(str(path))[1] + 1
+        return TokenSource(str(path), tokens, max(vocab_size, 1), None)
     if file_path.is_dir():
-        return _open_prepared_dir(str(path), file_path)
+        return _prepared_source(str(path), file_path)
     if not file_path.exists():
+        unfinished = partial_dir(file_path)
+        if unfinished.is_dir():
+            raise DataError(
+                f"data.paths entry {path} not found: its preparation has not finished "
+                f"({unfinished} exists); run the same prepare-data command again to complete it"
+            )
         raise DataError(f"data.paths entry {path} not found; give {_VALID_PATHS}")
     if file_path.suffix.lower() == ".npy":
-        tokens = open_token_array(file_path)
-        vocab_size = token_array_max(file_path, tokens) + 1
+        tokens = TokenStream([open_token_array(file_path)])
+        vocab_size = tokens.id_range(str(file_path))[1] + 1
         return TokenSource(str(path), tokens, max(vocab_size, 1), None)
     raise DataError(f"data.paths entry {path} is not {_VALID_PATHS}")
 
 
-def _open_prepared_dir(name: str, directory: Path) -> TokenSource:
-    meta_path = directory / META_FILE
-    if not meta_path.is_file():
-        raise DataError(
-            f"{directory} has no {META_FILE}, so it is not a prepared data directory; "
-            f"create one with `moe-train prepare-data INPUT... --out {directory}`"
-        )
-    meta = _read_meta(meta_path)
-    dtype = np.dtype(meta["dtype"])
-    num_tokens = meta["num_tokens"]
-    tokens_path = directory / TOKENS_FILE
-    expected_bytes = num_tokens * dtype.itemsize
-    actual_bytes = tokens_path.stat().st_size if tokens_path.is_file() else None
-    if actual_bytes != expected_bytes:
-        found = "is missing" if actual_bytes is None else f"holds {actual_bytes} bytes"
-        raise DataError(
-            f"{tokens_path} {found} but {META_FILE} says num_tokens={num_tokens} "
-            f"({expected_bytes} bytes of {dtype.name}); prepare the data again"
-        )
-    if num_tokens == 0:
-        tokens = np.empty(0, dtype=dtype)
-    else:
-        tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(num_tokens,))
-    return TokenSource(name, tokens, meta["vocab_size"], meta["eos_id"])
-
-
-def _read_meta(meta_path: Path) -> dict[str, Any]:
-    """Parse and check meta.json; any problem is a DataError naming the file."""
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{meta_path} is not readable JSON ({e}); prepare the data again") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise DataError(f"{meta_path} has format={found!r}; expected {FORMAT!r}")
-    problems = []
-    if meta.get("dtype") not in ("uint16", "uint32"):
-        problems.append(f"dtype={meta.get('dtype')!r} (expected 'uint16' or 'uint32')")
-    for key in ("num_tokens", "vocab_size"):
-        value = meta.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            problems.append(f"{key}={value!r} (expected an integer >= 0)")
-    eos_id = meta.get("eos_id")
-    if eos_id is not None and (not isinstance(eos_id, int) or eos_id < 0):
-        problems.append(f"eos_id={eos_id!r} (expected an integer >= 0 or null)")
-    if problems:
-        raise DataError(f"{meta_path} has {', '.join(problems)}; prepare the data again")
-    return meta
+def _prepared_source(name: str, directory: Path) -> TokenSource:
+    prepared = open_prepared_dir(directory)
+    return TokenSource(name, prepared.tokens, prepared.vocab_size, prepared.eos_id)
