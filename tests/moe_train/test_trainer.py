@@ -19,6 +19,7 @@ REQUIRED_METRICS = {
     "tokens_per_s",
     "mfu",
     "expert_load_max_over_mean",
+    "hidden_imbalance_layers",
     "dropped_token_frac",
     "peak_mem_bytes",
     "skipped_steps",
@@ -50,6 +51,13 @@ def test_metrics_file_and_resolved_config(tmp_path, make_config):
         )
         assert record["dropped_token_frac"] == 0.0
         assert record["mfu"] > 0
+    # The same figure from the per-expert counts of expert_load.jsonl, computed here.
+    routing = read_metrics(result.run_dir / "expert_load.jsonl")
+    assert [r["step"] for r in routing] == list(range(6))
+    for record, row in zip(records, routing, strict=True):
+        worst = max(max(load) * len(load) / sum(load) for load in row["load"])
+        assert record["expert_load_max_over_mean"] == pytest.approx(worst, rel=1e-12)
+        assert record["hidden_imbalance_layers"] == 0  # one process: one EP rank
     assert [r["loss"] for r in records] == result.losses
     tokens_per_step = config.data.global_batch_size * config.data.seq_len
     assert [r["tokens_seen"] for r in records] == [(s + 1) * tokens_per_step for s in range(6)]
@@ -80,16 +88,39 @@ def test_capacity_drops_are_reported(tmp_path, make_config):
     assert all(r["dropped_token_frac"] > 0.2 for r in records)
 
 
-def test_loss_falls_with_bias_balancing_and_sigmoid_router(tmp_path, make_config):
-    config = make_config(
-        tmp_path,
-        model={"moe": {"router": "sigmoid", "bias_update_rate": 0.01, "shared_experts": 1}},
-        train={"max_steps": 30},
-    )
-    result = train(config)
-    assert sum(result.losses[-5:]) / 5 < 0.8 * sum(result.losses[:5]) / 5
-    biases = [layer.router.expert_bias for layer in result.model.moe_layers().values()]
-    assert any(b.abs().sum() > 0 for b in biases)
+def _imbalance(run_dir) -> list[float]:
+    """Per logged step, the busiest expert's routed copies over the mean, worst MoE layer,
+    from the counts in expert_load.jsonl."""
+    rows = read_metrics(run_dir / "expert_load.jsonl")
+    return [max(max(load) * len(load) / sum(load) for load in row["load"]) for row in rows]
+
+
+@pytest.mark.slow
+def test_balancing_bias_evens_the_real_load(tmp_path, make_config):
+    """Auxiliary-loss-free balancing (sigmoid scores, no balancing loss) on data whose routing
+    drifts towards a few experts: without the bias the busiest expert's share grows, with
+    model.moe.bias_update_rate > 0 it falls, and the model still learns."""
+    moe = {"router": "sigmoid", "lb_loss_weight": 0.0, "shared_experts": 1}
+    runs = {}
+    for rate in (0.0, 0.003):
+        config = make_config(
+            tmp_path / str(rate),
+            model={"moe": {**moe, "bias_update_rate": rate}},
+            train={"max_steps": 30},
+        )
+        runs[rate] = train(config)
+    early = {rate: sum(_imbalance(r.run_dir)[:5]) / 5 for rate, r in runs.items()}
+    late = {rate: sum(_imbalance(r.run_dir)[-10:]) / 10 for rate, r in runs.items()}
+    assert late[0.0] >= early[0.0], f"without the bias: {early[0.0]:.2f} -> {late[0.0]:.2f}"
+    assert late[0.003] <= 0.8 * early[0.003], f"with it: {early[0.003]:.2f} -> {late[0.003]:.2f}"
+    assert late[0.003] <= 0.8 * late[0.0], f"with {late[0.003]:.2f}, without {late[0.0]:.2f}"
+    biased = runs[0.003]
+    assert sum(biased.losses[-5:]) / 5 < 0.8 * sum(biased.losses[:5]) / 5
+    assert all(router.expert_bias.abs().sum() == 0 for router in _routers(runs[0.0]))
+
+
+def _routers(result):
+    return [layer.router for layer in result.model.moe_layers().values()]
 
 
 def test_vocab_smaller_than_data_is_refused(tmp_path, make_config):

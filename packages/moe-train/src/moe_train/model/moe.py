@@ -1,8 +1,12 @@
-"""The mixture-of-experts feed-forward block: router, SwiGLU experts, dispatch and combine."""
+"""The mixture-of-experts feed-forward block: router, SwiGLU experts, dispatch and combine.
+
+Shape suffixes: B batch, S sequence, D model width, T tokens (B x S), K top-k, E experts,
+F token copies (T x K), P rows of the experts' input, H expert hidden width, O 2 x H.
+"""
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +158,27 @@ class Experts(nn.Module):
         return grouped_mm(x_TK, w_EKN, offsets_E, backend=self.gemm)
 
 
+@runtime_checkable
+class CapacityBounded(Protocol):
+    """A dispatcher that may drop copies: each source sends each expert at most `capacity`
+    of its copies (the first in token order), and drops the rest."""
+
+    def capacity(self, num_tokens: int, top_k: int) -> int | None:
+        """Copies one source may send each expert; None when dropless."""
+        ...
+
+
+def kept_copies_per_expert(
+    dispatcher: Dispatcher, copies_per_expert: Tensor, num_tokens: int, top_k: int
+) -> Tensor:
+    """[E] int64: the copies of `copies_per_expert` (one source's) the dispatcher keeps."""
+    if isinstance(dispatcher, CapacityBounded):
+        capacity = dispatcher.capacity(num_tokens, top_k)
+        if capacity is not None:
+            return copies_per_expert.clamp(max=capacity)
+    return copies_per_expert
+
+
 class AttachAuxLoss(torch.autograd.Function):
     """Returns `y` unchanged; in backward, also sends gradient `scale` into `aux_loss`.
 
@@ -179,7 +204,9 @@ class RoutingStats:
     """What an MoE layer observed over the training forwards since the last `take_stats`."""
 
     copies_per_expert: Tensor
-    """[E] token copies routed to each expert (before capacity drops)."""
+    """[E] int64 token copies routed to each expert (before capacity drops)."""
+    kept_per_expert: Tensor
+    """[E] int64 token copies each expert kept (after capacity drops)."""
     dropped_copies: Tensor
     """Copies dropped by the capacity limit (float64 scalar)."""
     routed_copies: Tensor
@@ -190,11 +217,13 @@ class RoutingStats:
     """Sum of the unweighted router z-loss over the forwards (float64 scalar)."""
 
     def flat(self) -> Tensor:
-        """[E + 4] float64: copies per expert, dropped, routed, lb sum, z sum."""
+        """[2E + 4] float64: copies per expert, kept per expert, dropped, routed, lb sum,
+        z sum."""
         scalars = torch.stack(
             [self.dropped_copies, self.routed_copies, self.lb_loss_sum, self.z_loss_sum]
         )
-        return torch.cat([self.copies_per_expert.double(), scalars.double()])
+        per_expert = [self.copies_per_expert.double(), self.kept_per_expert.double()]
+        return torch.cat([*per_expert, scalars.double()])
 
 
 class MoEFeedForward(nn.Module):
@@ -226,7 +255,8 @@ class MoEFeedForward(nn.Module):
         self.aux_loss_scale = 1.0
         """Gradient of the training objective with respect to this layer's weighted aux loss."""
         for name, shape, dtype in (
-            ("step_copies_per_expert", (config.num_experts,), torch.float32),
+            ("step_copies_per_expert", (config.num_experts,), torch.int64),
+            ("step_kept_per_expert", (config.num_experts,), torch.int64),
             ("step_dropped_copies", (), torch.float64),
             ("step_routed_copies", (), torch.float64),
             ("step_lb_loss", (), torch.float64),
@@ -261,6 +291,9 @@ class MoEFeedForward(nn.Module):
         if self.training and recording_side_effects():
             with torch.no_grad():
                 self.step_copies_per_expert += routed.copies_per_expert
+                self.step_kept_per_expert += kept_copies_per_expert(
+                    self.dispatcher, routed.copies_per_expert, x_TD.shape[0], self.config.top_k
+                )
                 self.step_dropped_copies += handle.dropped_copies
                 self.step_routed_copies += handle.num_copies
                 self.step_lb_loss += routed.lb_loss.detach().double()
@@ -272,6 +305,7 @@ class MoEFeedForward(nn.Module):
         """The statistics since the last call; clears them."""
         buffers = (
             self.step_copies_per_expert,
+            self.step_kept_per_expert,
             self.step_dropped_copies,
             self.step_routed_copies,
             self.step_lb_loss,

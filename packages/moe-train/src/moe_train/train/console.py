@@ -134,6 +134,8 @@ def progress_line(record: dict[str, Any], max_steps: int, world_size: int, eta: 
     ]
     if record.get("skipped_steps"):
         parts.append(f"skipped {record['skipped_steps']}")
+    if record.get("hidden_imbalance_layers"):
+        parts.append(f"hidden imbalance {record['hidden_imbalance_layers']} layers")
     parts.append(f"ETA {clock(eta)}")
     return " | ".join(parts)
 

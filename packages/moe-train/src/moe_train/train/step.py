@@ -5,6 +5,8 @@ plain or sharded optimizer) and runs a step: forward and backward of the rank's
 micro-batches (gradient accumulation, or the pipeline schedule), gradient reduction, global
 clipping and the update. The training loop (`trainer.py`) adds data, checkpoints and metrics;
 benchmarks drive the same steps.
+
+Shape suffixes: L MoE layers, E experts.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from moe_train.model import (
     apply_recompute,
 )
 from moe_train.train.pipeline import PipelineRunner, check_pipeline, plan_stages
+from moe_train.train.routing import StepRouting, max_over_mean
 from moe_train.train.runtime import Runtime
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -140,8 +143,11 @@ class StepStats:
     dropped_fraction: float
     """Token copies dropped by the capacity limit over copies routed, all layers."""
     expert_copies_LE: torch.Tensor | None = None
-    """Copies routed to each expert of each MoE layer over the step (float64), or None
-    without MoE layers; the balancing bias update's input."""
+    """Copies routed to each expert of each MoE layer over the step (float64, on the
+    device), or None without MoE layers; the balancing bias update's input."""
+    routing: StepRouting | None = None
+    """Per-layer routing counts and balancing scores over the global batch (on the host),
+    or None without MoE layers."""
 
     @property
     def finite(self) -> bool:
@@ -172,7 +178,7 @@ def accumulate_gradients(
 def reduce_step_stats(
     model: Transformer, lm_loss_sum: torch.Tensor, num_micro: int, runtime: Runtime
 ) -> StepStats:
-    """Sum losses and routing statistics over all ranks (one all-reduce).
+    """Sum losses and routing statistics over all ranks (one all-reduce, one host read).
 
     Every rank contributes a row for every MoE layer of the whole model (zeros for layers it
     does not hold), so ranks on different pipeline stages reduce tensors of the same shape.
@@ -181,24 +187,35 @@ def reduce_step_stats(
     num_experts = model_config.moe.num_experts
     held = model.moe_layers()
     rows = torch.zeros(
-        model_config.n_layers, num_experts + 4, dtype=torch.float64, device=lm_loss_sum.device
+        model_config.n_layers, 2 * num_experts + 4, dtype=torch.float64, device=lm_loss_sum.device
     )
     for index, layer in held.items():
         rows[index] = layer.take_stats().flat()
     totals = runtime.sum_over_world(torch.cat([lm_loss_sum.reshape(1), rows.flatten()]))
-    rows = totals[1:].view_as(rows)[model_config.dense_layers :]
-    copies_LE = rows[:, :num_experts]
+    first_moe = model_config.dense_layers
+    copies_LE = totals[1:].view_as(rows)[first_moe:, :num_experts]
+    host = totals.cpu()
+    lm_loss = host[0].item() / num_micro
+    rows = host[1:].view_as(rows)[first_moe:]
     if not len(rows):
-        return StepStats(totals[0].item() / num_micro, 0.0, 0.0, 1.0, 0.0)
-    dropped, routed, lb_sum, z_sum = rows[:, num_experts:].sum(dim=0).tolist()
-    load_ratio = (copies_LE.max(dim=1).values / copies_LE.mean(dim=1)).max().item()
+        return StepStats(lm_loss, 0.0, 0.0, 1.0, 0.0)
+    dropped, routed, lb_sum, z_sum = rows[:, 2 * num_experts :].sum(dim=0).tolist()
+    # Counts are sums of integers below 2^53: exact in float64.
+    routing = StepRouting(
+        layers=tuple(range(first_moe, model_config.n_layers)),
+        load_LE=rows[:, :num_experts].round().long(),
+        kept_LE=rows[:, num_experts : 2 * num_experts].round().long(),
+        lb_loss_L=rows[:, 2 * num_experts + 2] / num_micro,
+        ep=runtime.layout.ep,
+    )
     return StepStats(
-        lm_loss=totals[0].item() / num_micro,
+        lm_loss=lm_loss,
         lb_loss=lb_sum / (num_micro * len(rows)),
         z_loss=z_sum / (num_micro * len(rows)),
-        load_max_over_mean=load_ratio,
+        load_max_over_mean=max_over_mean(routing.load_LE).max().item(),
         dropped_fraction=dropped / routed if routed else 0.0,
         expert_copies_LE=copies_LE,
+        routing=routing,
     )
 
 

@@ -1,0 +1,92 @@
+"""RUN_DIR/expert_load.jsonl: the routing of every logged step, and the balance check over it.
+
+One compact JSON object per logged step (rank 0): `step`; `layers` (global block index of
+each MoE layer); per MoE layer and expert `load` (copies routed over the step's global batch)
+and `kept` (copies kept after capacity drops); per MoE layer and expert-parallel rank
+`rank_load` (copies processed); per MoE layer `lb_loss` (the balancing score: unweighted
+load-balancing loss, mean over micro-batches), `expert_imbalance` (max over mean of `load`),
+`rank_imbalance` (max over mean of `rank_load`) and `hidden_imbalance` (1 while the check of
+`routing_check.py` flags the layer, else 0).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from moe_train.config import RoutingCheckConfig
+from moe_train.train.metrics import read_metrics
+from moe_train.train.routing import StepRouting
+from moe_train.train.routing_check import BalanceCheck, warning_text
+from moe_train.train.run_dir import truncate_metrics
+
+FILE_NAME = "expert_load.jsonl"
+
+
+def routing_row(step: int, routing: StepRouting) -> dict[str, Any]:
+    """The row of one step, without the check's flags."""
+    return {
+        "step": step,
+        "layers": list(routing.layers),
+        "load": routing.load_LE.tolist(),
+        "kept": routing.kept_LE.tolist(),
+        "rank_load": routing.rank_load_LR.tolist(),
+        "lb_loss": [_rounded(v) for v in routing.lb_loss_L.tolist()],
+        "expert_imbalance": [_rounded(v) for v in routing.expert_imbalance_L.tolist()],
+        "rank_imbalance": [_rounded(v) for v in routing.rank_imbalance_L.tolist()],
+    }
+
+
+def _rounded(value: float) -> float | None:
+    """Six decimals (the ratios and losses are read, not recomputed); null if not finite."""
+    return round(value, 6) if math.isfinite(value) else None
+
+
+class ExpertLoadLog:
+    """Appends the rows of logged steps and runs the balance check on them (rank 0).
+
+    A resumed run drops the rows of steps at or after the one it resumes at (the job that
+    stopped may have written some past its checkpoint) and replays the rest through the check,
+    so streaks continue and a layer already reported is not reported again.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        start_step: int,
+        config: RoutingCheckConfig,
+        warn: Callable[[str], None],
+    ) -> None:
+        self.path = run_dir / FILE_NAME
+        self.config, self.warn = config, warn
+        self.check = BalanceCheck(config)
+        self.flagged_layers = 0
+        """MoE layers flagged by the check at the latest logged step."""
+        truncate_metrics(self.path, start_step)
+        if self.path.exists():
+            for row in read_metrics(self.path):
+                self._observe(row, replay=True)
+        self._file = self.path.open("a")
+
+    def write(self, step: int, routing: StepRouting) -> None:
+        """Write a logged step's row; warn about layers flagged for the first time."""
+        row = routing_row(step, routing)
+        row["hidden_imbalance"] = self._observe(row, replay=False)
+        self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def _observe(self, row: dict[str, Any], *, replay: bool) -> list[int]:
+        flagged, first_time = self.check.observe(
+            row["step"], row["layers"], row["lb_loss"], row["rank_imbalance"]
+        )
+        self.flagged_layers = sum(flagged)
+        if not replay:
+            for event in first_time:
+                self.warn(warning_text(event, self.config))
+        return [int(f) for f in flagged]
+
+    def close(self) -> None:
+        self._file.close()
