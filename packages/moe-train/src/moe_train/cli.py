@@ -1,5 +1,5 @@
 """The `moe-train` command line: train, prepare-data, inspect, export, import-hf, generate,
-plan."""
+plot, plan, verify."""
 
 import argparse
 import json
@@ -27,9 +27,11 @@ def _parser() -> argparse.ArgumentParser:
 
     prepare = commands.add_parser(
         "prepare-data",
-        help="tokenize text / JSONL / .npy files into a token memmap",
-        description="Tokenize UTF-8 text files, JSONL (a 'text' field per line) and "
-        "pre-tokenized .npy arrays into DIR/tokens.bin and DIR/meta.json.",
+        help="tokenize text, JSON Lines, parquet or Hugging Face datasets into token shards",
+        description="Tokenize UTF-8 text files (one document each), JSON Lines (.jsonl, .json; "
+        "also .gz or .zst), .parquet files, Hugging Face datasets saved with save_to_disk and "
+        "pre-tokenized .npy arrays into DIR/meta.json and token shards DIR/tokens-*.bin. "
+        "Stopped (Ctrl-C, SIGTERM, a crash), the same command continues where it stopped.",
     )
     prepare.add_argument("inputs", nargs="+", type=Path, metavar="INPUT")
     prepare.add_argument("--out", required=True, type=Path, metavar="DIR")
@@ -37,6 +39,27 @@ def _parser() -> argparse.ArgumentParser:
         "--tokenizer",
         default=None,
         help="'byte' (default) or the path of a tokenizer.json (needs the tokenizers package)",
+    )
+    prepare.add_argument(
+        "--workers", type=int, default=None, metavar="N", help="processes (default: the cores)"
+    )
+    prepare.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="the JSON field or column that holds the text (default: text)",
+    )
+    prepare.add_argument(
+        "--shard-size",
+        default=None,
+        metavar="SIZE",
+        help="input bytes per output shard, e.g. 256M (default: about 64 shards, 1M to 256M each)",
+    )
+    prepare.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "uint16", "uint32"],
+        help="token id dtype (default auto: uint16 when every id fits)",
     )
     inspect = commands.add_parser(
         "inspect",
@@ -105,13 +128,39 @@ def _parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     generate.add_argument("--json", action="store_true", help="print prompt_ids, ids and text")
+    plot = commands.add_parser(
+        "plot",
+        help="draw PNG figures of runs: loss, learning rate, throughput, routing",
+        description="Write PNG figures of RUN_DIR (metrics.jsonl, expert_load.jsonl): loss "
+        "and eval loss by step and by tokens, learning rate, tokens/s and MFU, expert load, "
+        "EP-rank load, and the balancing loss against the real imbalance with the routing "
+        "check's warnings. Several RUN_DIRs overlay their curves. Needs matplotlib "
+        "(moestack-train[plot]).",
+    )
+    plot.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    plot.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the PNG files go (default RUN_DIR/plots for one run, ./plots for several)",
+    )
     _add_plan(commands)
+    verify = commands.add_parser(
+        "verify",
+        help="replay a run from checkpoint A to checkpoint B's step and compare with B",
+        description="Replay training from CKPT_A to CKPT_B's step with A's config, data and "
+        "seeds (refused when a data file's sha256 no longer matches A's manifest) and compare "
+        "every tensor with CKPT_B: bitwise on the layout that wrote B, within a stated "
+        "tolerance on another. Run it as training runs (torchrun for several ranks); "
+        "--parallel.key=value sets the replay's layout.",
+    )
+    verify.add_argument("checkpoint_a", type=Path, metavar="CKPT_A")
+    verify.add_argument("checkpoint_b", type=Path, metavar="CKPT_B")
     return parser
 
 
 def _add_plan(commands: argparse._SubParsersAction) -> None:
-    from moe_train.plan import DEVICES
-
     plan = commands.add_parser(
         "plan",
         help="predict memory, traffic and throughput of a config's layouts on N devices",
@@ -122,7 +171,9 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("config", type=Path, help="YAML config file")
     plan.add_argument("--gpus", type=int, required=True, metavar="N", help="devices in all")
-    plan.add_argument("--gpu", choices=list(DEVICES), default=None, help="the device (default h100)")
+    plan.add_argument(
+        "--gpu", default=None, help="h100, h200, b200 or b300 (default h100, or the figures below)"
+    )
     plan.add_argument("--gpus-per-node", type=int, default=None, metavar="G")
     plan.add_argument("--gpu-memory-gib", type=float, default=None, metavar="M")
     plan.add_argument("--gpu-tflops", type=float, default=None, metavar="F", help="dense bf16")
@@ -155,6 +206,29 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     plan = make_plan(load_config(args.config, overrides), args.gpus, device)
     print(json.dumps(plan_json(plan), indent=1) if args.json else format_plan(plan, args.top))
     return 0 if plan.own.error is None and plan.own.fits else 1
+
+
+def _verify(args: argparse.Namespace, layout: list[str]) -> int:
+    from moe_train.verify import format_verdict, verify
+
+    verdict, a, b = verify(args.checkpoint_a, args.checkpoint_b, layout=layout)
+    if verdict is None:  # not rank 0
+        return 0
+    print(format_verdict(verdict, a, b))
+    return 0 if verdict.ok else 1
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from moe_train.plot import plot_runs
+
+    result = plot_runs(args.run_dirs, args.out)
+    for note in result.notes:
+        print(f"note: {note}")
+    print(
+        f"wrote {len(result.files)} figures to {result.out}: "
+        f"{', '.join(path.name for path in result.files)}"
+    )
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -266,6 +340,8 @@ def run(argv: list[str]) -> int:
         return _train(args.config, extra)
     if args.command == "plan":
         return _plan(args, extra)
+    if args.command == "verify":
+        return _verify(args, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "inspect":
@@ -276,12 +352,23 @@ def run(argv: list[str]) -> int:
         return _import_hf(args)
     if args.command == "generate":
         return _generate(args)
-    from moe_train.data import prepare_data
+    if args.command == "plot":
+        return _plot(args)
+    from moe_train.data import prepare_data, usable_cores
 
-    meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer)
+    meta = prepare_data(
+        args.inputs,
+        args.out,
+        tokenizer=args.tokenizer,
+        workers=usable_cores() if args.workers is None else args.workers,
+        text_field=args.text_field,
+        shard_size=args.shard_size,
+        dtype=args.dtype,
+        progress=sys.stderr,
+    )
     print(
         f"wrote {meta['num_tokens']:,} tokens of {meta['num_documents']:,} documents "
-        f"({meta['dtype']}) to {args.out}"
+        f"({meta['dtype']}, {len(meta['shards'])} shards) to {args.out}"
     )
     return 0
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import yaml
 
+from moe_train.data.token_files import split_dtype_suffix
 from moe_train.errors import ConfigError
 
 
@@ -117,7 +118,9 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     paths: list[str] = field(default_factory=lambda: ["builtin:stdlib"])
-    """Prepared token directories, .npy token arrays, or builtin:stdlib (no download)."""
+    """Directories written by prepare-data, .npy token arrays, headerless token files named
+    with their dtype (`path.npy:uint32`; also uint16, int32, int64: raw little-endian ids, as
+    OLMo-core's and dolma's tooling write them), or builtin:stdlib (no download)."""
     seq_len: int = 256
     """Tokens per training sequence."""
     global_batch_size: int = 16
@@ -130,6 +133,11 @@ class DataConfig:
     def validate(self, path: str) -> None:
         if not self.paths:
             raise ConfigError(f"{path}.paths is empty; give at least one data path")
+        for index, entry in enumerate(self.paths):
+            try:
+                split_dtype_suffix(entry)
+            except ValueError as e:
+                raise ConfigError(f"{path}.paths[{index}]={entry!r}: {e}") from e
         _positive(self, path, "seq_len", "global_batch_size", "micro_batch_size")
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
@@ -201,6 +209,36 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
+class RoutingCheckConfig:
+    """When to warn that the balancing loss hides an uneven load (RUN_DIR/expert_load.jsonl)."""
+
+    max_rank_imbalance: float | None = 1.3
+    """Copies processed by a layer's busiest expert-parallel rank over the mean per rank, over
+    a step's global batch, above which that rank holds the step up; null turns the check off.
+    With parallel.ep=1 there is one rank and the check never fires."""
+    balanced_lb_loss: float = 1.1
+    """A layer's load-balancing loss (unweighted, mean over micro-batches; 1.0 when even) at
+    or below which the loss counts its routing as balanced."""
+    logged_steps: int = 5
+    """Logged steps (every train.log_interval) in a row that a layer must look balanced to
+    the loss while its rank imbalance exceeds max_rank_imbalance before the console warns,
+    once per layer, and the metrics rows count the layer in hidden_imbalance_layers."""
+
+    def validate(self, path: str) -> None:
+        if self.max_rank_imbalance is not None and not self.max_rank_imbalance > 1:
+            raise ConfigError(
+                f"{path}.max_rank_imbalance={self.max_rank_imbalance} must be above 1 (the "
+                f"busiest rank over the mean is never below 1), or null to turn the check off"
+            )
+        if not self.balanced_lb_loss >= 1:
+            raise ConfigError(
+                f"{path}.balanced_lb_loss={self.balanced_lb_loss} must be at least 1 (the "
+                f"load-balancing loss of an even routing)"
+            )
+        _positive(self, path, "logged_steps")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     max_steps: int = 200
     """Optimizer steps to run."""
@@ -231,10 +269,13 @@ class TrainConfig:
     """Also log every metrics row to this Weights & Biases project, in a run named after the
     run directory that a resume continues; null turns it off (needs the extra
     moestack-train[wandb]; WANDB_MODE=offline keeps the run in RUN_DIR/wandb for `wandb sync`)."""
+    routing_check: RoutingCheckConfig = field(default_factory=RoutingCheckConfig)
+    """The balance-versus-load check on the logged steps' routing."""
 
     def validate(self, path: str) -> None:
         _positive(self, path, "max_steps", "log_interval")
         _non_negative(self, path, "max_skipped_steps")
+        self.routing_check.validate(f"{path}.routing_check")
         if self.seed < 0:
             raise ConfigError(f"{path}.seed={self.seed} must be >= 0")
         if self.peak_flops is not None and self.peak_flops <= 0:

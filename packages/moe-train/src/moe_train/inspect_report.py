@@ -59,6 +59,8 @@ def build_report(path: Path, *, verify: bool, all_tensors: bool) -> dict[str, An
         "saved_topology": state.get("topology"),
         "saved_world_size": summary["saved_world_size"],
         "data": state.get("data"),
+        "manifest": state.get("manifest"),
+        "tokens_per_source": state.get("tokens_per_source"),
         "model_config": model if isinstance(model, dict) else None,
         "trainer_state_error": state_error,
         "total_bytes": summary["total_bytes"],
@@ -87,6 +89,7 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     if report["trainer_state_error"] is not None:
         lines.append(f"{'warning':<12} trainer state unreadable: {report['trainer_state_error']}")
+    lines += _manifest_lines(report["manifest"], report["tokens_per_source"])
     lines.append("model config" if report["model_config"] else "model config unknown")
     for key, value in _flatten(report["model_config"] or {}):
         lines.append(f"  {key:<28} {value}")
@@ -96,6 +99,32 @@ def format_report(report: dict[str, Any]) -> str:
             f"({report['tensors_left_out']} optimizer tensors not listed; --all lists them)"
         )
     return "\n".join(lines)
+
+
+def _manifest_lines(manifest: dict[str, Any] | None, seen: dict[str, int] | None) -> list[str]:
+    """The run manifest the checkpoint carries: data sources and the run's launches."""
+    if not manifest:
+        return [f"{'manifest':<12} none (saved by a release before run manifests)"]
+    lines = ["data sources (token files, sha256)"]
+    for source in manifest.get("data", []):
+        tokens = (seen or {}).get(source["path"])
+        extra = f", {tokens:,} tokens seen" if tokens is not None else ""
+        lines.append(f"  {source['path']} ({len(source['files'])} files{extra})")
+        lines += [f"    {f['file']} {f['sha256']}" for f in source["files"][:8]]
+        if len(source["files"]) > 8:
+            lines.append(f"    ... and {len(source['files']) - 8} more (--json lists all)")
+    lines.append("launches of the run")
+    for segment in manifest.get("segments", []):
+        source = segment.get("source") or {}
+        commit = source.get("commit", "not a git checkout")[:12]
+        dirty = " (with local changes)" if source.get("dirty") else ""
+        packages = (segment.get("environment") or {}).get("packages", {})
+        lines.append(
+            f"  steps {segment['start_step']}-{segment['end_step']}: commit {commit}{dirty}, "
+            f"torch {packages.get('torch', '?')}, moestack-train "
+            f"{packages.get('moestack-train', '?')}, {_pairs(segment.get('topology'))}"
+        )
+    return lines
 
 
 def _tensor_table(tensors: dict[str, dict[str, Any]]) -> list[str]:

@@ -3,8 +3,10 @@
 Writes config.json, generation_config.json, sharded safetensors in the hub layout (one tensor
 per expert and projection) with model.safetensors.index.json, and tokenizer.json with
 tokenizer_config.json: the run's own tokenizer.json, or the byte tokenizer rebuilt as one
-(`moe_train.hf.tokenizer`). Data that is only pre-tokenized arrays gives no tokenizer files. Everything is written to a scratch directory
-beside `out` and moved into place at the end, so a refused or failed export leaves no `out`.
+(`moe_train.hf.tokenizer`); data that is only pre-tokenized arrays gives no tokenizer files.
+Also README.md, a model card generated from the checkpoint (`moe_train.hf.model_card`).
+Everything is written to a scratch directory beside `out` and moved into place at the end,
+so a refused or failed export leaves no `out`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from moe_checkpoint import (
 from moe_train.config import Config, saved_config_from_dict
 from moe_train.errors import MoeTrainError
 from moe_train.hf.architectures import Architecture, ExportError, HFTensor, choose_architecture
+from moe_train.hf.model_card import model_card
 from moe_train.hf.output_dir import written_whole
 from moe_train.hf.tokenizer import write_tokenizer
 
@@ -81,7 +84,8 @@ def export_checkpoint(
         raise ExportError(f"--out {out} already exists and is not an empty directory")
     try:
         ckpt = resolve_checkpoint(checkpoint)
-        config = saved_config_from_dict(read_trainer_state(ckpt)["config"])
+        trainer_state = read_trainer_state(ckpt)
+        config = saved_config_from_dict(trainer_state["config"])
         stored = {
             name: tuple(t["shape"])
             for name, t in checkpoint_summary(ckpt, verify=False)["tensors"].items()
@@ -107,6 +111,8 @@ def export_checkpoint(
         ).save_pretrained(scratch)
         if with_tokenizer:
             write_tokenizer(transformers, tokenizer_file, eos_id, scratch)
+        card = model_card(trainer_state, config, architecture.name, name=out.resolve().name)
+        (scratch / "README.md").write_text(card)
     files = sorted(p.name for p in out.iterdir())
     return ExportResult(out, ckpt, architecture.name, files, notes)
 

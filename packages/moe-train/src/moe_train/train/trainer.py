@@ -35,7 +35,9 @@ from moe_train.train.checkpointing import (
 from moe_train.train.config_changes import Change, check_resume_config
 from moe_train.train.console import Console
 from moe_train.train.evaluate import Evaluator
+from moe_train.train.expert_load import ExpertLoadLog
 from moe_train.train.host_memory import keep_freed_host_memory
+from moe_train.train.manifest import manifest_at, start_manifest, write_manifest
 from moe_train.train.metrics import MetricsLog
 from moe_train.train.peak import peak_flops
 from moe_train.train.run_dir import prepare_run_dir, truncate_metrics
@@ -94,8 +96,10 @@ def train(
     *,
     device: torch.device | None = None,
     stops: StopRequests | None = None,
+    stop_at_step: int | None = None,
 ) -> TrainResult:
-    """Train `config.model` on `config.data` up to `config.train.max_steps` steps.
+    """Train `config.model` on `config.data` up to `config.train.max_steps` steps (or only
+    up to `stop_at_step`, saving a checkpoint there: how `moe-train verify` replays a run).
 
     Runs in one process, or as one rank of a torchrun (or cluster launcher) launch: each
     rank calls this. A stop signal ends it early after a checkpoint (`stopped_by`). `stops`:
@@ -108,7 +112,7 @@ def train(
     try:
         with contextlib.nullcontext(stops) if stops else StopRequests() as active:
             active.announce_on(runtime.is_main)
-            trainer = Trainer(config, runtime, active)
+            trainer = Trainer(config, runtime, active, stop_at_step)
             result = trainer.run()
         clean = True
         return result
@@ -126,8 +130,16 @@ def train(
 class Trainer:
     """One rank's training run. Construction is the setup and resume phases; `run` the rest."""
 
-    def __init__(self, config: Config, runtime: Runtime, stops: StopRequests) -> None:
+    def __init__(
+        self,
+        config: Config,
+        runtime: Runtime,
+        stops: StopRequests,
+        stop_at_step: int | None = None,
+    ) -> None:
         self.config, self.runtime, self.stops = config, runtime, stops
+        self.end_step = min(config.train.max_steps, stop_at_step or config.train.max_steps)
+        """The step the loop stops before: train.max_steps, or an earlier one asked for."""
         self.checkpoints: Checkpoints | None = None
         self.trackers: Trackers | None = None
         self._setup()
@@ -192,9 +204,16 @@ class Trainer:
             self.checkpoints.last_committed = self.resume.path
         if config.checkpoint.enabled:
             runtime.on_main(lambda: check_no_newer_checkpoints(root, self.start_step))
+        self.manifest = None
         if runtime.is_main:
             dump_config(config, self.run_dir / "config.yaml")
             truncate_metrics(self.run_dir / "metrics.jsonl", self.start_step)
+            previous = self.resume.state.get("manifest") if self.resume else None
+            topology = runtime.layout.describe()
+            self.manifest = start_manifest(
+                config, topology, runtime.device, self.start_step, previous
+            )
+            write_manifest(self.run_dir, self.manifest)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl") if runtime.is_main else None
         self.console = Console(
             config.train.max_steps,
@@ -202,6 +221,13 @@ class Trainer:
             enabled=runtime.is_main,
             progress=config.train.progress,
             world_size=runtime.layout.world_size,
+        )
+        self.expert_load = (
+            ExpertLoadLog(
+                self.run_dir, self.start_step, config.train.routing_check, self.console.message
+            )
+            if runtime.is_main and config.model.dense_layers < config.model.n_layers
+            else None
         )
         data = config.data
         self.tokens_per_step = data.global_batch_size * data.seq_len
@@ -292,7 +318,7 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """The step, log and save phases, step after step, until train.max_steps or a stop."""
-        max_steps = self.config.train.max_steps
+        max_steps = self.end_step
         stopped_by = None
         next_step = self.start_step
         if not self.already_finished:
@@ -310,12 +336,16 @@ class Trainer:
                     if stopped_by:
                         break
                 self.checkpoints.finish()
+                if self.manifest is not None:
+                    done = manifest_at(self.manifest, next_step, completed=True)
+                    write_manifest(self.run_dir, done)
                 last = self.checkpoints.last_committed
                 self.console.summary(time.perf_counter() - started, str(last) if last else None)
                 failed = False
             finally:
-                if self.metrics is not None:
-                    self.metrics.close()
+                for log in (self.metrics, self.expert_load):
+                    if log is not None:
+                        log.close()
                 if self.trackers is not None:
                     self.trackers.close(failed=failed)
         return TrainResult(
@@ -367,6 +397,9 @@ class Trainer:
         eval_loss: float | None,
     ) -> None:
         stats, train_cfg = result.stats, self.config.train
+        logged = step % train_cfg.log_interval == 0 or step == train_cfg.max_steps - 1
+        if self.expert_load is not None and logged and stats.routing is not None:
+            self.expert_load.write(step, stats.routing)
         record = {
             "step": step,
             "loss": _finite_or_none(stats.lm_loss),
@@ -377,6 +410,7 @@ class Trainer:
             "tokens_per_s": self.tokens_per_step / step_time,
             "mfu": self.step_flops / step_time / (self.peak * self.runtime.layout.world_size),
             "expert_load_max_over_mean": stats.load_max_over_mean,
+            "hidden_imbalance_layers": self.expert_load.flagged_layers if self.expert_load else 0,
             "dropped_token_frac": stats.dropped_fraction,
             "peak_mem_bytes": peak,
             "step_time_s": step_time,
@@ -386,7 +420,6 @@ class Trainer:
         }
         if eval_loss is not None:
             record["eval_loss"] = _finite_or_none(eval_loss)
-        logged = step % train_cfg.log_interval == 0 or step == train_cfg.max_steps - 1
         if self.metrics is not None and (logged or not result.applied or eval_loss is not None):
             self.metrics.write(record)
             if self.trackers is not None:
@@ -421,9 +454,11 @@ class Trainer:
         checkpoints = self.checkpoints
         if not checkpoints.enabled:
             return
-        last = next_step == self.config.train.max_steps
+        last = next_step == self.end_step
         if last or stop or time_due or checkpoints.due_by_steps(next_step):
             loop_state = {"skipped_steps": self.skipped_steps}
+            if self.manifest is not None:
+                loop_state["manifest"] = manifest_at(self.manifest, next_step)
             checkpoints.save(next_step, loop_state)
 
 

@@ -1,0 +1,212 @@
+"""The run manifest: what a run was made of, for anyone who has to say how a model was made.
+
+`RUN_DIR/manifest.json` is written when a run starts and completed when it ends; every
+checkpoint carries the manifest as of its step. It records the resolved config, the seeds,
+every data source with the facts its meta.json holds and the sha256 of each token file
+training reads, and one segment per launch of the run (a resume adds one): the steps it ran,
+the versions of the code and of the libraries that affect the numbers, the source tree's
+commit (when run from a git checkout), the command, the layout and the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moe_train.config import Config
+from moe_train.errors import DataError
+
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = "moe-stack-manifest-v1"
+
+PACKAGES = (
+    "moestack-train",
+    "moestack-kernels",
+    "moestack-dispatch",
+    "moestack-parallel",
+    "moestack-checkpoint",
+    "torch",
+    "triton",
+    "numpy",
+    "safetensors",
+    "tokenizers",
+    "torchao",
+)
+"""Distributions whose versions a manifest records: ours, and those that change the numbers."""
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Interpreter, platform, library versions and the devices in use."""
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    versions["torch"] = torch.__version__  # with its build tag (e.g. +cu128), which the
+    # distribution's metadata leaves out
+    facts: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": versions,
+        "torch_cuda": torch.version.cuda,
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        facts["device_name"] = torch.cuda.get_device_name(device)
+        facts["cudnn"] = torch.backends.cudnn.version()
+    return facts
+
+
+def source_tree() -> dict[str, Any] | None:
+    """The git commit of the checkout this package is imported from, and whether it has local
+    changes; None when it is not in a git checkout (an installed wheel)."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=here, capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": bool(status), "root": git("rev-parse", "--show-toplevel")}
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, as `sha256sum` prints it."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+    except OSError as e:
+        raise DataError(f"cannot read {path} ({e.strerror})") from e
+    return digest.hexdigest()
+
+
+def data_facts(entry: str, directory: Path) -> dict[str, Any]:
+    """One `data.paths` entry: its token files with their sha256 and, for a prepared
+    directory, what its meta.json says (sources with their sha256 and tokens, tokenizer).
+    `directory` is where the entry's files are (for builtin:stdlib, its prepared cache)."""
+    meta_path = directory / "meta.json"
+    if directory.is_dir() and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if "shards" in meta:
+            files = [{"file": s["file"], "sha256": s["sha256"]} for s in meta["shards"]]
+        else:  # a single-file directory of an earlier release
+            files = [{"file": "tokens.bin", "sha256": file_sha256(directory / "tokens.bin")}]
+        facts = {key: meta[key] for key in meta if key not in ("shards",)}
+        return {"path": entry, "kind": "prepared", "dir": str(directory), "files": files, **facts}
+    return {
+        "path": entry,
+        "kind": "token file",
+        "files": [{"file": str(directory), "sha256": file_sha256(directory)}],
+    }
+
+
+def check_data_files(manifest: dict[str, Any]) -> list[str]:
+    """Token files named by `manifest` that are missing or whose sha256 differs, one line each."""
+    problems = []
+    for source in manifest["data"]:
+        base = Path(source["dir"]) if source["kind"] == "prepared" else None
+        for entry in source["files"]:
+            path = base / entry["file"] if base is not None else Path(entry["file"])
+            if not path.is_file():
+                problems.append(f"{path} is missing (data source {source['path']})")
+            elif file_sha256(path) != entry["sha256"]:
+                problems.append(
+                    f"{path} has changed since the run (sha256 {file_sha256(path)[:16]}..., the "
+                    f"manifest says {entry['sha256'][:16]}...; data source {source['path']})"
+                )
+    return problems
+
+
+def data_sources(config: Config) -> list[dict[str, Any]]:
+    """`data_facts` of every `data.paths` entry of `config`."""
+    from moe_train.data import builtin_dataset_dir, split_dtype_suffix
+    from moe_train.data.builtin import BUILTIN_STDLIB
+
+    data = config.data
+    facts = []
+    for entry in data.paths:
+        if entry == BUILTIN_STDLIB:
+            cache = Path(data.cache_dir) if data.cache_dir else None
+            facts.append(data_facts(entry, builtin_dataset_dir(cache)))
+        else:
+            facts.append(data_facts(entry, Path(split_dtype_suffix(entry)[0])))
+    return facts
+
+
+def start_manifest(
+    config: Config,
+    topology: dict[str, Any],
+    device: torch.device,
+    start_step: int,
+    previous: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The manifest of a run starting (or, with the `previous` manifest of the checkpoint it
+    resumes from, continuing) at `start_step`: the config and data as they are now, and the
+    segments of the run so far plus this one (code, environment, layout, steps)."""
+    segment = {
+        "start_step": start_step,
+        "end_step": start_step,
+        "started": _now(),
+        "completed": None,
+        "command": sys.argv,
+        "source": source_tree(),
+        "environment": environment(device),
+        "topology": topology,
+    }
+    earlier = list(previous.get("segments", [])) if previous else []
+    return {
+        "format": MANIFEST_FORMAT,
+        "config": config.to_dict(),
+        "seeds": {"train.seed": config.train.seed},
+        "data": data_sources(config),
+        "segments": [*earlier, segment],
+    }
+
+
+def manifest_at(manifest: dict[str, Any], step: int, *, completed: bool = False) -> dict[str, Any]:
+    """The manifest with its current segment reaching `step` (and closed, if `completed`)."""
+    segment = {**manifest["segments"][-1], "end_step": step}
+    if completed:
+        segment["completed"] = _now()
+    return {**manifest, "segments": [*manifest["segments"][:-1], segment]}
+
+
+def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
+    """Write RUN_DIR/manifest.json whole (a new file renamed over the old one)."""
+    path = run_dir / MANIFEST_FILE
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(manifest, indent=1, default=_jsonable) + "\n")
+    partial.replace(path)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.integer | np.floating):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

@@ -1,0 +1,267 @@
+"""`moe-train verify CKPT_A CKPT_B`: replay a run from checkpoint A to B's step with A's
+manifest (config, data, seeds) and compare the result with B, tensor by tensor.
+
+On the layout that wrote B the replay must match bitwise (training is deterministic on a
+given layout); on another layout within a float tolerance (the summation order of gradient
+reductions differs). Data files whose sha256 no longer matches A's manifest, a config of B
+that differs from A's, or checkpoints of different runs are refused with one line each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from moe_checkpoint import CheckpointError, read_trainer_state, resolve_checkpoint
+from moe_train.config import Config, config_from_dict, parse_overrides, saved_config_from_dict
+from moe_train.errors import ConfigError, DataError, MoeTrainError
+from moe_train.train.manifest import check_data_files
+
+OTHER_LAYOUT_RTOL = 1e-3
+"""Relative tolerance (of each tensor's largest magnitude) when the replay runs on another
+layout than B's: reductions sum in another order, and Adam amplifies those roundings in
+elements with near-zero gradients over a few steps."""
+
+_FREE_KEYS = (
+    "train.run_dir",
+    "train.progress",
+    "train.log_interval",
+    "train.peak_flops",
+    "train.tensorboard",
+    "train.wandb_project",
+    "train.routing_check",
+    "parallel.",
+    "checkpoint.",
+    "eval.",
+)
+"""Keys (and sections) that may differ between A's and B's runs without changing what the
+steps compute: logging, where files go, and the layout (a run may resume on another)."""
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    name: str
+    max_abs: float
+    """Largest absolute difference."""
+    scale: float
+    """Largest magnitude of the tensor in B."""
+    differing: int
+    """Elements that differ at all."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    step_a: int
+    step_b: int
+    same_layout: bool
+    """Whether the replay ran on the layout that wrote B (then it must match bitwise)."""
+    tensors: int
+    diffs: list[TensorDiff]
+    """Every tensor that differs (bitwise), with how much."""
+    failures: list[TensorDiff]
+    """Those beyond what the comparison allows."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def read_pair(path_a: Path, path_b: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any]]:
+    """Both checkpoints and their trainer states, checked to be of one run, A before B."""
+    try:
+        a, b = resolve_checkpoint(path_a), resolve_checkpoint(path_b)
+        state_a, state_b = read_trainer_state(a), read_trainer_state(b)
+    except CheckpointError as e:
+        raise MoeTrainError(str(e)) from e
+    for path, state in ((a, state_a), (b, state_b)):
+        if "manifest" not in state:
+            raise MoeTrainError(
+                f"{path} carries no run manifest (written by a release before manifests); "
+                "it cannot be verified"
+            )
+    if state_a["step"] >= state_b["step"]:
+        raise MoeTrainError(
+            f"{a} is at step {state_a['step']}, not before {b} (step {state_b['step']}); "
+            "give the earlier checkpoint first"
+        )
+    changed = _config_changes(state_a["config"], state_b["config"])
+    if changed:
+        raise MoeTrainError(f"{b} was trained with another config than {a}: {changed[0]}")
+    return a, b, state_a, state_b
+
+
+def replay_config(
+    state_a: dict[str, Any], a: Path, step_b: int, work_dir: Path, layout: list[str]
+) -> Config:
+    """A's config (with the `layout` overrides of parallel.* keys), set to resume from A in
+    `work_dir` and save at `step_b` only (no tracking, no evaluation)."""
+    for override in layout:
+        if not override.startswith("--parallel."):
+            raise ConfigError(
+                f"{override}: verify replays A's config and takes only the layout "
+                "(--parallel.key=value)"
+            )
+    config = saved_config_from_dict(state_a["config"])
+    if layout:
+        data = config.to_dict()
+        data["parallel"].update(parse_overrides(layout)["parallel"])
+        config = config_from_dict(data)
+    return dataclasses.replace(
+        config,
+        train=dataclasses.replace(
+            config.train,
+            run_dir=str(work_dir / "run"),
+            progress=False,
+            tensorboard=False,
+            wandb_project=None,
+        ),
+        checkpoint=dataclasses.replace(
+            config.checkpoint,
+            dir=str(work_dir / "checkpoints"),
+            resume=str(a),
+            interval=step_b,
+            interval_minutes=0,
+            async_save=False,
+            keep_last=1,
+        ),
+        eval=dataclasses.replace(config.eval, interval=0),
+    )
+
+
+def verify(
+    path_a: Path,
+    path_b: Path,
+    *,
+    layout: list[str] | None = None,
+    work_dir: Path | None = None,
+    device: torch.device | None = None,
+) -> tuple[Verdict | None, Path, Path]:
+    """Replay from A to B's step in a scratch directory and compare with B (on rank 0; None
+    on other ranks); also the two checkpoints as resolved. `work_dir`: the scratch directory
+    (every rank must see the same one: by default one under the temporary directory named
+    after the checkpoints and the launch, which suits ranks on one machine)."""
+    from moe_train.train import train
+
+    a, b, state_a, state_b = read_pair(path_a, path_b)
+    problems = check_data_files(state_a["manifest"])
+    if problems:
+        raise DataError(f"the data no longer matches {a}'s manifest: {problems[0]}")
+    scratch = work_dir or _default_scratch(a, b)
+    main = os.environ.get("RANK", "0") == "0"
+    if main:
+        shutil.rmtree(scratch, ignore_errors=True)  # a crashed earlier replay's
+        scratch.mkdir(parents=True)
+    try:
+        step_b = int(state_b["step"])
+        config = replay_config(state_a, a, step_b, scratch, layout or [])
+        result = train(config, device=device, stop_at_step=step_b)
+        if not result.is_main:  # rank 0 compares
+            return None, a, b
+        if result.checkpoint is None or result.end_step != step_b:
+            raise MoeTrainError(f"the replay stopped at step {result.end_step}, not {step_b}")
+        replayed_state = read_trainer_state(result.checkpoint)
+        same_layout = replayed_state.get("topology") == state_b.get("topology")
+        verdict = compare(result.checkpoint, b, int(state_a["step"]), step_b, same_layout)
+        return verdict, a, b
+    finally:
+        if main:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _default_scratch(a: Path, b: Path) -> Path:
+    launch = [os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")]
+    key = "|".join([str(a.resolve()), str(b.resolve()), *launch])
+    return (
+        Path(tempfile.gettempdir()) / f"moe-verify-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    )
+
+
+def compare(replayed: Path, b: Path, step_a: int, step_b: int, same_layout: bool) -> Verdict:
+    """Every tensor of `replayed` against B's: bitwise, or within OTHER_LAYOUT_RTOL."""
+    ours, theirs = _tensor_files(replayed), _tensor_files(b)
+    if set(ours) != set(theirs):
+        missing = sorted(set(ours) ^ set(theirs))
+        raise MoeTrainError(f"{b} and the replay hold different tensors, e.g. {missing[0]}")
+    diffs, failures = [], []
+    for name in sorted(ours):
+        x, y = _read(ours[name], name), _read(theirs[name], name)
+        if x.shape != y.shape:
+            raise MoeTrainError(f"{name}: shape {tuple(y.shape)} in {b}, {tuple(x.shape)} replayed")
+        if torch.equal(x, y):
+            continue
+        delta = (x.double() - y.double()).abs()
+        scale = float(y.double().abs().max()) if y.numel() else 0.0
+        diff = TensorDiff(name, float(delta.max()), scale, int((delta != 0).sum()))
+        diffs.append(diff)
+        allowed = 0.0 if same_layout else OTHER_LAYOUT_RTOL * max(scale, 1e-30)
+        if not diff.max_abs <= allowed or not math.isfinite(diff.max_abs):
+            failures.append(diff)
+    return Verdict(step_a, step_b, same_layout, len(ours), diffs, failures)
+
+
+def format_verdict(verdict: Verdict, a: Path, b: Path) -> str:
+    how = (
+        "bitwise (same layout as B)"
+        if verdict.same_layout
+        else (
+            f"within {OTHER_LAYOUT_RTOL:g} of each tensor's largest value (another layout than B)"
+        )
+    )
+    lines = [
+        f"replayed {a} (step {verdict.step_a}) to step {verdict.step_b} and compared "
+        f"{verdict.tensors} tensors with {b}, {how}:"
+    ]
+    if not verdict.diffs:
+        lines.append("  every tensor is identical")
+    for diff in verdict.diffs[:20]:
+        mark = "DIFFERS" if diff in verdict.failures else "ok"
+        lines.append(
+            f"  {mark:<7} {diff.name}: max |diff| {diff.max_abs:.3g} (largest value "
+            f"{diff.scale:.3g}), {diff.differing} elements"
+        )
+    if len(verdict.diffs) > 20:
+        lines.append(f"  ... and {len(verdict.diffs) - 20} more tensors that differ")
+    lines.append(
+        "verified: B follows from A"
+        if verdict.ok
+        else f"NOT verified: {len(verdict.failures)} tensors differ beyond what is allowed"
+    )
+    return "\n".join(lines)
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    files = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                files[name] = file
+    return files
+
+
+def _read(file: Path, name: str) -> torch.Tensor:
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def _config_changes(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    changes = []
+    for key in sorted(set(a) | set(b)):
+        path = f"{prefix}{key}"
+        if path.startswith(_FREE_KEYS):
+            continue
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            changes += _config_changes(va, vb, f"{path}.")
+        elif va != vb:
+            changes.append(f"{path} is {vb!r} in B, {va!r} in A")
+    return changes

@@ -1,0 +1,146 @@
+"""How a model was made: the run manifest, checkpoints that carry it, the model card, and
+`moe-train verify` on genuine and tampered checkpoint pairs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe_checkpoint import read_trainer_state
+from moe_train.config import config_from_dict
+from moe_train.errors import DataError, MoeTrainError
+from moe_train.train import train
+from moe_train.verify import verify
+from training import small_config_data
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _run(
+    tmp_path: Path, token_file: Path, name: str, stop_at: int | None = None, **sections
+) -> Path:
+    """Train a run of 6 steps (checkpoints every 3) into tmp_path/name, or only its steps
+    before `stop_at`; its checkpoints root."""
+    data = small_config_data(
+        tmp_path / name,
+        token_file,
+        checkpoint={"interval": 3, "keep_last": 5, **sections.pop("checkpoint", {})},
+        **sections,
+    )
+    train(config_from_dict(data), stop_at_step=stop_at)
+    return tmp_path / name / "checkpoints"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def test_the_manifest_records_config_data_code_and_each_launch(tmp_path, token_file):
+    root = _run(tmp_path, token_file, "run", train={"max_steps": 3})
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["config"]["optim"]["lr"] == 3e-3
+    assert manifest["seeds"] == {"train.seed": 0}
+    [source] = manifest["data"]
+    assert source["files"] == [{"file": str(token_file), "sha256": _sha256(token_file)}]
+    [segment] = manifest["segments"]
+    assert (segment["start_step"], segment["end_step"]) == (0, 3)
+    assert segment["completed"] is not None
+    assert segment["environment"]["packages"]["torch"] == torch.__version__
+    assert segment["source"]["commit"] == _git("rev-parse", "HEAD")
+    assert segment["source"]["dirty"] == bool(_git("status", "--porcelain", "--untracked-files=no"))
+    # Every checkpoint carries the manifest as of its step.
+    state = read_trainer_state(root / "step_00000003")
+    assert state["manifest"]["segments"][-1]["end_step"] == 3
+    assert state["manifest"]["data"] == manifest["data"]
+
+    # A resume adds a segment; the earlier one stays as the checkpoint recorded it.
+    data = small_config_data(
+        tmp_path / "run", token_file, train={"max_steps": 6}, checkpoint={"resume": "auto"}
+    )
+    train(config_from_dict(data))
+    resumed = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    first, second = resumed["segments"]
+    assert first == state["manifest"]["segments"][-1]
+    assert {k: v for k, v in first.items() if k != "completed"} == {
+        k: v for k, v in segment.items() if k != "completed"
+    }
+    assert (second["start_step"], second["end_step"]) == (3, 6)
+    assert second["completed"] is not None and resumed["config"]["train"]["max_steps"] == 6
+
+
+def test_verify_passes_a_genuine_pair_bitwise(tmp_path, token_file):
+    root = _run(tmp_path, token_file, "run")
+    verdict, _, _ = verify(root / "step_00000003", root / "step_00000006")
+    assert verdict.ok and verdict.same_layout and not verdict.diffs
+    assert verdict.tensors > 10
+
+
+def test_verify_finds_a_checkpoint_trained_on_changed_data(tmp_path, token_file):
+    # 8 windows of 32 tokens: every step reads all of them, the changed one included.
+    token_file = tmp_path / "small.npy"
+    text = b"one document. another document. " * 9
+    np.save(token_file, np.frombuffer(text[: 8 * 32 + 1], dtype=np.uint8).astype(np.uint16))
+    root = _run(tmp_path, token_file, "run", stop_at=3)
+    original = token_file.read_bytes()
+    # Resume from step 3 on data with one document changed, then put the data back.
+    ids = np.load(token_file)
+    ids[:14] = (ids[:14] + 7) % 256  # "one document."
+    np.save(token_file, ids)
+    data = small_config_data(
+        tmp_path / "run",
+        token_file,
+        checkpoint={"interval": 3, "keep_last": 5, "resume": "auto"},
+    )
+    train(config_from_dict(data))
+    with pytest.raises(DataError, match=r"no longer matches .*changed since the run"):
+        verify(root / "step_00000003", root / "step_00000006")
+    token_file.write_bytes(original)
+    verdict, _, _ = verify(root / "step_00000003", root / "step_00000006")
+    assert not verdict.ok
+    assert verdict.failures and all(d.max_abs > 0 for d in verdict.failures)
+
+
+def test_verify_refuses_pairs_of_different_runs_in_one_line(tmp_path, token_file):
+    root = _run(tmp_path, token_file, "run", stop_at=3)
+    other_lr = _run(tmp_path, token_file, "lr", optim={"lr": 1e-3})
+    other_seed = _run(tmp_path, token_file, "seed", train={"seed": 1})
+    a = root / "step_00000003"
+    with pytest.raises(MoeTrainError, match=r"another config .*optim\.lr is 0\.001 in B"):
+        verify(a, other_lr / "step_00000006")
+    with pytest.raises(MoeTrainError, match=r"train\.seed is 1 in B, 0 in A"):
+        verify(a, other_seed / "step_00000006")
+    with pytest.raises(MoeTrainError, match="give the earlier checkpoint first"):
+        verify(other_lr / "step_00000006", a)
+
+
+@pytest.mark.slow
+def test_verify_command_on_another_layout_and_the_model_card(tmp_path, token_file):
+    root = _run(tmp_path, token_file, "run")
+    a, b = root / "step_00000003", root / "step_00000006"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    command += ["-m", "moe_train.cli", "verify", str(a), str(b)]
+    layout = ["--parallel.ep=2", "--parallel.dispatcher=all_to_all"]
+    done = subprocess.run([*command, *layout], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "another layout than B" in done.stdout and "verified: B follows from A" in done.stdout
+
+    out = tmp_path / "export"
+    export = [sys.executable, "-m", "moe_train.cli", "export", str(b), "--out", str(out)]
+    done = subprocess.run(export, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlicense:")
+    assert _sha256(token_file)[:16] in card
+    assert "| steps | 6 of 6 |" in card and "Qwen3MoeForCausalLM" in card
+    assert _git("rev-parse", "HEAD") in card
