@@ -144,3 +144,28 @@ def test_verify_command_on_another_layout_and_the_model_card(tmp_path, token_fil
     assert _sha256(token_file)[:16] in card
     assert "| steps | 6 of 6 |" in card and "Qwen3MoeForCausalLM" in card
     assert _git("rev-parse", "HEAD") in card
+
+
+def test_checkpoints_count_the_tokens_seen_per_source_across_a_resume(tmp_path):
+    # Two sources whose ids do not overlap: a window's ids say which source it came from.
+    low, high = tmp_path / "low.npy", tmp_path / "high.npy"
+    rng = np.random.default_rng(0)
+    np.save(low, rng.integers(0, 100, 3000).astype(np.uint16))
+    np.save(high, rng.integers(100, 200, 9000).astype(np.uint16))
+    data = small_config_data(tmp_path / "run", low, checkpoint={"interval": 3, "keep_last": 5})
+    data["data"]["paths"] = [str(low), str(high)]
+    train(config_from_dict(data), stop_at_step=3)
+    train(config_from_dict({**data, "checkpoint": {**data["checkpoint"], "resume": "auto"}}))
+    state = read_trainer_state(tmp_path / "run" / "checkpoints" / "step_00000006")
+
+    from moe_train.data import TokenDataset
+
+    config = config_from_dict(data)
+    dataset = TokenDataset(config.data.paths, config.data.seq_len)
+    from_low = 0
+    for step in range(6):
+        batch = dataset.batch(step, config.data.global_batch_size, config.train.seed)
+        from_low += int((batch[:, 0] < 100).sum()) * config.data.seq_len
+    total = 6 * config.data.global_batch_size * config.data.seq_len
+    assert state["tokens_per_source"] == {str(low): from_low, str(high): total - from_low}
+    assert 0 < from_low < total

@@ -141,6 +141,13 @@ class TokenDataset:
             indices[in_epoch] = self._permutation(seed, int(epoch))[offsets[in_epoch]]
         return indices
 
+    def tokens_per_source(self, step: int, global_batch_size: int, seed: int) -> np.ndarray:
+        """[sources] int64: the target tokens step `step`'s global batch takes from each
+        source, in the order of `sources`."""
+        indices = self.sequence_indices(step, global_batch_size, seed)
+        owners = np.searchsorted(self._window_ends, indices, side="right")
+        return np.bincount(owners, minlength=len(self.sources)).astype(np.int64) * self.seq_len
+
     def batch(self, step: int, global_batch_size: int, seed: int) -> torch.Tensor:
         """Step `step`'s global batch: a LongTensor [global_batch_size, seq_len + 1].
 

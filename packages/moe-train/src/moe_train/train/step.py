@@ -38,7 +38,7 @@ from moe_train.model import (
     apply_param_dtype,
     apply_recompute,
 )
-from moe_train.train.pipeline import PipelineRunner, check_pipeline, plan_stages
+from moe_train.train.pipeline import PipelineRunner, plan_stages
 from moe_train.train.routing import StepRouting, max_over_mean
 from moe_train.train.runtime import Runtime
 
@@ -242,15 +242,13 @@ class StepResult:
 class StepRunner:
     """The model and optimizer of this rank, and the optimizer step over them.
 
-    Built on every rank at the same point (the optimizer and pipeline stages are collective);
-    checks the pipeline settings first, so every rank raises the same error before any
-    collective.
+    Built on every rank at the same point (the optimizer and pipeline stages are collective),
+    after `start_runtime` checked the layout (pipeline settings included) on every rank.
     """
 
     def __init__(self, config: Config, runtime: Runtime) -> None:
         layout, device = runtime.layout, runtime.device
         data = config.data
-        check_pipeline(config, layout.dp)
         self.config, self.runtime = config, runtime
         self.compute_dtype = DTYPES[config.precision.compute_dtype]
         self.param_dtype = DTYPES[config.precision.param_dtype]

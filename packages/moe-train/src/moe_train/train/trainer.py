@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 
@@ -147,6 +148,8 @@ class Trainer:
         self.skipped_steps = int(self.resume.state.get("skipped_steps", 0)) if self.resume else 0
         self.bad_streak = 0
         self.losses: list[float] = []
+        self.tokens_per_source = self._tokens_seen_before(self.start_step)
+        """Target tokens trained on from each data source so far (rank 0's count is saved)."""
         if self.already_finished:
             return
         self._open_files()
@@ -314,6 +317,19 @@ class Trainer:
             + (f"; checkpoint.init_from={ignored} ignored (resuming)" if ignored else "")
         )
 
+    def _tokens_seen_before(self, step: int) -> np.ndarray:
+        """Tokens per source of the steps before `step`: as the resumed checkpoint recorded
+        them, or counted again (a checkpoint of an earlier release, or another data order)."""
+        saved = self.resume.state.get("tokens_per_source") if self.resume else None
+        paths = self.config.data.paths
+        if isinstance(saved, dict) and list(saved) == list(paths):
+            return np.array([saved[p] for p in paths], dtype=np.int64)
+        data, seed = self.config.data, self.config.train.seed
+        total = np.zeros(len(paths), dtype=np.int64)
+        for earlier in range(step):
+            total += self.dataset.tokens_per_source(earlier, data.global_batch_size, seed)
+        return total
+
     # ---- the loop ----------------------------------------------------------------------
 
     def run(self) -> TrainResult:
@@ -368,6 +384,9 @@ class Trainer:
         if runtime.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(runtime.device)
         batch = self.dataset.batch(step, config.data.global_batch_size, config.train.seed)
+        self.tokens_per_source += self.dataset.tokens_per_source(
+            step, config.data.global_batch_size, config.train.seed
+        )
         lr = lr_at(step, config.optim, config.train.max_steps)
         result = self.runner.train_step(batch, lr)
         self.losses.append(result.stats.lm_loss)
@@ -456,7 +475,12 @@ class Trainer:
             return
         last = next_step == self.end_step
         if last or stop or time_due or checkpoints.due_by_steps(next_step):
-            loop_state = {"skipped_steps": self.skipped_steps}
+            loop_state = {
+                "skipped_steps": self.skipped_steps,
+                "tokens_per_source": dict(
+                    zip(self.config.data.paths, self.tokens_per_source.tolist(), strict=True)
+                ),
+            }
             if self.manifest is not None:
                 loop_state["manifest"] = manifest_at(self.manifest, next_step)
             checkpoints.save(next_step, loop_state)
