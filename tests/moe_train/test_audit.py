@@ -169,3 +169,14 @@ def test_checkpoints_count_the_tokens_seen_per_source_across_a_resume(tmp_path):
     total = 6 * config.data.global_batch_size * config.data.seq_len
     assert state["tokens_per_source"] == {str(low): from_low, str(high): total - from_low}
     assert 0 < from_low < total
+
+
+def test_token_file_hashes_are_remembered_until_the_file_changes(tmp_path):
+    from moe_train.train.manifest import known_sha256
+
+    path, cache = tmp_path / "tokens.bin", tmp_path / "cache"
+    path.write_bytes(b"\x01\x00" * 1000)
+    assert known_sha256(path, cache) == _sha256(path)
+    assert len(list((cache / "sha256").iterdir())) == 1
+    path.write_bytes(b"\x02\x00" * 1001)  # another size (and time): hashed again
+    assert known_sha256(path, cache) == _sha256(path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -101,23 +102,44 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def data_facts(entry: str, directory: Path) -> dict[str, Any]:
+def known_sha256(path: Path, cache_dir: Path) -> str:
+    """sha256 of a token file, remembered in `cache_dir` by path, size and modification time
+    so that a run's start does not read terabytes again (`moe-train verify` always reads)."""
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    record = cache_dir / "sha256" / hashlib.sha256(key.encode()).hexdigest()
+    if record.is_file():
+        return record.read_text().strip()
+    digest = file_sha256(path)
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        partial = record.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(digest + "\n")
+        partial.replace(record)
+    except OSError:  # a read-only cache: hash again next time
+        pass
+    return digest
+
+
+def data_facts(entry: str, directory: Path, cache_dir: Path) -> dict[str, Any]:
     """One `data.paths` entry: its token files with their sha256 and, for a prepared
     directory, what its meta.json says (sources with their sha256 and tokens, tokenizer).
-    `directory` is where the entry's files are (for builtin:stdlib, its prepared cache)."""
+    `directory` is where the entry's files are (for builtin:stdlib, its prepared cache);
+    `cache_dir` remembers the sha256 of files that no meta.json records."""
     meta_path = directory / "meta.json"
     if directory.is_dir() and meta_path.is_file():
         meta = json.loads(meta_path.read_text())
         if "shards" in meta:
             files = [{"file": s["file"], "sha256": s["sha256"]} for s in meta["shards"]]
         else:  # a single-file directory of an earlier release
-            files = [{"file": "tokens.bin", "sha256": file_sha256(directory / "tokens.bin")}]
+            digest = known_sha256(directory / "tokens.bin", cache_dir)
+            files = [{"file": "tokens.bin", "sha256": digest}]
         facts = {key: meta[key] for key in meta if key not in ("shards",)}
         return {"path": entry, "kind": "prepared", "dir": str(directory), "files": files, **facts}
     return {
         "path": entry,
         "kind": "token file",
-        "files": [{"file": str(directory), "sha256": file_sha256(directory)}],
+        "files": [{"file": str(directory), "sha256": known_sha256(directory, cache_dir)}],
     }
 
 
@@ -141,16 +163,16 @@ def check_data_files(manifest: dict[str, Any]) -> list[str]:
 def data_sources(config: Config) -> list[dict[str, Any]]:
     """`data_facts` of every `data.paths` entry of `config`."""
     from moe_train.data import builtin_dataset_dir, split_dtype_suffix
-    from moe_train.data.builtin import BUILTIN_STDLIB
+    from moe_train.data.builtin import BUILTIN_STDLIB, default_cache_dir
 
     data = config.data
+    cache = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
     facts = []
     for entry in data.paths:
         if entry == BUILTIN_STDLIB:
-            cache = Path(data.cache_dir) if data.cache_dir else None
-            facts.append(data_facts(entry, builtin_dataset_dir(cache)))
+            facts.append(data_facts(entry, builtin_dataset_dir(cache), cache))
         else:
-            facts.append(data_facts(entry, Path(split_dtype_suffix(entry)[0])))
+            facts.append(data_facts(entry, Path(split_dtype_suffix(entry)[0]), cache))
     return facts
 
 
