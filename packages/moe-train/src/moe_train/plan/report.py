@@ -112,8 +112,9 @@ def plan_json(plan: Plan) -> dict[str, Any]:
 
 def _row(r: Evaluated, device: Device) -> dict[str, Any]:
     row: dict[str, Any] = {"layout": r.label, "starts": r.error is None, "fits": r.fits}
+    if r.reason:
+        row["reason"] = r.reason
     if r.error:
-        row["error"] = r.error
         return row
     row["memory_bytes"] = {**r.memory.categories(), "total": r.memory.total}
     row["activations_per_micro_batch"] = r.memory.activations
