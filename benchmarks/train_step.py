@@ -3,7 +3,9 @@ compute on fp32 parameters, and bf16 parameters (`PRECISIONS`).
 
 MFU is model FLOPs (6 x active parameters + causal attention) per second over the peak
 matmul rate of this machine, measured once per dtype at the start of this run and shared by
-every row, so the rows compare within one run. The first steps of each run warm up caches
+every row, so the rows compare within one run. Each row trains in a fresh process: in one
+process the second of two medium-sized rows ran 4-6x slower than alone, whichever came
+second (the allocator's state after the first run's gigabytes). The first steps of each run warm up caches
 and kernel choices and are left out of the medians. bench-14m is the reference trainer's
 benchmark model (``BENCH_14M``), built as overrides of configs/tiny.yaml.
 
@@ -23,6 +25,8 @@ import argparse
 import json
 import re
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -245,28 +249,46 @@ def main() -> None:
     )
     parser.add_argument("--compile", action="store_true", help="rows with train.compile=true")
     parser.add_argument("--out", type=Path, default=Path("bench_results/train_step.json"))
+    parser.add_argument(
+        "--one-row", nargs=3, metavar=("CONFIG", "DTYPE", "PEAK"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error(f"--steps={args.steps} must exceed --warmup={args.warmup}")
+    if args.one_row:  # a row in this fresh process; its JSON to --out
+        name, dtype, peak = args.one_row
+        with tempfile.TemporaryDirectory() as tmp:
+            row = run_one(name, dtype, args, float(peak), Path(tmp))
+        args.out.write_text(json.dumps(row))
+        return
 
     peaks = {
         dtype: measure_matmul_peak(PEAK_DTYPES[dtype], torch.device("cpu")) for dtype in args.dtypes
     }
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.configs:
-            for dtype in args.dtypes:
-                row = run_one(name, dtype, args, peaks[dtype], Path(tmp))
-                rows.append(row)
-                print(
-                    f"{row['config']:>9} {row['dtype']:>9}  {row['tokens_per_s']:>10,.0f} tok/s  "
-                    f"MFU {100 * row['mfu']:5.1f}%  step {row['step_time_s']:.3f} s",
-                    flush=True,
-                )
+    for name in args.configs:
+        for dtype in args.dtypes:
+            row = _run_in_fresh_process(name, dtype, peaks[dtype], args)
+            rows.append(row)
+            print(
+                f"{row['config']:>9} {row['dtype']:>9}  {row['tokens_per_s']:>10,.0f} tok/s  "
+                f"MFU {100 * row['mfu']:5.1f}%  step {row['step_time_s']:.3f} s",
+                flush=True,
+            )
     print_table(rows, peaks)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"peak_flops": peaks, "runs": rows}, indent=2))
     print(f"\nwrote {args.out}")
+
+
+def _run_in_fresh_process(name: str, dtype: str, peak: float, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        command = [sys.executable, __file__, "--one-row", name, dtype, repr(peak)]
+        command += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
+        command += ["--breakdown"] * args.breakdown + ["--compile"] * args.compile
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
 
 
 if __name__ == "__main__":
