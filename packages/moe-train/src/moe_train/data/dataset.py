@@ -6,6 +6,7 @@ replaying earlier steps, whatever the parallel layout.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,9 +60,15 @@ class TokenDataset:
     """
 
     def __init__(
-        self, paths: Sequence[str | Path], seq_len: int, *, cache_dir: Path | None = None
+        self,
+        paths: Sequence[str | Path],
+        seq_len: int,
+        *,
+        cache_dir: Path | None = None,
+        stream: int | None = None,
     ) -> None:
-        """Open each of `paths`; `cache_dir` is where builtin:stdlib is prepared on first use."""
+        """Open each of `paths`; `cache_dir` is where builtin:stdlib is prepared on first use;
+        `stream` (for one source of a mixture) gives the dataset shuffles of its own."""
         if isinstance(paths, str | Path):
             paths = [paths]
         if seq_len < 1:
@@ -69,6 +76,7 @@ class TokenDataset:
         if not paths:
             raise DataError(f"data.paths is empty; give {_VALID_PATHS}")
         self.seq_len = seq_len
+        self._stream = () if stream is None else (stream,)
         self.sources = [_open_source(path, cache_dir) for path in paths]
 
         eos_ids = sorted({s.eos_id for s in self.sources if s.eos_id is not None})
@@ -96,6 +104,8 @@ class TokenDataset:
             )
         self._index_dtype = np.int32 if self.num_sequences < 2**31 else np.int64
         self._permutations: dict[tuple[int, int], np.ndarray] = {}
+        # Batches may be read ahead in a thread while the loop counts tokens.
+        self._permutations_lock = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
@@ -125,17 +135,26 @@ class TokenDataset:
         start = (index - int(self._window_starts[source_index])) * self.seq_len
         return self.sources[source_index].tokens.read(start, start + self.seq_len + 1)
 
+    @property
+    def source_names(self) -> list[str]:
+        """The sources whose tokens `tokens_per_source` counts: each data.paths entry."""
+        return [s.path for s in self.sources]
+
     def sequence_indices(self, step: int, global_batch_size: int, seed: int) -> np.ndarray:
         """Which windows make up step `step`'s global batch, in order.
 
         Sample position p = step * global_batch_size + i is window
         permutation_e[p % num_sequences] of epoch e = p // num_sequences.
         """
-        _check_batch_args(step, global_batch_size, seed)
+        check_batch_args(step, global_batch_size, seed)
         positions = step * global_batch_size + np.arange(global_batch_size, dtype=np.int64)
+        return self.windows_at(positions, seed)
+
+    def windows_at(self, positions: np.ndarray, seed: int) -> np.ndarray:
+        """The windows at sample positions `positions` (int64) of the shuffled epochs."""
         epochs = positions // self.num_sequences
         offsets = positions % self.num_sequences
-        indices = np.empty(global_batch_size, dtype=np.int64)
+        indices = np.empty(len(positions), dtype=np.int64)
         for epoch in np.unique(epochs):
             in_epoch = epochs == epoch
             indices[in_epoch] = self._permutation(seed, int(epoch))[offsets[in_epoch]]
@@ -144,22 +163,40 @@ class TokenDataset:
     def tokens_per_source(self, step: int, global_batch_size: int, seed: int) -> np.ndarray:
         """[sources] int64: the target tokens step `step`'s global batch takes from each
         source, in the order of `sources`."""
-        indices = self.sequence_indices(step, global_batch_size, seed)
+        return self.tokens_of_windows(self.sequence_indices(step, global_batch_size, seed))
+
+    def tokens_of_windows(self, indices: np.ndarray) -> np.ndarray:
+        """[sources] int64: the target tokens windows `indices` hold from each source."""
         owners = np.searchsorted(self._window_ends, indices, side="right")
         return np.bincount(owners, minlength=len(self.sources)).astype(np.int64) * self.seq_len
+
+    def tokens_before(self, step: int, global_batch_size: int, seed: int) -> np.ndarray:
+        """[sources] int64: the target tokens steps 0 .. step-1 took from each source."""
+        check_batch_args(step, global_batch_size, seed)
+        return self.tokens_in_first(step * global_batch_size, seed)
+
+    def tokens_in_first(self, samples: int, seed: int) -> np.ndarray:
+        """[sources] int64: the target tokens the first `samples` sample positions hold from
+        each source (whole epochs hold every window once)."""
+        epochs, rest = divmod(samples, self.num_sequences)
+        windows = np.diff(self._window_ends, prepend=0) * self.seq_len
+        partial = self.tokens_of_windows(self._permutation(seed, epochs)[:rest])
+        return epochs * windows + partial
 
     def batch(self, step: int, global_batch_size: int, seed: int) -> torch.Tensor:
         """Step `step`'s global batch: a LongTensor [global_batch_size, seq_len + 1].
 
         Depends only on (seed, step); inputs are `[:, :-1]`, targets `[:, 1:]`.
         """
-        import torch
+        return self.rows(step, global_batch_size, seed, 0, global_batch_size)
 
-        indices = self.sequence_indices(step, global_batch_size, seed)
-        batch = np.empty((global_batch_size, self.seq_len + 1), dtype=np.int64)
-        for row, index in enumerate(indices):
-            batch[row] = self.sequence(int(index))
-        return torch.from_numpy(batch)
+    def rows(
+        self, step: int, global_batch_size: int, seed: int, start: int, stop: int
+    ) -> torch.Tensor:
+        """Rows start .. stop-1 of step `step`'s global batch (a LongTensor
+        [stop - start, seq_len + 1]), reading only those sequences."""
+        indices = self.sequence_indices(step, global_batch_size, seed)[start:stop]
+        return read_windows(self, indices)
 
     def state(self, step: int, global_batch_size: int) -> dict[str, int]:
         """Data position after `step` steps, for checkpoints."""
@@ -173,10 +210,15 @@ class TokenDataset:
         }
 
     def _permutation(self, seed: int, epoch: int) -> np.ndarray:
+        with self._permutations_lock:
+            return self._cached_permutation(seed, epoch)
+
+    def _cached_permutation(self, seed: int, epoch: int) -> np.ndarray:
         key = (seed, epoch)
         permutation = self._permutations.get(key)
         if permutation is None:
-            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch])))
+            entropy = [seed, epoch, *self._stream]
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
             permutation = np.arange(self.num_sequences, dtype=self._index_dtype)
             rng.shuffle(permutation)
             if len(self._permutations) >= _CACHED_PERMUTATIONS:
@@ -185,7 +227,17 @@ class TokenDataset:
         return permutation
 
 
-def _check_batch_args(step: int, global_batch_size: int, seed: int) -> None:
+def read_windows(dataset: TokenDataset, indices: np.ndarray) -> torch.Tensor:
+    """The windows `indices` of `dataset` as a LongTensor [len(indices), seq_len + 1]."""
+    import torch
+
+    batch = np.empty((len(indices), dataset.seq_len + 1), dtype=np.int64)
+    for row, index in enumerate(indices):
+        batch[row] = dataset.sequence(int(index))
+    return torch.from_numpy(batch)
+
+
+def check_batch_args(step: int, global_batch_size: int, seed: int) -> None:
     if step < 0:
         raise ValueError(f"step={step} must be >= 0")
     if global_batch_size < 1:

@@ -1,6 +1,7 @@
 """The reference MoE transformer."""
 
 from moe_train.model.accounting import ParamCounts, count_params, flops_per_token
+from moe_train.model.attention import document_ids, document_mask
 from moe_train.model.loss import head_lm_loss, lm_loss
 from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput
 from moe_train.model.training_choices import (
@@ -26,6 +27,8 @@ __all__ = [
     "apply_param_dtype",
     "apply_recompute",
     "count_params",
+    "document_ids",
+    "document_mask",
     "flops_per_token",
     "head_lm_loss",
     "lm_loss",

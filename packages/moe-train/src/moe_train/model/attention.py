@@ -1,7 +1,9 @@
-"""RMSNorm, rotary position embeddings and causal grouped-query attention.
+"""RMSNorm, rotary position embeddings and causal grouped-query attention, optionally kept
+inside each document of a packed sequence.
 
-B batch, S positions of this call, L positions of a KV cache (its capacity), H heads (query or
-key/value), D channels per head (the whole model width where named so).
+B batch, S positions of this call (T of the keys where they differ), L positions of a KV
+cache (its capacity), H heads (query or key/value), D channels per head (the whole model
+width where named so).
 """
 
 from collections.abc import Callable
@@ -40,6 +42,20 @@ def apply_rope(x_BHSD: Tensor, cos_SD: Tensor, sin_SD: Tensor, start: int = 0) -
     `x_BHSD` holds positions `start, start + 1, ...`."""
     end = start + x_BHSD.shape[-2]
     return rotary(x_BHSD, cos_SD[start:end].to(x_BHSD.dtype), sin_SD[start:end].to(x_BHSD.dtype))
+
+
+def document_ids(tokens_BS: Tensor, eos_id: int) -> Tensor:
+    """The document of each position of packed sequences [B, S] (int64): documents end at
+    `eos_id`, which belongs to the document it ends."""
+    ends_BS = (tokens_BS == eos_id).long()
+    return torch.cumsum(ends_BS, dim=1) - ends_BS
+
+
+def document_mask(doc_ids_BS: Tensor) -> Tensor:
+    """The attention mask [B, 1, S, S] (True: attend) letting each position see the earlier
+    positions of its own document only (`doc_ids_BS` non-decreasing along each row)."""
+    same_BSS = doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]
+    return same_BSS.tril()[:, None]
 
 
 @dataclass
@@ -88,9 +104,11 @@ class Attention(nn.Module):
         sin: Tensor,
         cache: LayerKVCache | None = None,
         start: int = 0,
+        mask_B1ST: Tensor | None = None,
     ) -> Tensor:
         """Attention over positions `0..start + S`: those of `x_BSD` (`start, start + 1, ...`)
-        and, with a `cache`, the `start` earlier ones it holds (the new ones are added to it)."""
+        and, with a `cache`, the `start` earlier ones it holds (the new ones are added to it).
+        `mask_B1ST` (no cache; see `document_mask`) replaces the causal mask."""
         batch, seq_len, d_model = x_BSD.shape
         kv_dim = self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x_BSD).split([d_model, kv_dim, kv_dim], dim=-1)
@@ -101,6 +119,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin, start), apply_rope(k, cos, sin, start)
         mask, causal = None, True
+        if mask_B1ST is not None:
+            if cache is not None:
+                raise ValueError("attention takes a mask or a KV cache, not both")
+            mask, causal = mask_B1ST, False
         if cache is not None:
             k, v = cache.store(start, k, v)
             if start > 0:

@@ -13,7 +13,13 @@ from typing import Any
 
 from moe_train.errors import ConfigError
 
-SAMPLE_KEYS = ("data.paths", "data.seq_len", "data.global_batch_size", "train.seed")
+SAMPLE_KEYS = (
+    "data.paths",
+    "data.mixture",
+    "data.seq_len",
+    "data.global_batch_size",
+    "train.seed",
+)
 """Keys that decide which samples a step sees."""
 
 

@@ -37,6 +37,7 @@ from moe_train.model import (
     apply_expert_gemm,
     apply_param_dtype,
     apply_recompute,
+    document_ids,
 )
 from moe_train.train.pipeline import PipelineRunner, plan_stages
 from moe_train.train.routing import StepRouting, max_over_mean
@@ -160,14 +161,18 @@ def accumulate_gradients(
     reducer: TrainingOptimizer,
     autocast: Callable[[], contextlib.AbstractContextManager],
     num_micro: int,
+    eos_id: int | None = None,
 ) -> torch.Tensor:
-    """Forward and backward of each micro-batch [n, mbs, seq+1]; the sum of their LM losses."""
+    """Forward and backward of each micro-batch [n, mbs, seq+1]; the sum of their LM losses.
+    With `eos_id`, attention stays inside the documents that end at it."""
     lm_loss_sum = torch.zeros((), device=micro_batches.device, dtype=torch.float64)
     for index, micro in enumerate(micro_batches):
         if index == len(micro_batches) - 1:
             reducer.arm()  # gradient reductions overlap this last backward
+        inputs = micro[:, :-1]
+        doc_ids = document_ids(inputs, eos_id) if eos_id is not None else None
         with autocast():
-            loss = model(micro[:, :-1], targets_BS=micro[:, 1:])
+            loss = model(inputs, targets_BS=micro[:, 1:], doc_ids_BS=doc_ids)
         # Every micro-batch of the step weighs 1/num_micro, on whichever rank it is; the MoE
         # auxiliary losses ride along (see Transformer.set_aux_loss_scale).
         (loss / num_micro).backward()
@@ -246,7 +251,8 @@ class StepRunner:
     after `start_runtime` checked the layout (pipeline settings included) on every rank.
     """
 
-    def __init__(self, config: Config, runtime: Runtime) -> None:
+    def __init__(self, config: Config, runtime: Runtime, eos_id: int | None = None) -> None:
+        """`eos_id`: the data's end-of-document id, which data.document_masking needs."""
         layout, device = runtime.layout, runtime.device
         data = config.data
         self.config, self.runtime = config, runtime
@@ -298,6 +304,15 @@ class StepRunner:
         )
         grad_clip = config.optim.grad_clip
         self.grad_clip = grad_clip if grad_clip is not None else float("inf")
+        self.document_eos_id: int | None = None
+        """The id documents end at when attention stays inside them (data.document_masking)."""
+        if data.document_masking:
+            if eos_id is None:
+                raise ConfigError(
+                    "data.document_masking=true needs the data's end-of-document id; the data "
+                    "declares none (directories written by prepare-data do)"
+                )
+            self.document_eos_id = eos_id
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The compute-dtype context of forward passes."""
@@ -305,19 +320,35 @@ class StepRunner:
             return contextlib.nullcontext()
         return torch.autocast(self.runtime.device.type, dtype=self.compute_dtype)
 
+    @property
+    def my_rows(self) -> tuple[int, int]:
+        """The rows (start, stop) of a step's global batch that this rank trains on."""
+        mbs = self.config.data.micro_batch_size
+        return self.first_micro * mbs, (self.first_micro + self.my_micro) * mbs
+
     def my_micro_batches(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's micro-batches [n, mbs, seq+1] of a step's global batch, on its device."""
+        start, stop = self.my_rows
+        return self.as_micro_batches(batch[start:stop])
+
+    def as_micro_batches(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global batch ([my_rows' length, seq+1]) as its micro-batches
+        [n, mbs, seq+1] on its device (a copy that overlaps compute from pinned memory)."""
         data = self.config.data
-        micro_batches = batch.view(self.num_micro, data.micro_batch_size, data.seq_len + 1)
-        mine = micro_batches[self.first_micro : self.first_micro + self.my_micro]
-        return mine.to(self.runtime.device)
+        micro_batches = rows.view(self.my_micro, data.micro_batch_size, data.seq_len + 1)
+        return micro_batches.to(self.runtime.device, non_blocking=rows.is_pinned())
 
     def forward_backward(self, micro_batches: torch.Tensor) -> torch.Tensor:
         """Gradients of this rank's micro-batches; the sum of their LM losses it computed."""
         if self.pipeline is not None:
             return self.pipeline.forward_backward(micro_batches)
         return accumulate_gradients(
-            self.model, micro_batches, self.optimizer, self.autocast, self.num_micro
+            self.model,
+            micro_batches,
+            self.optimizer,
+            self.autocast,
+            self.num_micro,
+            self.document_eos_id,
         )
 
     def reduce_and_clip(self) -> float:
@@ -335,10 +366,15 @@ class StepRunner:
         update_balancing_biases(self.model, stats.expert_copies_LE)
 
     def train_step(self, batch: torch.Tensor, lr: float) -> StepResult:
-        """One step on a global batch. A step whose global loss or gradient norm is not
-        finite is skipped: nothing is updated (every rank sees the same global figures, so
-        every rank decides the same)."""
-        lm_loss_sum = self.forward_backward(self.my_micro_batches(batch))
+        """One step on a global batch (this rank trains on its `my_rows`)."""
+        return self.train_on(self.my_micro_batches(batch), lr)
+
+    def train_on(self, micro_batches: torch.Tensor, lr: float) -> StepResult:
+        """One step, this rank training on `micro_batches` [n, mbs, seq+1] (its share of the
+        global batch). A step whose global loss or gradient norm is not finite is skipped:
+        nothing is updated (every rank sees the same global figures, so every rank decides
+        the same)."""
+        lm_loss_sum = self.forward_backward(micro_batches)
         grad_norm = self.reduce_and_clip()
         stats = self.step_stats(lm_loss_sum)
         applied = stats.finite and math.isfinite(grad_norm)

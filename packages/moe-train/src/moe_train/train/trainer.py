@@ -14,15 +14,11 @@ import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
-import yaml
 
 from moe_train.config import Config, dump_config
-from moe_train.data import TokenDataset
-from moe_train.errors import DataError, MoeTrainError, TrainingDiverged
+from moe_train.errors import TrainingDiverged
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.signals import StopRequests
 from moe_train.train.checkpointing import (
@@ -30,18 +26,17 @@ from moe_train.train.checkpointing import (
     check_no_newer_checkpoints,
     checkpoint_root,
     find_init_checkpoint,
-    find_resume_checkpoint,
-    read_resume_state,
 )
-from moe_train.train.config_changes import Change, check_resume_config
 from moe_train.train.console import Console
+from moe_train.train.data_feed import BatchFeed, TokenCounts, describe_sources, open_dataset
 from moe_train.train.evaluate import Evaluator
 from moe_train.train.expert_load import ExpertLoadLog
 from moe_train.train.host_memory import keep_freed_host_memory
 from moe_train.train.manifest import manifest_at, start_manifest, write_manifest
 from moe_train.train.metrics import MetricsLog
 from moe_train.train.peak import peak_flops
-from moe_train.train.run_dir import prepare_run_dir, truncate_metrics
+from moe_train.train.resume_point import ResumePoint, find_resume_point, open_run_dir
+from moe_train.train.run_dir import truncate_metrics
 from moe_train.train.runtime import Runtime, lost_rank_error, start_runtime
 from moe_train.train.schedule import lr_at
 from moe_train.train.step import DTYPES, StepResult, StepRunner
@@ -68,21 +63,6 @@ class TrainResult:
     """The newest committed checkpoint of the run when it ended, if any."""
     already_finished: bool = False
     """The resumed checkpoint was already at train.max_steps: nothing ran."""
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """A committed checkpoint to continue from, read and checked on rank 0."""
-
-    path: Path
-    state: dict[str, Any]
-    """Its trainer_state.json."""
-    changes: list[Change]
-    """Config keys that differ from the checkpoint's (all allowed)."""
-
-    @property
-    def step(self) -> int:
-        return int(self.state["step"])
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -148,7 +128,8 @@ class Trainer:
         self.skipped_steps = int(self.resume.state.get("skipped_steps", 0)) if self.resume else 0
         self.bad_streak = 0
         self.losses: list[float] = []
-        self.tokens_per_source = self._tokens_seen_before(self.start_step)
+        saved_counts = self.resume.state.get("tokens_per_source") if self.resume else None
+        self.tokens_seen = TokenCounts.before(self.dataset, config, self.start_step, saved_counts)
         """Target tokens trained on from each data source so far (rank 0's count is saved)."""
         if self.already_finished:
             return
@@ -171,31 +152,31 @@ class Trainer:
         )
         if runtime.device.type == "cpu":
             keep_freed_host_memory()
-        data = config.data
-        self.dataset = TokenDataset(
-            data.paths, data.seq_len, cache_dir=Path(data.cache_dir) if data.cache_dir else None
-        )
-        if self.dataset.vocab_size > config.model.vocab_size:
-            raise DataError(
-                f"data.paths hold token ids up to {self.dataset.vocab_size - 1} but "
-                f"model.vocab_size={config.model.vocab_size}; set model.vocab_size >= "
-                f"{self.dataset.vocab_size}"
-            )
+        self.dataset = open_dataset(config)
         # Measured before seeding: the measurement draws random numbers.
         compute_dtype = DTYPES[config.precision.compute_dtype]
         peak, self.peak_source = peak_flops(compute_dtype, runtime.device, config.train.peak_flops)
         self.peak = runtime.mean_over_world(peak)
         torch.manual_seed(config.train.seed)
         # Built before anything is written, so a backend that cannot run leaves no run directory.
-        self.runner = StepRunner(config, runtime)
+        self.runner = StepRunner(config, runtime, self.dataset.eos_id)
         self.evaluator = Evaluator(config, self.runner, runtime) if config.eval.interval else None
-        self.resume: ResumePoint | None = runtime.on_main(lambda: _find_resume_point(config))
+        self.feed = BatchFeed(
+            self.dataset,
+            self.runner.my_rows,
+            config.data.global_batch_size,
+            config.train.seed,
+            self.end_step,
+            prefetch=config.data.prefetch,
+            pin_memory=runtime.device.type == "cuda",
+        )
+        self.resume: ResumePoint | None = runtime.on_main(lambda: find_resume_point(config))
         self.already_finished = bool(self.resume and self.resume.step >= config.train.max_steps)
         # A relaunch (resume found this run's checkpoint) continues the run: init_from is moot.
         self.init_from: Path | None = None
         if config.checkpoint.init_from and self.resume is None:
             self.init_from = runtime.on_main(lambda: find_init_checkpoint(config))
-        self.run_dir: Path = runtime.on_main(lambda: _open_run_dir(config, self.resume))
+        self.run_dir: Path = runtime.on_main(lambda: open_run_dir(config, self.resume))
 
     def _open_files(self) -> None:
         config, runtime = self.config, self.runtime
@@ -264,7 +245,7 @@ class Trainer:
             ),
             (
                 "data",
-                f"{', '.join(data.paths)}: {data.global_batch_size} x {data.seq_len} = "
+                f"{describe_sources(data)}: {data.global_batch_size} x {data.seq_len} = "
                 f"{self.tokens_per_step:,} tokens per step",
             ),
             (
@@ -317,19 +298,6 @@ class Trainer:
             + (f"; checkpoint.init_from={ignored} ignored (resuming)" if ignored else "")
         )
 
-    def _tokens_seen_before(self, step: int) -> np.ndarray:
-        """Tokens per source of the steps before `step`: as the resumed checkpoint recorded
-        them, or counted again (a checkpoint of an earlier release, or another data order)."""
-        saved = self.resume.state.get("tokens_per_source") if self.resume else None
-        paths = self.config.data.paths
-        if isinstance(saved, dict) and list(saved) == list(paths):
-            return np.array([saved[p] for p in paths], dtype=np.int64)
-        data, seed = self.config.data, self.config.train.seed
-        total = np.zeros(len(paths), dtype=np.int64)
-        for earlier in range(step):
-            total += self.dataset.tokens_per_source(earlier, data.global_batch_size, seed)
-        return total
-
     # ---- the loop ----------------------------------------------------------------------
 
     def run(self) -> TrainResult:
@@ -359,6 +327,7 @@ class Trainer:
                 self.console.summary(time.perf_counter() - started, str(last) if last else None)
                 failed = False
             finally:
+                self.feed.close()
                 for log in (self.metrics, self.expert_load):
                     if log is not None:
                         log.close()
@@ -383,12 +352,12 @@ class Trainer:
         start = time.perf_counter()
         if runtime.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(runtime.device)
-        batch = self.dataset.batch(step, config.data.global_batch_size, config.train.seed)
-        self.tokens_per_source += self.dataset.tokens_per_source(
-            step, config.data.global_batch_size, config.train.seed
+        rows = self.feed.get(step)
+        self.tokens_seen.add(
+            self.dataset.tokens_per_source(step, config.data.global_batch_size, config.train.seed)
         )
         lr = lr_at(step, config.optim, config.train.max_steps)
-        result = self.runner.train_step(batch, lr)
+        result = self.runner.train_on(self.runner.as_micro_batches(rows), lr)
         self.losses.append(result.stats.lm_loss)
         if not result.applied:
             self.skipped_steps += 1
@@ -400,10 +369,16 @@ class Trainer:
         if self.evaluator is not None and self.evaluator.due(step + 1):
             eval_loss = self.evaluator.evaluate()
         time_due = runtime.is_main and self.checkpoints.due_by_time()
-        step_time, peak_mem, stop, time_due = runtime.max_over_world(
-            [step_time, float(peak_mem), float(self.stops.requested), float(time_due)]
+        step_time, data_wait, peak_mem, stop, time_due = runtime.max_over_world(
+            [
+                step_time,
+                self.feed.wait_s,
+                float(peak_mem),
+                float(self.stops.requested),
+                float(time_due),
+            ]
         )
-        self._log(step, lr, result, step_time, int(peak_mem), eval_loss)
+        self._log(step, lr, result, (step_time, data_wait), int(peak_mem), eval_loss)
         return result, {"stop": stop > 0, "time_due": time_due > 0}
 
     def _log(
@@ -411,11 +386,13 @@ class Trainer:
         step: int,
         lr: float,
         result: StepResult,
-        step_time: float,
+        times: tuple[float, float],
         peak: int,
         eval_loss: float | None,
     ) -> None:
+        """Write the step's metrics row (`times`: step time and data wait, in seconds)."""
         stats, train_cfg = result.stats, self.config.train
+        step_time, data_wait = times
         logged = step % train_cfg.log_interval == 0 or step == train_cfg.max_steps - 1
         if self.expert_load is not None and logged and stats.routing is not None:
             self.expert_load.write(step, stats.routing)
@@ -433,8 +410,10 @@ class Trainer:
             "dropped_token_frac": stats.dropped_fraction,
             "peak_mem_bytes": peak,
             "step_time_s": step_time,
+            "data_wait_s": data_wait,
             "skipped_steps": self.skipped_steps,
             "tokens_seen": (step + 1) * self.tokens_per_step,
+            "tokens_per_source": self.tokens_seen.for_metrics(),
             "time": time.time(),
         }
         if eval_loss is not None:
@@ -477,9 +456,7 @@ class Trainer:
         if last or stop or time_due or checkpoints.due_by_steps(next_step):
             loop_state = {
                 "skipped_steps": self.skipped_steps,
-                "tokens_per_source": dict(
-                    zip(self.config.data.paths, self.tokens_per_source.tolist(), strict=True)
-                ),
+                "tokens_per_source": self.tokens_seen.for_checkpoint(),
             }
             if self.manifest is not None:
                 loop_state["manifest"] = manifest_at(self.manifest, next_step)
@@ -489,34 +466,3 @@ class Trainer:
 def _finite_or_none(value: float) -> float | None:
     """JSON has no NaN or infinity: a non-finite figure is written as null."""
     return value if math.isfinite(value) else None
-
-
-def _find_resume_point(config: Config) -> ResumePoint | None:
-    """The checkpoint to continue from, with the config changes it allows (rank 0)."""
-    path = find_resume_checkpoint(config)
-    if path is None:
-        return None
-    state = read_resume_state(path)
-    if not isinstance(state.get("config"), dict) or "step" not in state:
-        raise MoeTrainError(f"{path}/trainer_state.json holds no step or config to resume")
-    changes = check_resume_config(
-        state["config"], config.to_dict(), path, config.checkpoint.allow_config_change
-    )
-    return ResumePoint(path, state, changes)
-
-
-def _open_run_dir(config: Config, resume: ResumePoint | None) -> Path:
-    """The run directory (rank 0). With resume=auto it is train.run_dir itself, also when a
-    job was stopped before its first checkpoint, as long as it holds the same run."""
-    auto = config.checkpoint.resume == "auto"
-    saved_config = Path(config.train.run_dir) / "config.yaml"
-    if auto and resume is None and saved_config.is_file():
-        try:
-            saved = yaml.safe_load(saved_config.read_text())
-        except yaml.YAMLError as e:
-            raise MoeTrainError(f"{saved_config} is not valid YAML; move it away") from e
-        if isinstance(saved, dict):
-            check_resume_config(
-                saved, config.to_dict(), saved_config, config.checkpoint.allow_config_change
-            )
-    return prepare_run_dir(config.train.run_dir, reuse=auto or resume is not None)

@@ -1,0 +1,114 @@
+"""Data wait: the share of training step time spent waiting for the step's sequences.
+
+Trains a config (default `configs/medium.yaml`, one process) for `--steps` steps twice in one
+run, reading each step's sequences ahead in a background thread (`data.prefetch=true`, the
+default) and at the start of the step (`data.prefetch=false`), in alternating rounds. Each
+metrics row holds the step time and the seconds that step waited for its sequences
+(`data_wait_s`); the first `--skip` steps of each run (start-up) are left out. "wait share"
+is the waited seconds over the step seconds; "read ms" is the median wait of the reading-at-
+the-start runs, i.e. the cost of reading a step's sequences. Goal: under 2% with prefetch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from moe_train.config import load_config
+from moe_train.train import read_metrics, train
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+
+def run_once(args: argparse.Namespace, prefetch: bool, run_dir: Path) -> dict:
+    """Train `args.steps` steps; the step and wait seconds of the steps after `args.skip`."""
+    overrides = [
+        f"--train.max_steps={args.steps}",
+        f"--train.run_dir={run_dir}",
+        "--train.log_interval=1",
+        "--train.progress=false",
+        f"--train.peak_flops={args.peak_flops}",
+        "--checkpoint.interval=0",
+        "--checkpoint.interval_minutes=0",
+        f"--data.prefetch={str(prefetch).lower()}",
+        *args.override,
+    ]
+    config = load_config(args.config, overrides)
+    train(config)
+    rows = read_metrics(run_dir / "metrics.jsonl")[args.skip :]
+    return {
+        "step_s": [row["step_time_s"] for row in rows],
+        "wait_s": [row["data_wait_s"] for row in rows],
+    }
+
+
+def summarise(runs: list[dict]) -> dict:
+    step_s = [s for run in runs for s in run["step_s"]]
+    wait_s = [w for run in runs for w in run["wait_s"]]
+    return {
+        "steps": len(step_s),
+        "median_step_s": statistics.median(step_s),
+        "median_wait_ms": 1e3 * statistics.median(wait_s),
+        "max_wait_ms": 1e3 * max(wait_s),
+        "wait_share": sum(wait_s) / sum(step_s),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=CONFIGS / "medium.yaml")
+    parser.add_argument("--steps", type=int, default=8, help="steps per run")
+    parser.add_argument("--skip", type=int, default=2, help="first steps left out (start-up)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of both")
+    parser.add_argument("--peak-flops", type=float, default=1e12, help="MFU denominator")
+    parser.add_argument(
+        "--override", action="append", default=[], help="a config override, e.g. --data.paths=..."
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench_results/data_loading.json"))
+    args = parser.parse_args()
+    if args.steps <= args.skip:
+        parser.error(f"--steps={args.steps} must be more than --skip={args.skip}")
+
+    runs: dict[str, list[dict]] = {"prefetch": [], "read at step start": []}
+    with tempfile.TemporaryDirectory() as work:
+        for round_index in range(args.rounds):
+            for name, prefetch in (("prefetch", True), ("read at step start", False)):
+                run_dir = Path(work) / f"{round_index}-{prefetch}"
+                runs[name].append(run_once(args, prefetch, run_dir))
+    summary = {name: summarise(r) for name, r in runs.items()}
+
+    header = f"{'reading':<20} {'steps':>6} {'step s':>8} {'wait ms':>9} {'max ms':>8} {'wait share':>11}"
+    print(
+        f"config {args.config.name}, {args.steps} steps per run ({args.skip} left out), "
+        f"{args.rounds} round(s)"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, figures in summary.items():
+        print(
+            f"{name:<20} {figures['steps']:>6} {figures['median_step_s']:>8.2f} "
+            f"{figures['median_wait_ms']:>9.2f} {figures['max_wait_ms']:>8.2f} "
+            f"{100 * figures['wait_share']:>10.2f}%"
+        )
+    goal = summary["prefetch"]["wait_share"] < 0.02
+    print(f"goal (prefetch wait share < 2%): {'met' if goal else 'NOT met'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "config": str(args.config),
+        "steps": args.steps,
+        "skip": args.skip,
+        "rounds": args.rounds,
+        "overrides": args.override,
+        "summary": summary,
+        "runs": runs,
+        "goal_met": goal,
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""data.document_masking: attention stays inside each document of a packed sequence, so the
+loss equals running each document alone."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_train.cli import main
+from moe_train.config import config_from_dict
+from moe_train.data import TokenDataset, prepare_data
+from moe_train.errors import ConfigError
+from moe_train.model import Transformer, document_ids
+from moe_train.train import train
+from training import small_config_data, small_model_config
+
+EOS = 0
+
+
+def _packed(rng, rows: int, length: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """Token rows [rows, length] of documents (ids 1..63) each ended by EOS, and where each
+    row's documents start."""
+    tokens = torch.from_numpy(rng.integers(1, 64, (rows, length)))
+    starts = []
+    for row in range(rows):
+        ends = np.sort(rng.choice(np.arange(1, length - 1), size=row + 1, replace=False))
+        tokens[row, ends] = EOS
+        starts.append([0, *(ends + 1).tolist()])
+    return tokens, starts
+
+
+def _each_document_alone(model, inputs, targets, starts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed token loss and logits of running every document by itself (the plain causal
+    path, positions from 0), in the packed layout."""
+    total = torch.zeros((), dtype=torch.float64)
+    logits = torch.empty(*inputs.shape, model.config.vocab_size)
+    for row, row_starts in enumerate(starts):
+        bounds = [*row_starts, inputs.shape[1]]
+        for begin, end in itertools.pairwise(bounds):
+            if begin >= end:
+                continue
+            alone = model(inputs[row : row + 1, begin:end])[0].float()
+            logits[row, begin:end] = alone
+            total += F.cross_entropy(alone, targets[row, begin:end], reduction="sum").double()
+    return total, logits
+
+
+def test_masked_loss_and_logits_equal_each_document_run_alone():
+    rng = np.random.default_rng(0)
+    model = Transformer(small_model_config(), max_seq_len=64, seed=2)
+    packed, starts = _packed(rng, rows=3, length=49)
+    inputs, targets = packed[:, :-1], packed[:, 1:]
+    with torch.no_grad():
+        doc_ids = document_ids(inputs, EOS)
+        masked = model(inputs, targets_BS=targets, doc_ids_BS=doc_ids)
+        plain = model(inputs, targets_BS=targets)
+        masked_logits = model(inputs, doc_ids_BS=doc_ids)
+        total, alone_logits = _each_document_alone(model, inputs, targets, starts)
+    reference = total / inputs.numel()
+    assert abs(masked.double() - reference) <= 1e-5 * abs(reference), (masked, reference)
+    worst = (masked_logits - alone_logits).abs().max().item()
+    assert worst < 1e-4, f"logits differ from per-document runs by up to {worst}"
+    assert abs(plain.double() - reference) > 1e-4, "the documents did not see each other anyway"
+
+
+def _short_documents(tmp_path):
+    """A prepared directory of short JSON Lines documents (byte tokenizer, eos 256)."""
+    rng = np.random.default_rng(1)
+    words = [
+        "the",
+        "of",
+        "model",
+        "data",
+        "expert",
+        "router",
+        "token",
+        "layer",
+        "loss",
+        "train",
+        "a",
+        "to",
+        "is",
+    ]
+    lines = [
+        json.dumps({"text": " ".join(rng.choice(words, rng.integers(1, 9)))}) for _ in range(600)
+    ]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    prepare_data([corpus], tmp_path / "docs")
+    return tmp_path / "docs"
+
+
+def test_a_training_step_with_masking_has_the_loss_of_documents_alone(tmp_path):
+    data_dir = _short_documents(tmp_path)
+    sections = {"train": {"max_steps": 1}, "model": {"vocab_size": 320, "init_std": 0.3}}
+    masked_data = small_config_data(tmp_path / "masked", data_dir, **sections)
+    masked_data["data"]["document_masking"] = True
+    config = config_from_dict(masked_data)
+    masked = train(config).losses[0]
+    plain = train(config_from_dict(small_config_data(tmp_path / "plain", data_dir, **sections)))
+
+    data = config.data
+    dataset = TokenDataset(data.paths, data.seq_len)
+    batch = dataset.batch(0, data.global_batch_size, config.train.seed)
+    assert (batch == dataset.eos_id).sum() >= data.global_batch_size, "too few documents"
+    model = Transformer(config.model, data.seq_len, seed=config.train.seed)
+    micro_losses = []
+    with torch.no_grad():
+        for micro in batch.split(data.micro_batch_size):
+            inputs, targets = micro[:, :-1], micro[:, 1:]
+            starts = [
+                [0, *((row == dataset.eos_id).nonzero().flatten() + 1).tolist()] for row in inputs
+            ]
+            total, _ = _each_document_alone(model, inputs, targets, starts)
+            micro_losses.append(total.item() / inputs.numel())
+    reference = float(np.mean(micro_losses))
+    assert abs(masked - reference) <= 1e-5 * reference, (masked, reference)
+    assert abs(plain.losses[0] - reference) > 1e-3 * reference
+
+
+def test_masking_without_an_end_of_document_id_is_one_line(tmp_path, token_file, capsys):
+    data = small_config_data(tmp_path / "r", token_file)
+    data["data"]["document_masking"] = True
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(json.dumps(data))
+    assert main(["train", str(config_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "data.document_masking=true needs documents that end at an end-of-document id" in err
+    assert str(token_file) in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_masking_with_pipeline_stages_is_refused(tmp_path, token_file):
+    data = small_config_data(tmp_path / "r", token_file, parallel={"pp": 2})
+    data["data"]["document_masking"] = True
+    with pytest.raises(ConfigError, match=r"data.document_masking=true does not work with"):
+        config_from_dict(data)
