@@ -121,6 +121,33 @@ def test_a_training_step_with_masking_has_the_loss_of_documents_alone(tmp_path):
     assert abs(plain.losses[0] - reference) > 1e-3 * reference
 
 
+def test_evaluation_masks_documents_as_training_does(tmp_path):
+    data_dir = _short_documents(tmp_path)
+    data = small_config_data(
+        tmp_path / "run", data_dir, train={"max_steps": 1}, model={"vocab_size": 320}
+    )
+    data["data"]["document_masking"] = True
+    data["eval"] = {"paths": [str(data_dir)], "interval": 1, "batches": 1}
+    config = config_from_dict(data)
+    result = train(config)
+    eval_loss = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[-1])[
+        "eval_loss"
+    ]
+    # Eval batch 0 is the data's first sequences in order, in micro-batches.
+    dataset = TokenDataset(config.data.paths, config.data.seq_len)
+    batch = torch.stack([torch.from_numpy(dataset.sequence(i)) for i in range(8)])
+    micro_losses = []
+    with torch.no_grad():
+        for micro in batch.split(config.data.micro_batch_size):
+            inputs, targets = micro[:, :-1], micro[:, 1:]
+            starts = [
+                [0, *((row == dataset.eos_id).nonzero().flatten() + 1).tolist()] for row in inputs
+            ]
+            total, _ = _each_document_alone(result.model, inputs, targets, starts)
+            micro_losses.append(total.item() / inputs.numel())
+    assert eval_loss == pytest.approx(float(np.mean(micro_losses)), rel=1e-5)
+
+
 def test_masking_without_an_end_of_document_id_is_one_line(tmp_path, token_file, capsys):
     data = small_config_data(tmp_path / "r", token_file)
     data["data"]["document_masking"] = True

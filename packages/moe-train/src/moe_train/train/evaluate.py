@@ -4,7 +4,8 @@ Eval batch i holds sequences ``i * global_batch_size ...`` of the eval data in o
 around), cut into micro-batches exactly as a training batch is, so every layout evaluates the
 same micro-batches and expert-parallel ranks run the same number of them (with the training
 micro-batch size, capacity-bounded dispatch drops as it would in training). Forward only, in
-the compute dtype. Evaluation leaves training untouched: the model is put in eval mode (no
+the compute dtype, with attention kept inside documents when training keeps it there
+(data.document_masking). Evaluation leaves training untouched: the model is put in eval mode (no
 routing statistics are recorded), and the RNG state (random routing draws from it) is
 restored afterwards.
 """
@@ -21,7 +22,7 @@ from torch import Tensor
 from moe_train.config import Config
 from moe_train.data import TokenDataset
 from moe_train.errors import DataError
-from moe_train.model import head_lm_loss
+from moe_train.model import document_ids, head_lm_loss
 from moe_train.train.runtime import Runtime
 from moe_train.train.step import StepRunner
 
@@ -80,9 +81,11 @@ class Evaluator:
         """The LM loss of one micro-batch [mbs, seq + 1] (0 on ranks without the head)."""
         runner = self.runner
         if runner.pipeline is None:
+            inputs, eos = micro[:, :-1], runner.document_eos_id
+            doc_ids = document_ids(inputs, eos) if eos is not None else None  # as in training
             with runner.autocast():
-                return runner.model(micro[:, :-1], targets_BS=micro[:, 1:]).double()
-        return _pipeline_micro_loss(runner, micro)
+                return runner.model(inputs, targets_BS=micro[:, 1:], doc_ids_BS=doc_ids).double()
+        return _pipeline_micro_loss(runner, micro)  # (document masking refuses pipelines)
 
 
 def _pipeline_micro_loss(runner: StepRunner, micro: Tensor) -> Tensor:
