@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from moe_train.config import Config
-from moe_train.errors import DataError
+from moe_train.data.readers import file_sha256
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "moe-stack-manifest-v1"
@@ -88,18 +88,6 @@ def source_tree() -> dict[str, Any] | None:
         return None
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": bool(status), "root": git("rev-parse", "--show-toplevel")}
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes, as `sha256sum` prints it."""
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-    except OSError as e:
-        raise DataError(f"cannot read {path} ({e.strerror})") from e
-    return digest.hexdigest()
 
 
 def known_sha256(path: Path, cache_dir: Path) -> str:
