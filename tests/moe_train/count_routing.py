@@ -25,10 +25,10 @@ def _watch(out_dir: Path) -> None:
     rank = int(os.environ.get("RANK", "0"))
     counts: dict[int, dict[int, dict]] = {}
     step = {"now": 0}
-    original_init, original_step = StepRunner.__init__, StepRunner.train_step
+    original_init, original_step = StepRunner.__init__, StepRunner.train_on
 
-    def init(self: StepRunner, config, runtime) -> None:
-        original_init(self, config, runtime)
+    def init(self: StepRunner, config, runtime, *args) -> None:
+        original_init(self, config, runtime, *args)
         moe = config.model.moe
         for index, layer in self.model.moe_layers().items():
 
@@ -52,14 +52,14 @@ def _watch(out_dir: Path) -> None:
 
             layer.router.register_forward_hook(hook)
 
-    def train_step(self: StepRunner, batch, lr):
-        result = original_step(self, batch, lr)
+    def train_on(self: StepRunner, micro_batches, lr):
+        result = original_step(self, micro_batches, lr)
         (out_dir / f"rank{rank}.json").write_text(json.dumps(counts))
         step["now"] += 1
         return result
 
     StepRunner.__init__ = init
-    StepRunner.train_step = train_step
+    StepRunner.train_on = train_on
 
 
 if __name__ == "__main__":

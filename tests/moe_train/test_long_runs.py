@@ -60,16 +60,16 @@ def test_checkpoints_are_on_by_default_and_also_by_time(tmp_path, make_config):
 
 def _signal_self_in_step(monkeypatch, step: int, signum: int) -> None:
     """Send this process `signum` during step `step` (0-based), as a cluster would."""
-    original = StepRunner.train_step
+    original = StepRunner.train_on
     calls = {"n": 0}
 
-    def signalled(self: StepRunner, batch: torch.Tensor, lr: float):
+    def signalled(self: StepRunner, micro_batches: torch.Tensor, lr: float):
         if calls["n"] == step:
             os.kill(os.getpid(), signum)
         calls["n"] += 1
-        return original(self, batch, lr)
+        return original(self, micro_batches, lr)
 
-    monkeypatch.setattr(StepRunner, "train_step", signalled)
+    monkeypatch.setattr(StepRunner, "train_on", signalled)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])

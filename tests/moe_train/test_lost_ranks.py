@@ -71,15 +71,15 @@ FAILS_ON_RANK_1 = textwrap.dedent(
     from moe_train.cli import main
     from moe_train.train.step import StepRunner
 
-    original, calls = StepRunner.train_step, {"n": 0}
+    original, calls = StepRunner.train_on, {"n": 0}
 
-    def train_step(self, batch, lr):
+    def train_on(self, micro_batches, lr):
         calls["n"] += 1
         if calls["n"] == 10 and os.environ["RANK"] == "1":
             raise ValueError("a failure of rank 1 alone")
-        return original(self, batch, lr)
+        return original(self, micro_batches, lr)
 
-    StepRunner.train_step = train_step
+    StepRunner.train_on = train_on
     sys.exit(main())
     """
 )
