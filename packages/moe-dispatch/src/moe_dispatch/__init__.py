@@ -7,6 +7,7 @@ import importlib.metadata
 import torch.distributed as dist
 
 from moe_dispatch.all_to_all import AllToAllDispatcher
+from moe_dispatch.capacity import capacity_per_expert
 from moe_dispatch.deepep import DeepEPDispatcher, deep_ep_module
 from moe_dispatch.local import LocalDispatcher
 from moe_dispatch.protocol import BackendUnavailable, Dispatcher, DispatchHandle
@@ -43,6 +44,7 @@ __all__ = [
     "RowwiseDispatcher",
     "SymmetricMemoryTransport",
     "__version__",
+    "capacity_per_expert",
     "make_dispatcher",
     "make_row_transport",
     "symm_mem_available",

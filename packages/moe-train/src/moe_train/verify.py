@@ -9,6 +9,7 @@ that differs from A's, or checkpoints of different runs are refused with one lin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -188,24 +189,27 @@ def _default_scratch(a: Path, b: Path) -> Path:
 
 def compare(replayed: Path, b: Path, step_a: int, step_b: int, same_layout: bool) -> Verdict:
     """Every tensor of `replayed` against B's: bitwise, or within OTHER_LAYOUT_RTOL."""
-    ours, theirs = _tensor_files(replayed), _tensor_files(b)
-    if set(ours) != set(theirs):
-        missing = sorted(set(ours) ^ set(theirs))
-        raise MoeTrainError(f"{b} and the replay hold different tensors, e.g. {missing[0]}")
-    diffs, failures = [], []
-    for name in sorted(ours):
-        x, y = _read(ours[name], name), _read(theirs[name], name)
-        if x.shape != y.shape:
-            raise MoeTrainError(f"{name}: shape {tuple(y.shape)} in {b}, {tuple(x.shape)} replayed")
-        if torch.equal(x, y):
-            continue
-        delta = (x.double() - y.double()).abs()
-        scale = float(y.double().abs().max()) if y.numel() else 0.0
-        diff = TensorDiff(name, float(delta.max()), scale, int((delta != 0).sum()))
-        diffs.append(diff)
-        allowed = 0.0 if same_layout else OTHER_LAYOUT_RTOL * max(scale, 1e-30)
-        if not diff.max_abs <= allowed or not math.isfinite(diff.max_abs):
-            failures.append(diff)
+    with contextlib.ExitStack() as stack:
+        ours, theirs = (_open_tensors(path, stack) for path in (replayed, b))
+        if set(ours) != set(theirs):
+            missing = sorted(set(ours) ^ set(theirs))
+            raise MoeTrainError(f"{b} and the replay hold different tensors, e.g. {missing[0]}")
+        diffs, failures = [], []
+        for name in sorted(ours):
+            x, y = ours[name].get_tensor(name), theirs[name].get_tensor(name)
+            if x.shape != y.shape:
+                raise MoeTrainError(
+                    f"{name}: shape {tuple(y.shape)} in {b}, {tuple(x.shape)} replayed"
+                )
+            if torch.equal(x, y):
+                continue
+            delta = (x.double() - y.double()).abs()
+            scale = float(y.double().abs().max()) if y.numel() else 0.0
+            diff = TensorDiff(name, float(delta.max()), scale, int((delta != 0).sum()))
+            diffs.append(diff)
+            allowed = 0.0 if same_layout else OTHER_LAYOUT_RTOL * max(scale, 1e-30)
+            if not diff.max_abs <= allowed or not math.isfinite(diff.max_abs):
+                failures.append(diff)
     return Verdict(step_a, step_b, same_layout, len(ours), diffs, failures)
 
 
@@ -239,18 +243,13 @@ def format_verdict(verdict: Verdict, a: Path, b: Path) -> str:
     return "\n".join(lines)
 
 
-def _tensor_files(path: Path) -> dict[str, Path]:
-    files = {}
+def _open_tensors(path: Path, stack: contextlib.ExitStack) -> dict[str, Any]:
+    """Each tensor name of the checkpoint's safetensors files, to its file opened once."""
+    handles = {}
     for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                files[name] = file
-    return files
-
-
-def _read(file: Path, name: str) -> torch.Tensor:
-    with safe_open(file, framework="pt") as f:
-        return f.get_tensor(name)
+        handle = stack.enter_context(safe_open(file, framework="pt"))
+        handles.update(dict.fromkeys(handle.keys(), handle))
+    return handles
 
 
 def _config_changes(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_dispatch import capacity_per_expert
 from moe_train.config import Config, ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -65,6 +66,13 @@ class Widths:
         )
 
 
+def capacity(config: Config, tokens: int) -> int | None:
+    """Copies one source may send each expert for `tokens` tokens (None: dropless), by the
+    dispatchers' own rule."""
+    moe = config.model.moe
+    return capacity_per_expert(moe.capacity_factor, tokens, moe.top_k, moe.num_experts)
+
+
 def routed_rows(config: Config, tokens: int) -> float:
     """Rows the local experts of one MoE layer compute for `tokens` tokens per rank: the
     copies a balanced router sends them, plus room for each expert's group to be padded to
@@ -72,9 +80,9 @@ def routed_rows(config: Config, tokens: int) -> float:
     with rowwise dispatch, its static buffers."""
     moe, ep = config.model.moe, config.parallel.ep
     local = moe.num_experts // ep
-    if config.parallel.dispatcher == "rowwise" and moe.capacity_factor is not None:
-        capacity = -(-int(moe.capacity_factor * tokens * moe.top_k) // moe.num_experts)
-        return local * _aligned(ep * capacity, moe.group_alignment)
+    per_expert = capacity(config, tokens)
+    if config.parallel.dispatcher == "rowwise" and per_expert is not None:
+        return local * _aligned(ep * per_expert, moe.group_alignment)
     return tokens * moe.top_k + local * (moe.group_alignment - 1)
 
 

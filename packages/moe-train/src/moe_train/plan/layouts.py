@@ -22,6 +22,7 @@ class Evaluated:
     """One layout: the config that runs it, and whether and how it would run."""
 
     config: Config
+    world_size: int
     label: str
     error: str | None
     """Why the trainer would refuse to start it (None: it starts)."""
@@ -32,6 +33,10 @@ class Evaluated:
     """Per device."""
     mfu: float = 0.0
     fits: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.config.parallel.pp
 
     @property
     def reason(self) -> str:
@@ -50,14 +55,23 @@ def evaluate(config: Config, world_size: int, device: Device) -> Evaluated:
         config.validate()
         check_topology(config, world_size)
     except ConfigError as e:
-        return Evaluated(config, label, str(e))
+        return Evaluated(config, world_size, label, str(e))
     memory = predict_memory(config, world_size)
     traffic = predict_traffic(config, world_size, memory.pp_rank)
     time = step_time(config, world_size, device, traffic)
     tokens = tokens_per_second_per_device(config, world_size, time)
     fits = memory.total <= device.memory_gib * GIB
     return Evaluated(
-        config, label, None, memory, traffic, time, tokens, mfu(config, tokens, device), fits
+        config,
+        world_size,
+        label,
+        None,
+        memory,
+        traffic,
+        time,
+        tokens,
+        mfu(config, tokens, device),
+        fits,
     )
 
 

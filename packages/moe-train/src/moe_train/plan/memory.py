@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_train.config import Config
-from moe_train.plan.activations import DTYPE_BYTES, FP32, held_per_micro_batch
+from moe_train.plan.activations import DTYPE_BYTES, FP32, capacity, held_per_micro_batch
 from moe_train.train.pipeline import plan_stages
 
 ALLOCATOR_SLACK = 0.10
@@ -167,10 +167,9 @@ def _dispatch_buffers(config: Config) -> float:
     parallel, moe = config.parallel, config.model.moe
     if parallel.dispatcher != "rowwise" or parallel.rowwise_transport == "all_to_all":
         return 0
-    if moe.capacity_factor is None:
+    per_expert = capacity(config, config.data.micro_batch_size * config.data.seq_len)
+    if per_expert is None:
         return 0
-    tokens = config.data.micro_batch_size * config.data.seq_len
-    capacity = -(-int(moe.capacity_factor * tokens * moe.top_k) // moe.num_experts)
     local = moe.num_experts // parallel.ep
     c = DTYPE_BYTES[config.precision.compute_dtype]
-    return 2 * parallel.ep * local * capacity * config.model.d_model * c
+    return 2 * parallel.ep * local * per_expert * config.model.d_model * c

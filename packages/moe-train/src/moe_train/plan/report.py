@@ -83,7 +83,7 @@ def _details(result: Evaluated, device: Device) -> list[str]:
     ]
     p = result.config.parallel
     for kind, wire in result.traffic.wire.items():
-        network = across_nodes(kind, wire, p.ep, _dp(result), device.gpus_per_node)
+        network = across_nodes(kind, wire, p.ep, result.dp, device.gpus_per_node)
         lines.append(f"    {kind:<28} {wire / 1e9:9.2f} GB  ({network / 1e9:.2f} GB)")
     t = result.time
     lines.append(
@@ -92,11 +92,6 @@ def _details(result: Evaluated, device: Device) -> list[str]:
     )
     lines.append(f"  {result.tokens_per_s:,.0f} tokens/s per device, MFU {100 * result.mfu:.1f}%")
     return lines
-
-
-def _dp(result: Evaluated) -> int:
-    """The data-parallel size of an evaluated layout (its label holds it)."""
-    return int(result.label.split()[1].removeprefix("dp"))
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:
@@ -122,7 +117,7 @@ def _row(r: Evaluated, device: Device) -> dict[str, Any]:
     row["payload_bytes_per_step"] = r.traffic.payload
     row["wire_bytes_per_step"] = r.traffic.wire
     row["across_nodes_bytes_per_step"] = {
-        kind: across_nodes(kind, wire, r.config.parallel.ep, _dp(r), device.gpus_per_node)
+        kind: across_nodes(kind, wire, r.config.parallel.ep, r.dp, device.gpus_per_node)
         for kind, wire in r.traffic.wire.items()
     }
     row["step_s"] = r.time.__dict__

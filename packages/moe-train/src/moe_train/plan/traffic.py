@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_train.config import Config
-from moe_train.plan.activations import DTYPE_BYTES, FP32
+from moe_train.plan.activations import DTYPE_BYTES, FP32, capacity
 from moe_train.plan.memory import rank_params
 from moe_train.train.pipeline import plan_stages
 
@@ -81,11 +81,10 @@ def _exchange_bytes(config: Config) -> float:
     tokens = config.data.micro_batch_size * config.data.seq_len
     c = DTYPE_BYTES[config.precision.compute_dtype]
     d = config.model.d_model
-    if parallel.dispatcher == "rowwise" and moe.capacity_factor is not None:
-        capacity = -(-int(moe.capacity_factor * tokens * moe.top_k) // moe.num_experts)
-        return parallel.ep * (moe.num_experts // parallel.ep) * capacity * d * c
+    per_expert = capacity(config, tokens)
+    if parallel.dispatcher == "rowwise" and per_expert is not None:
+        return parallel.ep * (moe.num_experts // parallel.ep) * per_expert * d * c
     copies = tokens * moe.top_k
-    if moe.capacity_factor is not None:
-        per_expert = -(-int(moe.capacity_factor * tokens * moe.top_k) // moe.num_experts)
+    if per_expert is not None:
         copies = min(copies, moe.num_experts * per_expert)
     return copies * d * c

@@ -140,9 +140,11 @@ def check_data_files(manifest: dict[str, Any]) -> list[str]:
             path = base / entry["file"] if base is not None else Path(entry["file"])
             if not path.is_file():
                 problems.append(f"{path} is missing (data source {source['path']})")
-            elif file_sha256(path) != entry["sha256"]:
+                continue
+            digest = file_sha256(path)
+            if digest != entry["sha256"]:
                 problems.append(
-                    f"{path} has changed since the run (sha256 {file_sha256(path)[:16]}..., the "
+                    f"{path} has changed since the run (sha256 {digest[:16]}..., the "
                     f"manifest says {entry['sha256'][:16]}...; data source {source['path']})"
                 )
     return problems
