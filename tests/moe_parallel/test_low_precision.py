@@ -453,3 +453,20 @@ def test_distributed_refuses_bf16_gradients_after_the_reduction():
     optimizer.zero_grad()
     with pytest.raises(ValueError, match=re.escape("call finish() first")):
         optimizer.grad_pieces()
+
+
+def test_sliced_fp32_accumulation_equals_one_add():
+    from moe_parallel.grad_sync import CONVERTED_ADD_SLICE, add_converted_
+
+    generator = torch.Generator().manual_seed(0)
+    numel = 3 * CONVERTED_ADD_SLICE + 12345  # several slices and a ragged last one
+    for shape in [(numel,), (3, numel // 3)]:
+        total = torch.randn(shape, generator=generator)
+        addend = torch.randn(shape, generator=generator).bfloat16()
+        want = total + addend.float()
+        add_converted_(total, addend)
+        assert torch.equal(total, want)
+    small = torch.randn(10, generator=generator)
+    want = small + torch.ones(10, dtype=torch.bfloat16).float()
+    add_converted_(small, torch.ones(10, dtype=torch.bfloat16))
+    assert torch.equal(small, want)

@@ -40,6 +40,26 @@ def is_low_precision(param: Tensor) -> bool:
     return param.is_floating_point() and param.element_size() < 4
 
 
+CONVERTED_ADD_SLICE = 2**18
+"""Elements per slice of `add_converted_` on the CPU."""
+
+
+def add_converted_(sum_: Tensor, addend: Tensor) -> None:
+    """`sum_ += addend` for an addend of another dtype, without a converted copy of it.
+
+    The CPU's kernels convert a mixed-dtype operand into a temporary of its whole size
+    before adding; for a large gradient that is a fresh allocation per micro-batch whose
+    pages fault in. Slices keep the temporary small and reused (the sums are identical:
+    the addition is elementwise). CUDA kernels convert while they add, so one call does.
+    """
+    if sum_.device.type != "cpu" or sum_.numel() <= CONVERTED_ADD_SLICE:
+        sum_.add_(addend)
+        return
+    torch._foreach_add_(
+        sum_.view(-1).split(CONVERTED_ADD_SLICE), addend.reshape(-1).split(CONVERTED_ADD_SLICE)
+    )
+
+
 class Fp32Sums:
     """FP32 sums of low-precision gradients, one view of a buffer per parameter, kept
     without a zeroing pass per step: a parameter's first gradient after `reset` is copied
@@ -61,7 +81,7 @@ class Fp32Sums:
             view.copy_(param.grad)
             self._unwritten.discard(id(param))
         else:
-            view.add_(param.grad)
+            add_converted_(view, param.grad)
         param.grad = None
 
     @torch.no_grad()
