@@ -1,10 +1,10 @@
 """Elementwise parts of a block: RMSNorm, the SwiGLU activation and the rotary embedding.
 
-RMSNorm and the rotary embedding are single autograd nodes with hand-written backwards that
-make fewer passes over memory than autograd's composition of the same ops (measured faster in
-eager mode), and keep less for backward: RMSNorm its input and the per-row scale, the rotary
-embedding nothing but the tables. The values are those of the plain formulas (tests compare
-them in float64). `swiglu` and `rms_norm_formula` are plain ops for `torch.compile`.
+RMSNorm, SwiGLU and the rotary embedding are single autograd nodes with hand-written
+backwards that make fewer passes over memory than autograd's composition of the same ops
+(measured faster in eager mode), and keep less for backward: RMSNorm its input and the
+per-row scale, the rotary embedding nothing but the tables. The values are those of the plain formulas (tests compare
+them in float64). `swiglu_formula` and `rms_norm_formula` are plain ops for `torch.compile`.
 
 Shapes: ...D any leading dimensions and D channels; P rows, H hidden width.
 """
@@ -48,9 +48,35 @@ def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
 
 
 def swiglu(gate_up_PH2: Tensor) -> Tensor:
-    """`silu(gate) * up` of the two halves [gate | up] of the last dimension. Plain ops:
-    eager autograd's fused silu derivative beats a hand-written backward here, and
-    `torch.compile` fuses these into one pass (see `apply_compile`)."""
+    """`silu(gate) * up` of the two halves [gate | up] of the last dimension."""
+    return _SwiGLU.apply(gate_up_PH2)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """Keeps what eager autograd keeps (the input and silu(gate)), but its backward writes
+    both halves of the input gradient in place instead of concatenating them: one pass and
+    one allocation fewer (measured faster than eager's composition of the same ops)."""
+
+    @staticmethod
+    def forward(ctx, gate_up_PH2: Tensor) -> Tensor:  # type: ignore[override]
+        gate_PH, up_PH = gate_up_PH2.chunk(2, dim=-1)
+        silu_PH = F.silu(gate_PH)
+        ctx.save_for_backward(gate_up_PH2, silu_PH)
+        return silu_PH * up_PH
+
+    @staticmethod
+    def backward(ctx, grad_PH: Tensor) -> Tensor:  # type: ignore[override]
+        gate_up_PH2, silu_PH = ctx.saved_tensors
+        gate_PH, up_PH = gate_up_PH2.chunk(2, dim=-1)
+        grad_PH2 = torch.empty_like(gate_up_PH2)
+        grad_gate_PH, grad_up_PH = grad_PH2.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad_PH * up_PH, gate_PH, grad_input=grad_gate_PH)
+        torch.mul(grad_PH, silu_PH, out=grad_up_PH)
+        return grad_PH2
+
+
+def swiglu_formula(gate_up_PH2: Tensor) -> Tensor:
+    """`swiglu` as plain ops, for `torch.compile` to fuse into one pass."""
     gate, up = gate_up_PH2.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moe_train.model.attention import RMSNorm
-from moe_train.model.fused import rms_norm_formula, swiglu
+from moe_train.model.fused import rms_norm_formula, swiglu_formula
 from moe_train.model.moe import ExpertGemm, Experts, SwiGLU
 from moe_train.model.recompute import RECOMPUTE_MODES, RecomputeMode
 from moe_train.model.transformer import Block
@@ -64,7 +64,7 @@ def apply_compile(model: nn.Module) -> None:
         if isinstance(module, RMSNorm):
             module.kernel = _compiled(rms_norm_formula)
         elif isinstance(module, SwiGLU | Experts):
-            module.activation = _compiled(swiglu)
+            module.activation = _compiled(swiglu_formula)
 
 
 @functools.cache
