@@ -5,11 +5,11 @@ MFU is model FLOPs (6 x active parameters + causal attention) per second over th
 matmul rate of this machine, measured once per dtype at the start of this run and shared by
 every row, so the rows compare within one run. Each row trains in a fresh process: in one
 process the second of two medium-sized rows ran 4-6x slower than alone, whichever came
-second (the allocator's state after the first run's gigabytes). The first steps of each run warm up caches
-and kernel choices and are left out of the medians. bench-14m is the reference trainer's
+second (the allocator's state after the first run's gigabytes). The first steps of each run
+warm up caches and kernel choices and are left out of the medians. bench-14m is the reference trainer's
 benchmark model (``BENCH_14M``), built as overrides of configs/tiny.yaml.
 
-With ``--breakdown`` each row also profiles one optimizer step (after two warm-up steps) and
+With ``--breakdown`` each row also profiles one optimizer step (after the warm-up steps) and
 splits its self time into matmul kernels, attention kernels (together the work MFU counts),
 copies and dtype casts (one class: both run as ``copy_``), the optimizer and everything else;
 "outside" is the share of all but the first two. The MFU ceiling is model FLOPs over the
@@ -24,10 +24,12 @@ else took no time at all, with the kernels this torch build has for these shapes
 import argparse
 import json
 import re
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -36,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 from moe_train.config import Config, load_config
 from moe_train.model import count_params, flops_per_token
 from moe_train.train import measure_matmul_peak, read_metrics, train
-from moe_train.train.host_memory import keep_freed_host_memory
+from moe_train.train.host_memory import allocated_host_bytes, keep_freed_host_memory
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
 
@@ -112,7 +114,7 @@ TOP_OPS = 12
 lists per row."""
 
 
-def profile_step(config: Config, peak: float) -> dict:
+def profile_step(config: Config, peak: float, warmup: int) -> dict:
     """Time shares of one profiled optimizer step and the MFU ceiling of its matmuls."""
     keep_freed_host_memory()
     runtime = start_runtime(config)
@@ -130,10 +132,16 @@ def profile_step(config: Config, peak: float) -> dict:
         def step() -> None:
             runner.train_step(batch, 1e-4)
 
-        for _ in range(2):
+        for _ in range(warmup):
             step()
+        started = time.perf_counter()
+        step()
+        plain_step_s = time.perf_counter() - started
+        prefault_heap(min(allocated_host_bytes() or 0, PREFAULT_LIMIT_BYTES))
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             step()
+        page_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
     finally:
         runtime.close(clean=True)
     seconds = dict.fromkeys([name for name, _ in TIME_CLASSES] + ["other"], 0.0)
@@ -149,6 +157,8 @@ def profile_step(config: Config, peak: float) -> dict:
     step_flops = flops_per_token(config.model, data.seq_len) * data.global_batch_size * data.seq_len
     return {
         "profiled_step_s": total,
+        "plain_step_s": plain_step_s,
+        "page_faults": page_faults,
         "seconds": seconds,
         "shares": {name: s / total for name, s in seconds.items()},
         "outside_share": 1 - matmul_s / total,
@@ -157,6 +167,21 @@ def profile_step(config: Config, peak: float) -> dict:
             {"op": op, "calls": calls, "share": s / total} for s, calls, op in outside_ops[:TOP_OPS]
         ],
     }
+
+
+PREFAULT_LIMIT_BYTES = 4 * 2**30
+"""The most heap `prefault_heap` touches before the profiled step."""
+
+
+def prefault_heap(num_bytes: int) -> None:
+    """Grow the heap by `num_bytes` of touched pages and free them (they stay mapped, see
+    `keep_freed_host_memory`). The profiler's own records fill holes the step's tensors
+    reused, so under it tensors land on fresh pages and every first write page-faults:
+    hundreds of thousands of faults in a medium step otherwise free of them, charged to
+    whichever op wrote first (mostly elementwise ones). The breakdown reports the faults
+    left."""
+    if num_bytes > 0:
+        torch.ones(num_bytes, dtype=torch.uint8)  # touched, then freed at once
 
 
 def row_config(
@@ -200,7 +225,7 @@ def run_one(name: str, dtype: str, args: argparse.Namespace, peak: float, root: 
         "peak_flops": peak,
     }
     if args.breakdown:
-        row["breakdown"] = profile_step(config, peak)
+        row["breakdown"] = profile_step(config, peak, args.warmup)
     return row
 
 
@@ -233,7 +258,12 @@ def print_table(rows: list[dict], peaks: dict[str, float]) -> None:
         print(line)
     if breakdown:
         for row in rows:
-            print(f"\n{row['config']} {row['dtype']}: ops with the most self time outside")
+            parts = row["breakdown"]
+            print(
+                f"\n{row['config']} {row['dtype']}: ops with the most self time outside "
+                f"(step {parts['plain_step_s']:.2f} s, profiled {parts['profiled_step_s']:.2f} s, "
+                f"{parts['page_faults']:,} page faults)"
+            )
             for op in row["breakdown"]["top_outside"]:
                 print(f"  {100 * op['share']:5.1f}%  {op['calls']:>6} calls  {op['op']}")
 
