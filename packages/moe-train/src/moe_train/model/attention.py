@@ -15,6 +15,9 @@ from torch import Tensor, nn
 
 from moe_train.model.fused import rms_norm, rotary
 
+QKKernel = Callable[[Tensor, Tensor | None, float, Tensor, Tensor], Tensor]
+"""(x_BHSD, norm weight or None, eps, cos_SD, sin_SD) -> normed and rotated x_BHSD."""
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation with a learned per-channel scale, computed in fp32."""
@@ -96,6 +99,9 @@ class Attention(nn.Module):
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.qk_kernel: QKKernel | None = None
+        """Norm and rotation of queries and keys in one function (a compiled one after
+        `apply_compile`); None runs `q_norm` / `k_norm`, then `rotary`."""
 
     def forward(
         self,
@@ -115,9 +121,10 @@ class Attention(nn.Module):
         q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin, start), apply_rope(k, cos, sin, start)
+        q, k = (
+            self._norm_rotate(q, self.q_norm, cos, sin, start),
+            self._norm_rotate(k, self.k_norm, cos, sin, start),
+        )
         mask, causal = None, True
         if mask_B1ST is not None:
             if cache is not None:
@@ -136,3 +143,13 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
         )
         return self.out(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
+
+    def _norm_rotate(
+        self, x_BHSD: Tensor, norm: RMSNorm | None, cos: Tensor, sin: Tensor, start: int
+    ) -> Tensor:
+        if self.qk_kernel is None:
+            return apply_rope(x_BHSD if norm is None else norm(x_BHSD), cos, sin, start)
+        end = start + x_BHSD.shape[-2]
+        cos_SD, sin_SD = cos[start:end].to(x_BHSD.dtype), sin[start:end].to(x_BHSD.dtype)
+        weight_D, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        return self.qk_kernel(x_BHSD, weight_D, eps, cos_SD, sin_SD)

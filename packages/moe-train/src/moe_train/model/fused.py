@@ -4,7 +4,8 @@ RMSNorm, SwiGLU and the rotary embedding are single autograd nodes with hand-wri
 backwards that make fewer passes over memory than autograd's composition of the same ops
 (measured faster in eager mode), and keep less for backward: RMSNorm its input and the
 per-row scale, the rotary embedding nothing but the tables. The values are those of the plain formulas (tests compare
-them in float64). `swiglu_formula` and `rms_norm_formula` are plain ops for `torch.compile`.
+them in float64). `swiglu_formula`, `rms_norm_formula` and `norm_rotate_formula` are plain
+ops for `torch.compile`.
 
 Shapes: ...D any leading dimensions and D channels; P rows, H hidden width.
 """
@@ -85,6 +86,17 @@ def rms_norm_formula(x: Tensor, weight_D: Tensor, eps: float) -> Tensor:
     """`rms_norm` as plain ops, for `torch.compile` to fuse."""
     x32 = x.to(_at_least_fp32(x.dtype))
     return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight_D).to(x.dtype)
+
+
+def norm_rotate_formula(
+    x_BHSD: Tensor, weight_D: Tensor | None, eps: float, cos_SD: Tensor, sin_SD: Tensor
+) -> Tensor:
+    """A per-head `rms_norm` (when `weight_D` is given) then `rotary`, as plain ops for
+    `torch.compile` to fuse into one pass."""
+    if weight_D is not None:
+        x_BHSD = rms_norm_formula(x_BHSD, weight_D, eps)
+    first, second = x_BHSD.chunk(2, dim=-1)
+    return torch.cat((first * cos_SD - second * sin_SD, second * cos_SD + first * sin_SD), dim=-1)
 
 
 def rotary(x_BHSD: Tensor, cos_SD: Tensor, sin_SD: Tensor) -> Tensor:

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moe_train.model.attention import RMSNorm
-from moe_train.model.fused import rms_norm_formula, swiglu_formula
+from moe_train.model.attention import Attention, RMSNorm
+from moe_train.model.fused import norm_rotate_formula, rms_norm_formula, swiglu_formula
 from moe_train.model.moe import ExpertGemm, Experts, SwiGLU
 from moe_train.model.recompute import RECOMPUTE_MODES, RecomputeMode
 from moe_train.model.transformer import Block
@@ -55,14 +55,17 @@ def apply_param_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def apply_compile(model: nn.Module) -> None:
-    """Run the elementwise parts of `model` (RMSNorm and the SwiGLU activations, dense and
-    expert) through `torch.compile`, which fuses each into one pass forward and one
-    backward. Every module shares one compiled function per kind; graphs are built at the
-    first forward (per input shape). Attention, the matrix products and the token dispatch
-    stay eager: compiling them measured no faster."""
+    """Run the elementwise parts of `model` (RMSNorm, the SwiGLU activations, dense and
+    expert, and the per-head norm and rotation of queries and keys) through
+    `torch.compile`, which fuses each into one pass forward and one backward. Every module
+    shares one compiled function per kind; graphs are built at the first forward (per input
+    shape). Attention itself, the matrix products and the token dispatch stay eager:
+    compiling them measured no faster."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = _compiled(rms_norm_formula)
+        elif isinstance(module, Attention):
+            module.qk_kernel = _compiled(norm_rotate_formula)
         elif isinstance(module, SwiGLU | Experts):
             module.activation = _compiled(swiglu_formula)
 
