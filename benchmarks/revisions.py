@@ -9,7 +9,7 @@ revision. A row whose dtype a revision does not know (bf16-params before it exis
 left out for that revision.
 
     uv run python benchmarks/revisions.py REV [REV ...] [--configs bench-14m]
-        [--dtypes float32 bfloat16 bf16-params] [--rounds 3] [--steps 8]
+        [--dtypes float32 bfloat16 bf16-params] [--rounds 3] [--steps 8] [--compile]
         [--out bench_results/revisions.json]
 """
 
@@ -39,7 +39,9 @@ def worktree(revision: str, root: Path) -> Path:
     return path
 
 
-def measure(tree: Path, config: str, dtype: str, steps: int, out: Path) -> float | None:
+def measure(
+    tree: Path, config: str, dtype: str, steps: int, out: Path, compile_: bool = False
+) -> float | None:
     """Tokens/s of one train_step.py row with `tree`'s packages; None if the row fails
     (e.g. a dtype that revision does not support)."""
     env = dict(os.environ)
@@ -57,6 +59,7 @@ def measure(tree: Path, config: str, dtype: str, steps: int, out: Path) -> float
         "2",
         "--out",
         str(out),
+        *(["--compile"] if compile_ else []),
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode != 0:
@@ -72,6 +75,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "bf16-params"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--compile", action="store_true", help="rows with train.compile=true")
     parser.add_argument("--out", type=Path, default=Path("bench_results/revisions.json"))
     args = parser.parse_args()
 
@@ -83,7 +87,14 @@ def main() -> None:
                 for config in args.configs:
                     for dtype in args.dtypes:
                         for rev, tree in trees.items():
-                            value = measure(tree, config, dtype, args.steps, Path(tmp) / "row.json")
+                            value = measure(
+                                tree,
+                                config,
+                                dtype,
+                                args.steps,
+                                Path(tmp) / "row.json",
+                                args.compile,
+                            )
                             if value is not None:
                                 samples.setdefault((rev, config, dtype), []).append(value)
                 print(f"round {round_index + 1}/{args.rounds} done", flush=True)
