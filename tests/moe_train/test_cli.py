@@ -92,3 +92,21 @@ def test_entry_point_exit_code_in_a_real_process(tmp_path):
     assert result.stderr.strip() == (
         "error: model.moe.top_k=999 must be between 1 and model.moe.num_experts=8"
     )
+
+
+def test_compile_without_a_cpp_compiler_is_one_line(capsys, tmp_path, monkeypatch):
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpp_builder import cpp_compiler_search
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "no-such-cxx"))
+    cpp_compiler_search.cache_clear()
+    try:
+        run_dir = tmp_path / "r"
+        code = main(["train", str(CONFIGS / "tiny.yaml"), f"--train.run_dir={run_dir}",
+                     "--train.compile=true"])  # fmt: skip
+    finally:
+        cpp_compiler_search.cache_clear()
+    assert code == 2
+    line = _error_line(capsys)
+    assert "train.compile=true needs a C++ compiler" in line and "no-such-cxx" in line
+    assert not run_dir.exists()

@@ -281,6 +281,7 @@ class StepRunner:
         apply_recompute(self.model, config.parallel.recompute)
         apply_expert_gemm(self.model, config.precision.expert_gemm)
         if config.train.compile:
+            check_compile_available(device)
             apply_compile(self.model)
         self.model.set_aux_loss_scale(1.0 / self.num_micro)
         initial = _lower_precision_params(self.model, self.param_dtype)
@@ -382,3 +383,28 @@ class StepRunner:
             self.apply(lr, stats)
         self.optimizer.zero_grad()
         return StepResult(stats, grad_norm, applied)
+
+
+def check_compile_available(device: torch.device) -> None:
+    """Raise ConfigError (one line) when torch.compile cannot build kernels on `device`: a
+    C++ compiler on a CPU (found the way inductor looks for one), Triton on a GPU."""
+    if device.type == "cpu":
+        from torch._inductor import config as inductor_config
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        try:
+            get_cpp_compiler()
+        except Exception as e:
+            searched = ", ".join(str(c) for c in inductor_config.cpp.cxx if c)
+            raise ConfigError(
+                f"train.compile=true needs a C++ compiler on a CPU and none was found "
+                f"(looked for: {searched}); install one or set train.compile=false"
+            ) from e
+    elif device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(
+                "train.compile=true needs Triton on a GPU (pip install triton); "
+                "or set train.compile=false"
+            ) from e
