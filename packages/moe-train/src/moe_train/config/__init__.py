@@ -1,0 +1,42 @@
+"""Typed, validated training configuration: YAML plus dotted command-line overrides.
+
+Each section lives in its own module: `model` (model.*, model.moe.*), `data` (data.*,
+data.mixture), `training` (optim.*, train.*, train.routing_check.*), `runtime` (parallel.*,
+precision.*, checkpoint.*, eval.*) and `root` (Config, the whole). `loading` builds a Config
+from YAML and overrides and writes it back; `checks` holds the field checks they share.
+"""
+
+from moe_train.config.data import DataConfig, MixtureSourceConfig
+from moe_train.config.loading import (
+    REPLACED_KEYS,
+    config_from_dict,
+    dump_config,
+    load_config,
+    parse_overrides,
+    saved_config_from_dict,
+)
+from moe_train.config.model import ModelConfig, MoEConfig
+from moe_train.config.root import Config
+from moe_train.config.runtime import CheckpointConfig, EvalConfig, ParallelConfig, PrecisionConfig
+from moe_train.config.training import OptimConfig, RoutingCheckConfig, TrainConfig
+
+__all__ = [
+    "REPLACED_KEYS",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "EvalConfig",
+    "MixtureSourceConfig",
+    "MoEConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "RoutingCheckConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "dump_config",
+    "load_config",
+    "parse_overrides",
+    "saved_config_from_dict",
+]

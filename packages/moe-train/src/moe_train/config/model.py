@@ -1,0 +1,107 @@
+"""The network's config: model.* and its mixture-of-experts blocks, model.moe.*."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from moe_train.config.checks import _non_negative, _positive
+from moe_train.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    expert_hidden: int = 256
+    """Hidden width of each expert's SwiGLU."""
+    shared_experts: int = 0
+    """Always-active shared experts per MoE layer (each of width expert_hidden)."""
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    """Scoring function over the router logits."""
+    normalize_topk: bool = True
+    """Rescale the chosen experts' scores to sum to one."""
+    lb_loss_weight: float = 0.01
+    """Weight of the load-balancing auxiliary loss (0 turns it off)."""
+    z_loss_weight: float = 0.001
+    """Weight of the router z-loss on the logits (0 turns it off)."""
+    bias_update_rate: float = 0.0
+    """Step of the auxiliary-loss-free balancing bias per optimizer step (0 turns it off)."""
+    capacity_factor: float | None = None
+    """Cap on token copies per expert as a multiple of the even share; None means dropless."""
+    random_routing: bool = False
+    """Route each token to top_k experts drawn uniformly at random (for system benchmarks)."""
+    group_alignment: int = 32
+    """Pad each expert's group of rows with zero rows to a multiple of this, so grouped GEMM
+    shapes repeat and libraries reuse their compiled kernels; 1 turns padding off."""
+
+    def validate(self, path: str) -> None:
+        _positive(self, path, "num_experts", "expert_hidden", "group_alignment")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(
+                f"{path}.top_k={self.top_k} must be between 1 and "
+                f"{path}.num_experts={self.num_experts}"
+            )
+        _non_negative(
+            self, path, "shared_experts", "lb_loss_weight", "z_loss_weight", "bias_update_rate"
+        )
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ConfigError(
+                f"{path}.capacity_factor={self.capacity_factor} must be positive, "
+                f"or null for dropless routing"
+            )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    vocab_size: int = 320
+    """Embedding rows; must cover every token id in the data."""
+    d_model: int = 256
+    """Residual stream width."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Query heads; must divide d_model."""
+    n_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    qk_norm: bool = False
+    """RMS-normalise queries and keys per head before RoPE."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    dense_layers: int = 0
+    """The first this many blocks use a dense SwiGLU feed-forward instead of MoE."""
+    dense_hidden: int = 1024
+    """Hidden width of the dense feed-forward blocks."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """The mixture-of-experts feed-forward blocks."""
+
+    def validate(self, path: str) -> None:
+        _positive(self, path, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads")
+        _positive(self, path, "rope_theta", "norm_eps", "init_std", "dense_hidden")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"{path}.n_heads={self.n_heads} must divide {path}.d_model={self.d_model}"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ConfigError(
+                f"{path}.d_model / {path}.n_heads = {self.d_model // self.n_heads} "
+                f"(the head size) must be even for rotary embeddings"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"{path}.n_kv_heads={self.n_kv_heads} must divide {path}.n_heads={self.n_heads}"
+            )
+        if not 0 <= self.dense_layers <= self.n_layers:
+            raise ConfigError(
+                f"{path}.dense_layers={self.dense_layers} must be between 0 and "
+                f"{path}.n_layers={self.n_layers}"
+            )
+        self.moe.validate(f"{path}.moe")

@@ -1,0 +1,148 @@
+"""The optimizer's and the training loop's config: optim.*, train.* and train.routing_check.*."""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+from moe_train.config.checks import _non_negative, _positive
+from moe_train.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on norms or biases)."""
+    warmup_steps: int = 10
+    """Steps of linear warmup up to lr (warmup step s, 0-based, runs at lr * (s + 1) / warmup_steps)."""
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    """Learning rate after the warmup: cosine or linear decay from lr to lr * min_lr_ratio over
+    decay_steps steps, then flat at that floor; wsd (warmup-stable-decay) holds lr until the
+    last decay_steps steps of the run, which decay linearly to the floor; constant holds lr."""
+    decay_steps: int | None = None
+    """Steps of the decay, the first at lr and the last at lr * min_lr_ratio (at least 2).
+    cosine, linear: the decay starts after the warmup, and null means up to the run's last
+    step (train.max_steps - warmup_steps steps), so raising train.max_steps on resume reshapes
+    the decay, past steps included; set it for a run that may be extended, whose later steps
+    then stay at the floor. wsd: the last this many steps of the run; required. constant: must
+    be null."""
+    min_lr_ratio: float = 0.1
+    """The decay ends at lr * min_lr_ratio (not used by schedule=constant)."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this; null turns clipping off."""
+
+    def validate(self, path: str) -> None:
+        _positive(self, path, "lr", "eps")
+        _non_negative(self, path, "weight_decay", "warmup_steps")
+        schedules = typing.get_args(typing.get_type_hints(OptimConfig)["schedule"])
+        if self.schedule not in schedules:
+            raise ConfigError(
+                f"{path}.schedule={self.schedule!r} must be one of "
+                f"{', '.join(repr(s) for s in schedules)}"
+            )
+        if self.decay_steps is not None and self.decay_steps < 2:
+            raise ConfigError(
+                f"{path}.decay_steps={self.decay_steps} must be at least 2 (the decay's first "
+                f"step runs at lr, its last at lr * min_lr_ratio), or null"
+            )
+        if self.schedule == "wsd" and self.decay_steps is None:
+            raise ConfigError(
+                f"{path}.schedule=wsd needs {path}.decay_steps, the length of the final decay "
+                f"(at least 2 steps, ending on the run's last step)"
+            )
+        if self.schedule == "constant" and self.decay_steps is not None:
+            raise ConfigError(
+                f"{path}.decay_steps={self.decay_steps} has no effect with "
+                f"{path}.schedule=constant; set it to null or pick a decaying schedule"
+            )
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"{path}.betas={self.betas} must be two numbers in [0, 1)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"{path}.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError(
+                f"{path}.grad_clip={self.grad_clip} must be positive, or null for no clipping"
+            )
+
+
+@dataclass(kw_only=True)
+class RoutingCheckConfig:
+    """When to warn that the balancing loss hides an uneven load (RUN_DIR/expert_load.jsonl)."""
+
+    max_rank_imbalance: float | None = 1.3
+    """Copies processed by a layer's busiest expert-parallel rank over the mean per rank, over
+    a step's global batch, above which that rank holds the step up; null turns the check off.
+    With parallel.ep=1 there is one rank and the check never fires."""
+    balanced_lb_loss: float = 1.1
+    """A layer's load-balancing loss (unweighted, mean over micro-batches; 1.0 when even) at
+    or below which the loss counts its routing as balanced."""
+    logged_steps: int = 5
+    """Logged steps (every train.log_interval) in a row that a layer must look balanced to
+    the loss while its rank imbalance exceeds max_rank_imbalance before the console warns,
+    once per layer, and the metrics rows count the layer in hidden_imbalance_layers."""
+
+    def validate(self, path: str) -> None:
+        if self.max_rank_imbalance is not None and not self.max_rank_imbalance > 1:
+            raise ConfigError(
+                f"{path}.max_rank_imbalance={self.max_rank_imbalance} must be above 1 (the "
+                f"busiest rank over the mean is never below 1), or null to turn the check off"
+            )
+        if not self.balanced_lb_loss >= 1:
+            raise ConfigError(
+                f"{path}.balanced_lb_loss={self.balanced_lb_loss} must be at least 1 (the "
+                f"load-balancing loss of an even routing)"
+            )
+        _positive(self, path, "logged_steps")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    max_steps: int = 200
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seeds initialisation, data order and random routing."""
+    run_dir: str = "runs/default"
+    """Where metrics.jsonl and the resolved config go; a taken one gets a numbered suffix."""
+    log_interval: int = 1
+    """Log metrics every this many steps."""
+    peak_flops: float | None = None
+    """Peak matmul FLOP/s for MFU; null measures it at start-up (or looks up a known GPU)."""
+    progress: bool = True
+    """Print progress on stderr: a line redrawn after every step on a terminal, elsewhere one
+    line every log_interval steps (the start banner, run facts and the summary print either
+    way)."""
+    compile: bool = False
+    """Fuse the elementwise parts of the model (RMSNorm, SwiGLU activations, the norm and
+    rotation of queries and keys) with torch.compile, at the first step (needs a C++
+    compiler on a CPU, Triton on a GPU). Faster per step on every model measured, but its
+    compilation at the start (seconds with a warm cache, more cold) outweighs that on small,
+    short runs, so it is off here and on in configs/medium.yaml (see the README)."""
+    max_skipped_steps: int = 5
+    """A step whose loss or gradient norm is not finite is skipped (no update); after this
+    many such steps in a row the run stops, its last good checkpoint intact. 0 stops at the
+    first one."""
+    tensorboard: bool = False
+    """Also write every metrics row as TensorBoard scalars to RUN_DIR/tensorboard (rank 0;
+    needs the extra moestack-train[tensorboard])."""
+    wandb_project: str | None = None
+    """Also log every metrics row to this Weights & Biases project, in a run named after the
+    run directory that a resume continues; null turns it off (needs the extra
+    moestack-train[wandb]; WANDB_MODE=offline keeps the run in RUN_DIR/wandb for `wandb sync`)."""
+    routing_check: RoutingCheckConfig = field(default_factory=RoutingCheckConfig)
+    """The balance-versus-load check on the logged steps' routing."""
+
+    def validate(self, path: str) -> None:
+        _positive(self, path, "max_steps", "log_interval")
+        _non_negative(self, path, "max_skipped_steps")
+        self.routing_check.validate(f"{path}.routing_check")
+        if self.seed < 0:
+            raise ConfigError(f"{path}.seed={self.seed} must be >= 0")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ConfigError(f"{path}.peak_flops={self.peak_flops} must be positive or null")
