@@ -201,7 +201,7 @@ def row_config(
             "--optim.warmup_steps=1",
             "--checkpoint.interval=0",
             "--checkpoint.interval_minutes=0",
-            *(["--train.compile=true"] if compile_ else []),
+            f"--train.compile={str(compile_).lower()}",  # eager unless asked, whatever the file says
         ],
     )
 
@@ -277,7 +277,11 @@ def main() -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="profile one step per row (time shares)"
     )
-    parser.add_argument("--compile", action="store_true", help="rows with train.compile=true")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="rows with train.compile=true (default: every row eager)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_results/train_step.json"))
     parser.add_argument(
         "--one-row", nargs=3, metavar=("CONFIG", "DTYPE", "PEAK"), help=argparse.SUPPRESS
