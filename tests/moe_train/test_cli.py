@@ -94,16 +94,17 @@ def test_entry_point_exit_code_in_a_real_process(tmp_path):
     )
 
 
-def test_compile_without_a_cpp_compiler_is_one_line(capsys, tmp_path, monkeypatch):
+def test_compile_without_a_cpp_compiler_is_one_line(capsys, tmp_path):
     from torch._inductor import config as inductor_config
     from torch._inductor.cpp_builder import cpp_compiler_search
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "no-such-cxx"))
     cpp_compiler_search.cache_clear()
     try:
         run_dir = tmp_path / "r"
-        code = main(["train", str(CONFIGS / "tiny.yaml"), f"--train.run_dir={run_dir}",
-                     "--train.compile=true"])  # fmt: skip
+        # inductor's own patching: a plain setattr on its config breaks the key afterwards
+        with inductor_config.patch({"cpp.cxx": (None, "no-such-cxx")}):
+            code = main(["train", str(CONFIGS / "tiny.yaml"), f"--train.run_dir={run_dir}",
+                         "--train.compile=true"])  # fmt: skip
     finally:
         cpp_compiler_search.cache_clear()
     assert code == 2
