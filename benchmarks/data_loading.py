@@ -19,6 +19,7 @@ from pathlib import Path
 
 from moe_train.config import load_config
 from moe_train.train import read_metrics, train
+from run_settings import benchmark_run_overrides
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
@@ -26,13 +27,7 @@ CONFIGS = Path(__file__).parents[1] / "configs"
 def run_once(args: argparse.Namespace, prefetch: bool, run_dir: Path) -> dict:
     """Train `args.steps` steps; the step and wait seconds of the steps after `args.skip`."""
     overrides = [
-        f"--train.max_steps={args.steps}",
-        f"--train.run_dir={run_dir}",
-        "--train.log_interval=1",
-        "--train.progress=false",
-        f"--train.peak_flops={args.peak_flops}",
-        "--checkpoint.interval=0",
-        "--checkpoint.interval_minutes=0",
+        *benchmark_run_overrides(args.steps, run_dir, args.peak_flops),
         f"--data.prefetch={str(prefetch).lower()}",
         *args.override,
     ]

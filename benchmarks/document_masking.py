@@ -22,6 +22,7 @@ from pathlib import Path
 from moe_train.config import load_config
 from moe_train.data import TokenDataset
 from moe_train.train import read_metrics, train
+from run_settings import benchmark_run_overrides
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
@@ -29,13 +30,7 @@ CONFIGS = Path(__file__).parents[1] / "configs"
 def run_once(args: argparse.Namespace, config_name: str, masking: bool, run_dir: Path) -> list:
     """tokens/s of the kept steps of one run."""
     overrides = [
-        f"--train.max_steps={args.steps}",
-        f"--train.run_dir={run_dir}",
-        "--train.log_interval=1",
-        "--train.progress=false",
-        f"--train.peak_flops={args.peak_flops}",
-        "--checkpoint.interval=0",
-        "--checkpoint.interval_minutes=0",
+        *benchmark_run_overrides(args.steps, run_dir, args.peak_flops),
         f"--data.document_masking={str(masking).lower()}",
         *args.override,
     ]

@@ -81,6 +81,7 @@ from moe_train.model import count_params
 from moe_train.train import peak_flops, read_metrics, train
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
+from run_settings import benchmark_run_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = ROOT / "configs" / "olmoe-1b-7b.yaml"
@@ -153,18 +154,6 @@ def build_config(sizes: Sizes, *extra: str) -> Config:
     return load_config(BASE_CONFIG, [*sizes.overrides, *extra])
 
 
-def run_settings(steps: int, peak: float, run_dir: Path) -> tuple[str, ...]:
-    return (
-        f"--train.max_steps={steps}",
-        "--train.progress=false",
-        "--train.log_interval=1",
-        f"--train.peak_flops={peak}",
-        f"--train.run_dir={run_dir}",
-        "--checkpoint.interval=0",
-        "--checkpoint.interval_minutes=0",
-    )
-
-
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -178,7 +167,7 @@ def train_row(
     check: str, sizes: Sizes, device: torch.device, peak: float, peak_source: str, root: Path
 ) -> Row:
     """Train the model for ``sizes.steps`` steps; throughput, MFU and peak memory."""
-    config = build_config(sizes, *run_settings(sizes.steps, peak, root / "train"))
+    config = build_config(sizes, *benchmark_run_overrides(sizes.steps, root / "train", peak))
     params = count_params(config.model)
     result = train(config, device=device)
     if result.stopped_by is not None:  # the trainer took gpu_check.sh's SIGTERM as a stop

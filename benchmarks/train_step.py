@@ -41,6 +41,7 @@ from moe_train.train import measure_matmul_peak, read_metrics, train
 from moe_train.train.host_memory import allocated_host_bytes, keep_freed_host_memory
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
+from run_settings import benchmark_run_overrides
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 PRECISIONS: dict[str, tuple[str, ...]] = {
@@ -194,13 +195,8 @@ def row_config(
         [
             *overrides,
             *PRECISIONS[dtype],
-            f"--train.max_steps={steps}",
-            "--train.progress=false",
-            f"--train.peak_flops={peak}",
-            f"--train.run_dir={root / f'{name}-{dtype}'}",
+            *benchmark_run_overrides(steps, root / f"{name}-{dtype}", peak),
             "--optim.warmup_steps=1",
-            "--checkpoint.interval=0",
-            "--checkpoint.interval_minutes=0",
             f"--train.compile={str(compile_).lower()}",  # eager unless asked, whatever the file says
         ],
     )

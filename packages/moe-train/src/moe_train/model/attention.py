@@ -40,11 +40,17 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tens
     return angles.cos().float(), angles.sin().float()
 
 
+def rope_rows(x_BHSD: Tensor, cos_SD: Tensor, sin_SD: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    """The rows of the cos and sin tables for the positions of `x_BHSD` (`start, start + 1,
+    ...`), in its dtype."""
+    end = start + x_BHSD.shape[-2]
+    return cos_SD[start:end].to(x_BHSD.dtype), sin_SD[start:end].to(x_BHSD.dtype)
+
+
 def apply_rope(x_BHSD: Tensor, cos_SD: Tensor, sin_SD: Tensor, start: int = 0) -> Tensor:
     """Rotate pairs (first half, second half) of each head's channels by position angles;
     `x_BHSD` holds positions `start, start + 1, ...`."""
-    end = start + x_BHSD.shape[-2]
-    return rotary(x_BHSD, cos_SD[start:end].to(x_BHSD.dtype), sin_SD[start:end].to(x_BHSD.dtype))
+    return rotary(x_BHSD, *rope_rows(x_BHSD, cos_SD, sin_SD, start))
 
 
 def document_ids(tokens_BS: Tensor, eos_id: int) -> Tensor:
@@ -149,7 +155,5 @@ class Attention(nn.Module):
     ) -> Tensor:
         if self.qk_kernel is None:
             return apply_rope(x_BHSD if norm is None else norm(x_BHSD), cos, sin, start)
-        end = start + x_BHSD.shape[-2]
-        cos_SD, sin_SD = cos[start:end].to(x_BHSD.dtype), sin[start:end].to(x_BHSD.dtype)
         weight_D, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-        return self.qk_kernel(x_BHSD, weight_D, eps, cos_SD, sin_SD)
+        return self.qk_kernel(x_BHSD, weight_D, eps, *rope_rows(x_BHSD, cos, sin, start))
