@@ -1,12 +1,13 @@
 """Data wait: the share of training step time spent waiting for the step's sequences.
 
-Trains a config (default `configs/medium.yaml`, one process) for `--steps` steps twice in one
-run, reading each step's sequences ahead in a background thread (`data.prefetch=true`, the
-default) and at the start of the step (`data.prefetch=false`), in alternating rounds. Each
-metrics row holds the step time and the seconds that step waited for its sequences
-(`data_wait_s`); the first `--skip` steps of each run (start-up) are left out. "wait share"
-is the waited seconds over the step seconds; "read ms" is the median wait of the reading-at-
-the-start runs, i.e. the cost of reading a step's sequences. Goal: under 2% with prefetch.
+Trains a config (default `configs/medium.yaml`, one process, a fresh one for each run) for
+`--steps` steps twice in one run, reading each step's sequences ahead in a background thread
+(`data.prefetch=true`, the default) and at the start of the step (`data.prefetch=false`), in
+alternating rounds. Each metrics row holds the step time and the seconds that step waited for
+its sequences (`data_wait_s`); the first `--skip` steps of each run (start-up) are left out.
+"wait share" is the waited seconds over the step seconds; "read ms" is the median wait of the
+reading-at-the-start runs, i.e. the cost of reading a step's sequences. Goal: under 2% with
+prefetch.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from moe_train.config import load_config
-from moe_train.train import read_metrics, train
-from run_settings import benchmark_run_overrides
+from run_settings import benchmark_run_overrides, train_in_fresh_process
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
@@ -31,9 +30,7 @@ def run_once(args: argparse.Namespace, prefetch: bool, run_dir: Path) -> dict:
         f"--data.prefetch={str(prefetch).lower()}",
         *args.override,
     ]
-    config = load_config(args.config, overrides)
-    train(config)
-    rows = read_metrics(run_dir / "metrics.jsonl")[args.skip :]
+    rows = train_in_fresh_process(args.config, overrides, run_dir)[args.skip :]
     return {
         "step_s": [row["step_time_s"] for row in rows],
         "wait_s": [row["data_wait_s"] for row in rows],

@@ -1,14 +1,14 @@
 """Throughput cost of document masking: training steps with `data.document_masking` on and
 off, in one run.
 
-For each config (default: `configs/tiny.yaml` and `configs/medium.yaml`, one process, the
-built-in data, whose documents are Python modules ending at the byte tokenizer's eos id), trains
-`--steps` steps with masking off and on, alternating over `--rounds` rounds; the first `--skip`
-steps of each run (start-up) are left out. "tok/s" is the median over the kept steps;
-"masked / plain" divides the masked median by the plain one of the same config. Masking runs
-attention with a mask built per micro-batch (scaled_dot_product_attention with a boolean mask)
-instead of the causal kernel; "docs/seq" is the mean number of documents (pieces of them) in
-a training sequence of those steps.
+For each config (default: `configs/tiny.yaml` and `configs/medium.yaml`, one process, a fresh
+one for each run, the built-in data, whose documents are Python modules ending at the byte
+tokenizer's eos id), trains `--steps` steps with masking off and on, alternating over
+`--rounds` rounds; the first `--skip` steps of each run (start-up) are left out. "tok/s" is the
+median over the kept steps; "masked / plain" divides the masked median by the plain one of the
+same config. Masking runs attention with a mask built per micro-batch
+(scaled_dot_product_attention with a boolean mask) instead of the causal kernel; "docs/seq" is
+the mean number of documents (pieces of them) in a training sequence of those steps.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from pathlib import Path
 
 from moe_train.config import load_config
 from moe_train.data import TokenDataset
-from moe_train.train import read_metrics, train
-from run_settings import benchmark_run_overrides
+from run_settings import benchmark_run_overrides, train_in_fresh_process
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
@@ -34,8 +33,8 @@ def run_once(args: argparse.Namespace, config_name: str, masking: bool, run_dir:
         f"--data.document_masking={str(masking).lower()}",
         *args.override,
     ]
-    train(load_config(CONFIGS / f"{config_name}.yaml", overrides))
-    return [row["tokens_per_s"] for row in read_metrics(run_dir / "metrics.jsonl")[args.skip :]]
+    rows = train_in_fresh_process(CONFIGS / f"{config_name}.yaml", overrides, run_dir)
+    return [row["tokens_per_s"] for row in rows[args.skip :]]
 
 
 def documents_per_sequence(args: argparse.Namespace, config_name: str) -> float:

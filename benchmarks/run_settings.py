@@ -1,10 +1,16 @@
-"""The run settings every training benchmark adds to its config: a step count, a run
-directory, every step logged, no progress line, no checkpoints, and a given peak FLOP/s (so
-that rows of one run share the MFU denominator and none measures it again)."""
+"""How the training benchmarks run a training: the run settings they add to a config (a step
+count, a run directory, every step logged, no progress line, no checkpoints, and a given peak
+FLOP/s, so that rows of one run share the MFU denominator and none measures it again), and
+a training in a fresh process."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
+
+from moe_train.train import read_metrics
 
 
 def benchmark_run_overrides(steps: int, run_dir: Path, peak_flops: float) -> tuple[str, ...]:
@@ -18,3 +24,16 @@ def benchmark_run_overrides(steps: int, run_dir: Path, peak_flops: float) -> tup
         "--checkpoint.interval=0",
         "--checkpoint.interval_minutes=0",
     )
+
+
+def train_in_fresh_process(config: Path, overrides: Sequence[str], run_dir: Path) -> list[dict]:
+    """Train `config` with `overrides` (which put the run in `run_dir`) through `moe-train
+    train` in a new process, and return the run's metrics rows.
+
+    Each run gets a process of its own: in one process a medium-sized run after another one
+    ran several times slower than alone (the allocator's state after the first run's
+    gigabytes), which would bias whichever variant runs second.
+    """
+    command = [sys.executable, "-m", "moe_train.cli", "train", str(config), *overrides]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return read_metrics(run_dir / "metrics.jsonl")
