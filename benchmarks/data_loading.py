@@ -18,19 +18,16 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from run_settings import benchmark_run_overrides, train_in_fresh_process
+from run_settings import train_in_fresh_process
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
 
 def run_once(args: argparse.Namespace, prefetch: bool, run_dir: Path) -> dict:
     """Train `args.steps` steps; the step and wait seconds of the steps after `args.skip`."""
-    overrides = [
-        *benchmark_run_overrides(args.steps, run_dir, args.peak_flops),
-        f"--data.prefetch={str(prefetch).lower()}",
-        *args.override,
-    ]
-    rows = train_in_fresh_process(args.config, overrides, run_dir)[args.skip :]
+    extra = [f"--data.prefetch={str(prefetch).lower()}", *args.override]
+    rows = train_in_fresh_process(args.config, args.steps, run_dir, args.peak_flops, extra)
+    rows = rows[args.skip :]
     return {
         "step_s": [row["step_time_s"] for row in rows],
         "wait_s": [row["data_wait_s"] for row in rows],

@@ -21,19 +21,16 @@ from pathlib import Path
 
 from moe_train.config import load_config
 from moe_train.data import TokenDataset
-from run_settings import benchmark_run_overrides, train_in_fresh_process
+from run_settings import train_in_fresh_process
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
 
 def run_once(args: argparse.Namespace, config_name: str, masking: bool, run_dir: Path) -> list:
     """tokens/s of the kept steps of one run."""
-    overrides = [
-        *benchmark_run_overrides(args.steps, run_dir, args.peak_flops),
-        f"--data.document_masking={str(masking).lower()}",
-        *args.override,
-    ]
-    rows = train_in_fresh_process(CONFIGS / f"{config_name}.yaml", overrides, run_dir)
+    extra = [f"--data.document_masking={str(masking).lower()}", *args.override]
+    config = CONFIGS / f"{config_name}.yaml"
+    rows = train_in_fresh_process(config, args.steps, run_dir, args.peak_flops, extra)
     return [row["tokens_per_s"] for row in rows[args.skip :]]
 
 

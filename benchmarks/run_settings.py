@@ -26,14 +26,17 @@ def benchmark_run_overrides(steps: int, run_dir: Path, peak_flops: float) -> tup
     )
 
 
-def train_in_fresh_process(config: Path, overrides: Sequence[str], run_dir: Path) -> list[dict]:
-    """Train `config` with `overrides` (which put the run in `run_dir`) through `moe-train
-    train` in a new process, and return the run's metrics rows.
+def train_in_fresh_process(
+    config: Path, steps: int, run_dir: Path, peak_flops: float, extra: Sequence[str] = ()
+) -> list[dict]:
+    """Train `config` for `steps` steps in `run_dir` (the run settings above, then the `extra`
+    overrides) through `moe-train train` in a new process; the run's metrics rows.
 
     Each run gets a process of its own: in one process a medium-sized run after another one
     ran several times slower than alone (the allocator's state after the first run's
     gigabytes), which would bias whichever variant runs second.
     """
+    overrides = [*benchmark_run_overrides(steps, run_dir, peak_flops), *extra]
     command = [sys.executable, "-m", "moe_train.cli", "train", str(config), *overrides]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return read_metrics(run_dir / "metrics.jsonl")
