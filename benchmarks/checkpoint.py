@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from harness.ranks import run_distributed
 from moe_checkpoint import (
     OwnedSlice,
     load_into,
@@ -234,11 +235,6 @@ def _dcp_rank(rank: int, world_size: int, tensors: list[Tensor], out_dir: str, m
 def _dcp_comparison(tensors: list[Tensor], work_dir: Path) -> dict:
     """DCP HuggingFaceStorageWriter (sharded files, then consolidation) vs moe-checkpoint,
     both at world size 2 over gloo, same tensors."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from distributed import run_distributed
-
     out = {}
     for mode in ("moe_checkpoint", "dcp"):
         target = work_dir / mode

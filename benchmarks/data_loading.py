@@ -18,7 +18,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from run_settings import train_in_fresh_process
+from harness.processes import train_in_fresh_process
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 

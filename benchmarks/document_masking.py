@@ -19,9 +19,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from harness.processes import train_in_fresh_process
 from moe_train.config import load_config
 from moe_train.data import TokenDataset
-from run_settings import train_in_fresh_process
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 

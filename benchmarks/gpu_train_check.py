@@ -75,13 +75,13 @@ from gpu_check_support import (
     synchronize,
 )
 from grouped_mm_backends import bench_shape
+from harness.processes import benchmark_run_overrides
 from moe_dispatch import make_dispatcher, make_row_transport
 from moe_train.config import Config, load_config
 from moe_train.model import count_params
 from moe_train.train import peak_flops, read_metrics, train
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
-from run_settings import benchmark_run_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = ROOT / "configs" / "olmoe-1b-7b.yaml"

@@ -45,7 +45,6 @@ import ctypes.util
 import gc
 import json
 import statistics
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -56,6 +55,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.ranks import run_distributed
 from moe_train.config import Config, load_config
 from moe_train.data import TokenDataset
 from moe_train.train import read_metrics, train
@@ -435,9 +435,6 @@ def main() -> None:
     if args.probe_warmup < 1:
         raise ValueError(f"--probe-warmup={args.probe_warmup} must be at least 1")
     model = QUICK_MODEL if args.quick else MODEL
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from distributed import run_distributed
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

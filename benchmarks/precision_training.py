@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from harness.processes import benchmark_run_overrides
 from moe_train.config import load_config
 from moe_train.train import measure_matmul_peak, read_metrics, train
-from run_settings import benchmark_run_overrides
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 VARIANTS: dict[str, tuple[str, ...]] = {

@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from harness.processes import benchmark_run_overrides
 from moe_train.config import Config, load_config
 from moe_train.model import count_params, flops_per_token
 from moe_train.train import measure_matmul_peak, read_metrics, train
 from moe_train.train.host_memory import allocated_host_bytes, keep_freed_host_memory
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
-from run_settings import benchmark_run_overrides
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 PRECISIONS: dict[str, tuple[str, ...]] = {

@@ -398,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported once the arguments are known good: bad ones are answered without loading torch.
     import torch
 
+    from harness.ranks import run_distributed
     from vs_fsdp_support import measure_rank
 
     setup = make_setup(args)
@@ -405,9 +406,6 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from distributed import run_distributed
-
     ranks = run_distributed(
         measure_rank, EP, args=(setup, args.experts, args.variants), timeout=3600.0
     )

@@ -109,10 +109,12 @@ uv venv --quiet --python 3.11 "$venv"
 uv pip install --quiet --python "$venv/bin/python" -c "$work/constraints.txt" \
   "${wheels[@]}" ${test_deps[$dist]}
 # The tests run from a copy outside the source tree; only the shared helpers (tests/*.py,
-# not the tests in it) are on PYTHONPATH, so the package can only come from the venv.
+# not the tests in it, and benchmarks/harness, whose ranks tests/distributed.py runs) are on
+# PYTHONPATH, so the package can only come from the venv.
 mkdir -p "$work/run/helpers"
 cp -r "$tests_dir" "$work/run/"
 find tests -maxdepth 1 -name '*.py' ! -name 'test_*' ! -name 'conftest.py' -exec cp {} "$work/run/helpers/" \;
+cp -r benchmarks/harness "$work/run/helpers/"
 cat >"$work/run/pytest.ini" <<'EOF'
 [pytest]
 addopts = -ra --strict-markers

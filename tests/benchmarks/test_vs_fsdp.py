@@ -3,22 +3,22 @@ collective counter counts what each design moves, call for call and byte for byt
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 
+import vs_fsdp
 from moe_parallel import is_expert_parameter
 from moe_train.model import Transformer
 from moe_train.train import read_metrics, train
 from training import assert_losses_match
+from vs_fsdp_variants import Variant
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 WORLD = 4
@@ -31,27 +31,15 @@ STEPS = ["--warmup", "0", "--counted-steps", "3", "--timed-steps", "1"]
 whose collectives the counter must see as well."""
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def bench():
-    """vs_fsdp.py loaded from its file; its sibling modules resolve from benchmarks/."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield _load("vs_fsdp")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    """The benchmark's module, benchmarks/vs_fsdp.py."""
+    return vs_fsdp
 
 
 def _fsdp_config(setup):
     """The benchmark's config of its FSDP run: every expert local (ep=1), as one process runs."""
-    fsdp = sys.modules["vs_fsdp_variants"].Variant("fsdp", "local")
+    fsdp = Variant("fsdp", "local")
     return setup.config(fsdp, EXPERTS)
 
 

@@ -3,7 +3,6 @@ benchmark's per-category measurements, and the bytes the process-group calls car
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from collections import defaultdict
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 
+import memory as memory_benchmark
 from distributed import run_distributed
 from moe_train.config import load_config
 from moe_train.model.training_choices import apply_param_dtype, apply_recompute
@@ -42,17 +42,6 @@ SMALL = [
     "--data.micro_batch_size=2",
     "--data.global_batch_size=4",
 ]
-
-
-def _memory_benchmark():
-    """benchmarks/memory.py, imported once per process."""
-    if "memory_benchmark" not in sys.modules:
-        path = ROOT / "benchmarks/memory.py"
-        spec = importlib.util.spec_from_file_location("memory_benchmark", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules["memory_benchmark"]
 
 
 def _saved_bytes(config) -> int:
@@ -174,20 +163,21 @@ def _rank_body(rank: int, world_size: int) -> dict:
     from moe_train.train.runtime import start_runtime
     from moe_train.train.step import StepRunner
 
-    bench = _memory_benchmark()
     out: dict = {}
-    for name, (world, overrides, modes) in bench.TOPOLOGIES.items():
+    for name, (world, overrides, modes) in memory_benchmark.TOPOLOGIES.items():
         if world != world_size:
             continue
         for mode in modes:
-            config = bench._config([*bench.QUICK_MODEL, *overrides], mode, Path("/unused"), 4)
-            memory = bench.probe_memory(config, warm_steps=2)
+            config = memory_benchmark._config(
+                [*memory_benchmark.QUICK_MODEL, *overrides], mode, Path("/unused"), 4
+            )
+            memory = memory_benchmark.probe_memory(config, warm_steps=2)
             out[name, mode] = {k: getattr(memory, k) for k in ("params", "grads", "optim")}
             out[name, mode]["activations"] = memory.activations
         # One step's collectives (after a warm step), the router random so that every
         # rank's expected load is even.
-        random = [*bench.QUICK_MODEL, *overrides, "--model.moe.random_routing=true"]
-        config = bench._config(random, "none", Path("/unused"), 4)
+        random = [*memory_benchmark.QUICK_MODEL, *overrides, "--model.moe.random_routing=true"]
+        config = memory_benchmark._config(random, "none", Path("/unused"), 4)
         runtime = start_runtime(config, torch.device("cpu"))
         runner = StepRunner(config, runtime)
         shape = (config.data.global_batch_size, config.data.seq_len + 1)
@@ -205,15 +195,17 @@ def two_ranks() -> list[dict]:
     return run_distributed(_rank_body, world_size=2, timeout=600)
 
 
-def _measured_config(bench, name: str, mode: str):
-    world, overrides, _ = bench.TOPOLOGIES[name]
-    return world, bench._config([*bench.QUICK_MODEL, *overrides], mode, Path("/unused"), 4)
+def _measured_config(name: str, mode: str):
+    world, overrides, _ = memory_benchmark.TOPOLOGIES[name]
+    return world, memory_benchmark._config(
+        [*memory_benchmark.QUICK_MODEL, *overrides], mode, Path("/unused"), 4
+    )
 
 
-def _check_memory_row(bench, name: str, mode: str, measured_by_rank: list[dict]) -> None:
+def _check_memory_row(name: str, mode: str, measured_by_rank: list[dict]) -> None:
     from moe_train.train.pipeline import plan_stages
 
-    world, config = _measured_config(bench, name, mode)
+    world, config = _measured_config(name, mode)
     dp = world // config.parallel.pp
     windows = []
     for rank, measured in enumerate(measured_by_rank):
@@ -243,27 +235,24 @@ def _check_memory_row(bench, name: str, mode: str, measured_by_rank: list[dict])
 
 @pytest.mark.slow
 def test_memory_matches_the_memory_benchmark_in_one_process():
-    bench = _memory_benchmark()
-    for mode in bench.TOPOLOGIES["1 process"][2]:
-        _, config = _measured_config(bench, "1 process", mode)
-        measured = bench.probe_memory(config, warm_steps=2)
+    for mode in memory_benchmark.TOPOLOGIES["1 process"][2]:
+        _, config = _measured_config("1 process", mode)
+        measured = memory_benchmark.probe_memory(config, warm_steps=2)
         row = {k: getattr(measured, k) for k in ("params", "grads", "optim", "activations")}
-        _check_memory_row(bench, "1 process", mode, [row])
+        _check_memory_row("1 process", mode, [row])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TOPOLOGY_CASES)
 def test_memory_matches_the_memory_benchmark_on_two_ranks(two_ranks, name):
-    bench = _memory_benchmark()
-    for mode in bench.TOPOLOGIES[name][2]:
-        _check_memory_row(bench, name, mode, [r[name, mode] for r in two_ranks])
+    for mode in memory_benchmark.TOPOLOGIES[name][2]:
+        _check_memory_row(name, mode, [r[name, mode] for r in two_ranks])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TOPOLOGY_CASES)
 def test_traffic_matches_the_bytes_of_the_process_group_calls(two_ranks, name):
-    bench = _memory_benchmark()
-    world, config = _measured_config(bench, name, "none")
+    world, config = _measured_config(name, "none")
     dp = world // config.parallel.pp
     for rank, result in enumerate(two_ranks):
         counted = result[name, "bytes"]

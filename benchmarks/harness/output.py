@@ -1,0 +1,48 @@
+"""A benchmark's output: its table on the console and its JSON file."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def print_table(header: Sequence[str], rows: Iterable[Sequence[Any]], *, left: int = 1) -> None:
+    """Print ``rows`` under ``header`` and a dashed rule, each column as wide as its widest
+    cell; the first ``left`` columns are left-aligned, the others right-aligned. Cells are
+    printed as ``str`` gives them: format numbers before."""
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [len(title) for title in header]
+    for row in cells:
+        if len(row) != len(header):
+            raise ValueError(f"a table row has {len(row)} cells for {len(header)} columns")
+        widths = [max(width, len(cell)) for width, cell in zip(widths, row, strict=True)]
+
+    def line(row: Sequence[str]) -> str:
+        aligned = [
+            cell.ljust(width) if column < left else cell.rjust(width)
+            for column, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(aligned).rstrip()
+
+    print(line(header))
+    print("  ".join("-" * width for width in widths))
+    for row in cells:
+        print(line(row))
+
+
+def write_json(path: Path, document: Any) -> None:
+    """Write ``document`` as indented JSON to ``path`` (its folder made if missing) and say so.
+    The file is written beside ``path`` and renamed into place: ``path`` is either its old
+    self or complete."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(json.dumps(document, indent=2) + "\n")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    print(f"wrote {path}")
