@@ -18,22 +18,20 @@ compared with the minimum: each token copy sent once each way, ``2 * D * element
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import socket
-import statistics
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
 
+from harness.output import print_table, write_json
+from harness.ranks import run_distributed
+from harness.timing import interleaved_medians
 from moe_dispatch import Dispatcher, make_dispatcher, make_row_transport
 
 BACKENDS = ("local", "all_to_all", "rowwise/a2a", "rowwise/shm")
@@ -95,16 +93,8 @@ def _timed(step: Callable[..., Any], *inputs: Any) -> float:
     return float(elapsed)
 
 
-def _bench_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=300),
-    )
+def _bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
+    """The rows of one world size (each rank returns the same)."""
     counter = _ByteCounter()
     # The backends call it through the module: (output, input, ...).
     dist.all_to_all_single = counter.all_to_all_single(dist.all_to_all_single)
@@ -132,13 +122,13 @@ def _bench_rank(rank: int, world_size: int, port: int, args: argparse.Namespace,
         dtype = getattr(torch, dtype_name)
         x_TD = torch.randn(args.tokens, args.dim, generator=generator).to(dtype)
         weight_TK = topk_weight_TK.to(dtype)
-        times: dict[str, list[float]] = {name: [] for name in BACKENDS}
-        for iteration in range(args.warmup + args.iters):
-            for name in BACKENDS:
-                inputs = (dispatchers[name], x_TD, topk_idx_TK, weight_TK)
-                seconds = _timed(_dispatch_combine, *inputs)
-                if iteration >= args.warmup:
-                    times[name].append(seconds)
+        measures = {
+            name: partial(
+                _timed, _dispatch_combine, dispatchers[name], x_TD, topk_idx_TK, weight_TK
+            )
+            for name in BACKENDS
+        }
+        seconds_per_step = interleaved_medians(measures, args.warmup, args.iters)
         for name in BACKENDS:
             counter.bytes, counter.enabled = 0, True
             with torch.no_grad():
@@ -149,7 +139,7 @@ def _bench_rank(rank: int, world_size: int, port: int, args: argparse.Namespace,
             stats = torch.tensor([counter.bytes, int(dropped)], dtype=torch.float64)
             dist.all_reduce(stats)
             num_copies = args.tokens * args.top_k * world_size
-            seconds = statistics.median(times[name])
+            seconds = seconds_per_step[name]
             rows.append(
                 {
                     "backend": name,
@@ -162,30 +152,13 @@ def _bench_rank(rank: int, world_size: int, port: int, args: argparse.Namespace,
                     "dropped_frac": float(stats[1]) / num_copies,
                 }
             )
-    if rank == 0:
-        queue.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return rows
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    context = mp.get_context("spawn")
     rows: list[dict] = []
     for world_size in args.world_sizes:
-        queue = context.SimpleQueue()
-        mp.start_processes(
-            _bench_rank,
-            args=(world_size, _free_port(), args, queue),
-            nprocs=world_size,
-            start_method="spawn",
-        )
-        rows += queue.get()
+        rows += run_distributed(_bench_rank, world_size, args=(args,), timeout=1800.0)[0]
     local_tokens_per_s = {
         (row["ep"], row["dtype"]): row["tokens_per_s"] for row in rows if row["backend"] == "local"
     }
@@ -195,21 +168,23 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    header = (
-        f"{'backend':<13}{'ep':>3}{'dtype':>10}{'ms/step':>9}{'tokens/s':>11}{'vs local':>9}"
-        f"{'B/copy':>9}{'min B':>7}{'x min':>7}{'dropped':>9}"
-    )
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(
-            f"{row['backend']:<13}{row['ep']:>3}{row['dtype']:>10}"
-            f"{row['seconds_per_step'] * 1e3:>9.1f}{row['tokens_per_s']:>11.0f}"
-            f"{row['vs_local']:>9.2f}{row['bytes_per_copy']:>9.0f}"
-            f"{row['min_bytes_per_copy']:>7}{row['bytes_vs_min']:>7.2f}"
-            f"{row['dropped_frac']:>9.3f}"
-        )
+TABLE = ("backend", "ep", "dtype", "ms/step", "tokens/s", "vs local")
+TABLE += ("B/copy", "min B", "x min", "dropped")
+
+
+def table_row(row: dict) -> list:
+    return [
+        row["backend"],
+        row["ep"],
+        row["dtype"],
+        f"{row['seconds_per_step'] * 1e3:.1f}",
+        f"{row['tokens_per_s']:.0f}",
+        f"{row['vs_local']:.2f}",
+        f"{row['bytes_per_copy']:.0f}",
+        row["min_bytes_per_copy"],
+        f"{row['bytes_vs_min']:.2f}",
+        f"{row['dropped_frac']:.3f}",
+    ]
 
 
 def main() -> None:
@@ -226,11 +201,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_results/dispatch.json"))
     args = parser.parse_args()
     rows = run(args)
-    print_table(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print_table(TABLE, map(table_row, rows))
     config = {key: value for key, value in vars(args).items() if key != "out"}
-    args.out.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, {"config": config, "results": rows})
 
 
 if __name__ == "__main__":

@@ -19,17 +19,17 @@ Prints a table and writes JSON (default ``bench_results/grouped_mm_backends.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from grouped_mm_cpu import _expert_contiguous_inputs, _loop_grouped_mm
+from harness.output import print_table, write_json
+from harness.timing import device_timer, interleaved_medians
 from moe_kernels import grouped_mm
 
 GPU_SHAPES = [
@@ -45,28 +45,6 @@ CPU_SHAPES = [
     for size_k, size_n in ((512, 352), (1024, 512))
 ]
 INTERPRETER_SHAPE = (64, 4, 32, 32)
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
-    """Seconds one call of ``step`` takes on ``device`` (CUDA events on GPU)."""
-    if device.type == "cuda":
-
-        def time_cuda(step: Callable[[], None]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-
-        return time_cuda
-
-    def time_cpu(step: Callable[[], None]) -> float:
-        start = time.perf_counter()
-        step()
-        return time.perf_counter() - start
-
-    return time_cpu
 
 
 def _fwd_bwd(forward: Callable[[], Tensor], grad_out: Tensor) -> Callable[[], None]:
@@ -109,14 +87,9 @@ def bench_shape(
         "dense matmul (limit)": lambda: x @ w_dense,
     }
     steps = {name: _fwd_bwd(forwards[name], grad_out) for name in variants}
-    timer = _timer(device)
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.warmup):
-        for step in steps.values():
-            step()
-    for _ in range(args.reps):
-        for name, step in steps.items():
-            times[name].append(timer(step))
+    timer = device_timer(device)
+    measures = {name: partial(timer, step) for name, step in steps.items()}
+    medians = interleaved_medians(measures, args.warmup, args.reps)
 
     agreement: dict[str, float] = {}
     reference = grouped_mm(x, w, offsets, backend="torch").detach()
@@ -125,10 +98,9 @@ def bench_shape(
             agreement[name] = _max_relative_difference(forwards[name]().detach(), reference)
 
     flops = 3 * 2 * rows * size_k * size_n  # forward + dgrad + wgrad
-    dense_median = statistics.median(times["dense matmul (limit)"])
+    dense_median = medians["dense matmul (limit)"]
     results = []
-    for name, samples in times.items():
-        median = statistics.median(samples)
+    for name, median in medians.items():
         results.append(
             {
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -199,22 +171,25 @@ def main() -> None:
         results += bench_shape(INTERPRETER_SHAPE, dtype, device, variants, args)
 
     print(f"grouped GEMM fwd+bwd on {results[0]['device']}, threads={torch.get_num_threads()}")
-    header = (
-        f"{'dtype':<9} {'rows':>6} {'E':>3} {'K':>5} {'N':>5} {'variant':<29} {'median ms':>10} "
-        f"{'TFLOP/s':>8} {'of dense':>8} {'rel diff':>9}"
-    )
-    print(header)
-    for row in results:
-        diff = row["max_rel_diff_vs_torch_backend"]
-        print(
-            f"{row['dtype']:<9} {row['rows']:>6} {row['experts']:>3} {row['k']:>5} {row['n']:>5} "
-            f"{row['variant']:<29} {row['median_ms']:>10.2f} {row['tflops']:>8.3f} "
-            f"{row['fraction_of_dense']:>8.2f} {'' if diff is None else f'{diff:.1e}':>9}"
-        )
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2))
-    print(f"wrote {path}")
+    header = ("dtype", "rows", "E", "K", "N", "variant", "median ms", "TFLOP/s", "of dense")
+    print_table([*header, "rel diff"], map(_table_row, results), left=["variant"])
+    write_json(Path(args.json), results)
+
+
+def _table_row(row: dict) -> list:
+    diff = row["max_rel_diff_vs_torch_backend"]
+    return [
+        row["dtype"],
+        row["rows"],
+        row["experts"],
+        row["k"],
+        row["n"],
+        row["variant"],
+        f"{row['median_ms']:.2f}",
+        f"{row['tflops']:.3f}",
+        f"{row['fraction_of_dense']:.2f}",
+        "" if diff is None else f"{diff:.1e}",
+    ]
 
 
 if __name__ == "__main__":

@@ -11,14 +11,16 @@ limit). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from harness.output import print_table, write_json
+from harness.timing import interleaved_medians
 from moe_kernels import grouped_mm
 
 
@@ -73,17 +75,11 @@ def run(args: argparse.Namespace) -> list[dict]:
             )
         variants["per-expert loop"] = host_split_loop
         variants["dense matmul (limit)"] = lambda x=x, w_dense=w_dense: x @ w_dense
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(args.warmup):
-            for step in variants.values():
-                _time_fwd_bwd(step, grad_out)
-        for _ in range(args.reps):
-            for name, step in variants.items():
-                times[name].append(_time_fwd_bwd(step, grad_out))
+        measures = {name: partial(_time_fwd_bwd, step, grad_out) for name, step in variants.items()}
+        medians = interleaved_medians(measures, args.warmup, args.reps)
         flops = 3 * 2 * args.rows * args.k * args.n  # forward + dgrad + wgrad
-        loop_median = statistics.median(times["per-expert loop"])
-        for name, samples in times.items():
-            median = statistics.median(samples)
+        loop_median = medians["per-expert loop"]
+        for name, median in medians.items():
             rows.append(
                 {
                     "dtype": dtype_name,
@@ -119,15 +115,22 @@ def main() -> None:
         f"grouped GEMM fwd+bwd on CPU: rows={args.rows} K={args.k} N={args.n} "
         f"E={args.experts} threads={torch.get_num_threads()}"
     )
-    print(f"{'dtype':<9} {'variant':<24} {'median ms':>10} {'TFLOP/s':>8} {'time/loop':>10}")
-    for row in rows:
-        print(
-            f"{row['dtype']:<9} {row['variant']:<24} {row['median_ms']:>10.1f} "
-            f"{row['tflops']:>8.3f} {row['time_over_loop']:>10.2f}"
-        )
+    print_table(
+        ("dtype", "variant", "median ms", "TFLOP/s", "time/loop"),
+        (
+            [
+                row["dtype"],
+                row["variant"],
+                f"{row['median_ms']:.1f}",
+                f"{row['tflops']:.3f}",
+                f"{row['time_over_loop']:.2f}",
+            ]
+            for row in rows
+        ),
+        left=["variant"],
+    )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_json(Path(args.json), rows)
 
 
 if __name__ == "__main__":

@@ -4,28 +4,30 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 
-def print_table(header: Sequence[str], rows: Iterable[Sequence[Any]], *, left: int = 1) -> None:
+def print_table(
+    header: Sequence[str], rows: Iterable[Sequence[Any]], *, left: Collection[str] = ()
+) -> None:
     """Print ``rows`` under ``header`` and a dashed rule, each column as wide as its widest
-    cell; the first ``left`` columns are left-aligned, the others right-aligned. Cells are
-    printed as ``str`` gives them: format numbers before."""
+    cell. The first column and those titled in ``left`` are left-aligned, the others
+    right-aligned. Cells are printed as ``str`` gives them: format numbers before."""
     cells = [[str(cell) for cell in row] for row in rows]
     widths = [len(title) for title in header]
     for row in cells:
         if len(row) != len(header):
             raise ValueError(f"a table row has {len(row)} cells for {len(header)} columns")
         widths = [max(width, len(cell)) for width, cell in zip(widths, row, strict=True)]
+    to_left = [column == 0 or title in left for column, title in enumerate(header)]
 
     def line(row: Sequence[str]) -> str:
-        aligned = [
-            cell.ljust(width) if column < left else cell.rjust(width)
-            for column, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ]
-        return "  ".join(aligned).rstrip()
+        return "  ".join(
+            cell.ljust(width) if leftward else cell.rjust(width)
+            for cell, width, leftward in zip(row, widths, to_left, strict=True)
+        ).rstrip()
 
     print(line(header))
     print("  ".join("-" * width for width in widths))
