@@ -27,15 +27,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import statistics
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from harness.output import print_table, write_json
+from harness.timing import interleaved_medians
 from moe_train.config import ModelConfig, MoEConfig
 from moe_train.model.moe import MoEFeedForward, SwiGLU
 from moe_train.model.transformer import local_dispatcher_factory
@@ -145,10 +146,6 @@ def _moe_stage_steps(
     yield "unpermute", unpermute, randn_like(x_TD).to(expert_output.dtype)
 
 
-def _median_ms(samples: list[float]) -> float:
-    return statistics.median(samples) * 1e3
-
-
 def run_layer(args: argparse.Namespace) -> list[dict]:
     """MoE (E=args.experts, top_k) over dense SwiGLU with the same FLOPs, per dtype."""
     rows = []
@@ -166,17 +163,18 @@ def run_layer(args: argparse.Namespace) -> list[dict]:
             "dense": lambda dense=dense, x_leaf=x_leaf: dense(x_leaf),
         }
         stages = list(_moe_stage_steps(moe, x_TD, dtype))
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        times.update({name: [] for name, _, _ in stages})
         steps = [(name, step, grad_TD) for name, step in variants.items()] + stages
-        for rep in range(args.warmup + args.reps):
-            for name, step, grad in steps:
-                seconds = _fwd_bwd_seconds(step, grad, dtype, CLOCKS[args.clock])
-                _clear_grads(moe, dense)
-                x_leaf.grad = None
-                if rep >= args.warmup:
-                    times[name].append(seconds)
-        dense_ms = _median_ms(times["dense"])
+
+        def measure(step, grad, moe=moe, dense=dense, x_leaf=x_leaf, dtype=dtype) -> float:
+            seconds = _fwd_bwd_seconds(step, grad, dtype, CLOCKS[args.clock])
+            _clear_grads(moe, dense)
+            x_leaf.grad = None
+            return seconds
+
+        measures = {name: partial(measure, step, grad) for name, step, grad in steps}
+        seconds = interleaved_medians(measures, args.warmup, args.reps)
+        ms = {name: 1e3 * value for name, value in seconds.items()}
+        dense_ms = ms["dense"]
         row = {
             "dtype": dtype_name,
             "tokens": args.tokens,
@@ -188,9 +186,9 @@ def run_layer(args: argparse.Namespace) -> list[dict]:
             "threads": torch.get_num_threads(),
             "clock": args.clock,
             "dense_ms": dense_ms,
-            "moe_ms": _median_ms(times["moe"]),
-            "moe_over_dense": _median_ms(times["moe"]) / dense_ms,
-            "stages_ms": {name: _median_ms(times[name]) for name, _, _ in stages},
+            "moe_ms": ms["moe"],
+            "moe_over_dense": ms["moe"] / dense_ms,
+            "stages_ms": {name: ms[name] for name, _, _ in stages},
         }
         row["stages_over_dense"] = {name: ms / dense_ms for name, ms in row["stages_ms"].items()}
         rows.append(row)
@@ -239,25 +237,22 @@ def run_scaling(args: argparse.Namespace) -> list[dict]:
         )
         for experts, moe in layers.items()
     }
-    times: dict[int, dict[str, list[float]]] = {
-        experts: {"layer": [], "gemms": [], "cast": []} for experts in layers
-    }
-    for rep in range(args.warmup + args.reps):
-        for experts, moe in layers.items():
-            gemm_step, gemm_grad = gemm_steps[experts]
-            seconds = {
-                "layer": _fwd_bwd_seconds(lambda moe=moe: moe(x_leaf), grad_TD, dtype, clock),
-                "gemms": _fwd_bwd_seconds(gemm_step, gemm_grad, dtype, clock),
-                "cast": _weight_grad_cast_seconds(moe, dtype, clock),
-            }
-            _clear_grads(moe)
-            x_leaf.grad = None
-            if rep >= args.warmup:
-                for part, value in seconds.items():
-                    times[experts][part].append(value)
+
+    def layer_seconds(moe: MoEFeedForward) -> float:
+        seconds = _fwd_bwd_seconds(lambda: moe(x_leaf), grad_TD, dtype, clock)
+        _clear_grads(moe)
+        x_leaf.grad = None
+        return seconds
+
+    measures: dict[tuple[int, str], Callable[[], float]] = {}
+    for experts, moe in layers.items():
+        measures[experts, "layer"] = partial(layer_seconds, moe)
+        measures[experts, "gemms"] = partial(_fwd_bwd_seconds, *gemm_steps[experts], dtype, clock)
+        measures[experts, "cast"] = partial(_weight_grad_cast_seconds, moe, dtype, clock)
+    by_part = interleaved_medians(measures, args.warmup, args.reps)
     medians = {
-        experts: {part: statistics.median(samples) for part, samples in parts.items()}
-        for experts, parts in times.items()
+        experts: {part: by_part[experts, part] for part in ("layer", "gemms", "cast")}
+        for experts in layers
     }
     first = medians[args.scaling_experts[0]]
     rows = []
@@ -317,16 +312,22 @@ def main() -> None:
         f"heap kept {heap_kept})"
     )
     stage_names = list(layer_rows[0]["stages_ms"])
-    header = (
-        f"{'dtype':>9} {'E':>4} {'k':>2} {'H':>5} {'dense ms':>9} {'moe ms':>8} {'moe/dense':>9}"
+    print_table(
+        ["dtype", "E", "k", "H", "dense ms", "moe ms", "moe/dense", *stage_names],
+        (
+            [
+                row["dtype"],
+                row["experts"],
+                row["top_k"],
+                row["expert_hidden"],
+                f"{row['dense_ms']:.1f}",
+                f"{row['moe_ms']:.1f}",
+                f"{row['moe_over_dense']:.3f}",
+                *(f"{row['stages_over_dense'][name]:.3f}" for name in stage_names),
+            ]
+            for row in layer_rows
+        ),
     )
-    print(header + "".join(f" {name:>14}" for name in stage_names))
-    for row in layer_rows:
-        line = (
-            f"{row['dtype']:>9} {row['experts']:>4} {row['top_k']:>2} {row['expert_hidden']:>5} "
-            f"{row['dense_ms']:>9.1f} {row['moe_ms']:>8.1f} {row['moe_over_dense']:>9.3f}"
-        )
-        print(line + "".join(f" {row['stages_over_dense'][n]:>14.3f}" for n in stage_names))
     print("(stage columns: that stage alone, fwd+bwd, as a fraction of the dense time)")
 
     scaling_rows = [] if args.no_scaling else run_scaling(args)
@@ -335,17 +336,22 @@ def main() -> None:
             f"\nexpert scaling ({args.scaling_dtype}, top-{args.scaling_top_k}, expert hidden "
             f"{args.scaling_expert_hidden}): throughput relative to E={args.scaling_experts[0]}"
         )
-        print(
-            f"{'E':>5} {'ms':>8} {'tokens/s':>10} {'relative':>9} {'GEMMs ms':>9} "
-            f"{'GEMMs rel':>9} {'cast ms':>8} {'bound':>6}"
+        print_table(
+            ["E", "ms", "tokens/s", "relative", "GEMMs ms", "GEMMs rel", "cast ms", "bound"],
+            (
+                [
+                    row["experts"],
+                    f"{row['ms']:.1f}",
+                    f"{row['tokens_per_s']:.0f}",
+                    f"{row['throughput_vs_first']:.3f}",
+                    f"{row['grouped_gemms_ms']:.1f}",
+                    f"{row['grouped_gemms_vs_first']:.3f}",
+                    f"{row['weight_grad_cast_ms']:.1f}",
+                    f"{row['throughput_vs_first_bound']:.3f}",
+                ]
+                for row in scaling_rows
+            ),
         )
-        for row in scaling_rows:
-            print(
-                f"{row['experts']:>5} {row['ms']:>8.1f} {row['tokens_per_s']:>10.0f} "
-                f"{row['throughput_vs_first']:>9.3f} {row['grouped_gemms_ms']:>9.1f} "
-                f"{row['grouped_gemms_vs_first']:>9.3f} {row['weight_grad_cast_ms']:>8.1f} "
-                f"{row['throughput_vs_first_bound']:>6.3f}"
-            )
         print(
             "(GEMMs: the experts' grouped GEMMs and SwiGLU alone, fwd+bwd, and their speed "
             "relative to the first E; cast: one compute-dtype -> fp32 pass over the expert "
@@ -353,22 +359,15 @@ def main() -> None:
             "the only cost growing with E)"
         )
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "heap_kept": heap_kept,
-                "threads": torch.get_num_threads(),
-                "clock": args.clock,
-                "layer": layer_rows,
-                "scaling": scaling_rows,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"\nwrote {out}")
+    print()
+    document = {
+        "heap_kept": heap_kept,
+        "threads": torch.get_num_threads(),
+        "clock": args.clock,
+        "layer": layer_rows,
+        "scaling": scaling_rows,
+    }
+    write_json(Path(args.out), document)
 
 
 if __name__ == "__main__":
