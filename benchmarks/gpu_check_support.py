@@ -9,7 +9,6 @@ import dataclasses
 import importlib
 import json
 import os
-import socket
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -17,6 +16,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from harness import output
+from harness.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,9 +146,7 @@ def nvshmem_row(check: str, device: torch.device) -> Row:
 @contextlib.contextmanager
 def one_rank_process_group(device: torch.device) -> Iterator[dist.ProcessGroup]:
     """A process group of world size 1 (NCCL on a GPU, gloo on a CPU) on a free port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
@@ -217,9 +217,9 @@ def last_error(log_path: Path) -> str:
 
 
 def print_table(rows: list[Row]) -> None:
-    width = max(len(row.check) for row in rows)
-    result_width = max(len(row.result) for row in rows)
-    print(f"\n{'check':<{width}}  {'result':<{result_width}}  figure")
-    print(f"{'-' * width}  {'-' * result_width}  {'-' * 6}")
-    for row in rows:
-        print(f"{row.check:<{width}}  {row.result:<{result_width}}  {row.figure}")
+    print()
+    output.print_table(
+        ("check", "result", "figure"),
+        ([row.check, row.result, row.figure] for row in rows),
+        left=("result", "figure"),
+    )

@@ -11,7 +11,6 @@ backend failed. ``--device cpu`` runs the same script on gloo (no sync check): a
 """
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from harness.output import print_table, write_json
 from moe_dispatch import AllToAllDispatcher, RowwiseDispatcher
 
 
@@ -120,16 +120,21 @@ def main() -> None:
             if row["backend"] == "rowwise/symmetric_memory" and not same and not row["error"]:
                 row["error"] = "output or gradient differs from rowwise/all_to_all"
     reference = rows[0]["ms"]
-    print(f"{'backend':<26} {'ms/step':>9} {'vs a2a':>7}  sync-free  error")
-    for row in rows:
-        print(
-            f"{row['backend']:<26} {row['ms']:>9.3f} {row['ms'] / reference:>7.2f}  "
-            f"{'checked' if row['sync_free_checked'] else '-':>9}  {row['error'] or ''}"
-        )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2)
+    print_table(
+        ("backend", "ms/step", "vs a2a", "sync-free", "error"),
+        (
+            [
+                row["backend"],
+                f"{row['ms']:.3f}",
+                f"{row['ms'] / reference:.2f}",
+                "checked" if row["sync_free_checked"] else "-",
+                row["error"] or "",
+            ]
+            for row in rows
+        ),
+        left=["error"],
     )
+    write_json(args.out, {"args": vars(args) | {"out": str(args.out)}, "rows": rows})
     dist.destroy_process_group()
     if any(row["error"] for row in rows):
         raise SystemExit(1)

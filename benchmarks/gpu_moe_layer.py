@@ -13,13 +13,13 @@ moe-kernels and moe-dispatch (the GPU machine has no pyyaml for moe-train).
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from harness.output import print_table, write_json
+from harness.timing import device_timer, median_seconds
 from moe_dispatch import make_dispatcher
 from moe_kernels import grouped_mm, mxfp8_grouped_mm
 
@@ -37,22 +37,7 @@ def _moe_layer(x, topk_idx, topk_weight, w_gate_up, w_down, dispatcher, path):
 
 
 def _time_ms(fn, warmup: int, reps: int, device: torch.device) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return 1e3 * median_seconds(fn, warmup, reps, device_timer(device))
 
 
 def main() -> int:
@@ -131,21 +116,20 @@ def main() -> int:
 
     print(f"MoE layer fwd+bwd, bf16, T={tokens} D={dim} H={hidden} E={experts} top-{top_k}")
     print(f"dense SwiGLU of the same FLOPs: {dense_ms:.2f} ms")
-    print(f"{'path':>8} {'host sync':>10} {'ms':>9} {'x dense':>8}")
+    print_table(
+        ("path", "host sync", "ms", "x dense"),
+        (
+            [row["path"], "ERROR", "-", "-"]
+            if "error" in row
+            else [row["path"], row["host_sync"], f"{row['ms']:.2f}", f"{row['over_dense']:.2f}"]
+            for row in rows
+        ),
+    )
     for row in rows:
         if "error" in row:
-            print(f"{row['path']:>8} ERROR {row['error']}")
-        else:
-            print(
-                f"{row['path']:>8} {row['host_sync']:>10} {row['ms']:9.2f} {row['over_dense']:8.2f}"
-            )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {"args": vars(args) | {"out": str(args.out)}, "dense_ms": dense_ms, "rows": rows},
-            indent=2,
-        )
-    )
+            print(f"{row['path']}: {row['error']}")
+    document = {"args": vars(args) | {"out": str(args.out)}, "dense_ms": dense_ms, "rows": rows}
+    write_json(args.out, document)
     ok = all(row.get("host_sync") in ("none", "n/a (cpu)") for row in rows)
     return 0 if ok else 1
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Hashable, Mapping
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -61,6 +62,13 @@ def interleaved_medians(
     """The median seconds of each measure over ``reps`` interleaved timed rounds (see
     ``interleaved_samples``)."""
     return medians(interleaved_samples(measures, warmup, reps))
+
+
+def median_seconds(
+    step: Callable[[], object], warmup: int, reps: int, timer: Timer = wall_seconds
+) -> float:
+    """The median seconds of ``step`` by ``timer`` over ``reps`` calls after ``warmup``."""
+    return interleaved_medians({"step": partial(timer, step)}, warmup, reps)["step"]
 
 
 def medians(samples: Mapping[Key, list[float]]) -> dict[Key, float]:
