@@ -50,7 +50,6 @@ rounds of the ratio within each round, which also cancels slow drifts in machine
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import warnings
@@ -61,6 +60,7 @@ from types import ModuleType
 
 import torch
 
+from harness.output import print_table, write_json
 from moe_train.config import Config, config_from_dict
 from moe_train.train.host_memory import keep_freed_host_memory
 from moe_train.train.runtime import start_runtime
@@ -334,20 +334,23 @@ def paired_ratio(ours: System, theirs: System, per_round: int) -> float:
     return statistics.median(ratios)
 
 
-def print_table(rows: list[dict]) -> None:
-    header = (
-        f"{'system':>10} {'dtype':>11} {'params':>8} {'step ms':>8} {'tokens/s':>9} "
-        f"{'ours/olmo-core':>15} {'paired':>7}"
-    )
-    print(header)
-    print("-" * len(header))
+def print_summary(rows: list[dict]) -> None:
+    header = ("system", "dtype", "params", "step ms", "tokens/s", "ours/olmo-core", "paired")
+    cells = []
     for row in rows:
         ratio, paired = row.get("ratio_vs_olmo_core"), row.get("paired_ratio_vs_olmo_core")
-        print(
-            f"{row['system']:>10} {row['dtype']:>11} {row['params'] / 1e6:>7.2f}M "
-            f"{1000 * row['step_time_s']:>8.1f} {row['tokens_per_s']:>9,.0f} "
-            f"{f'{ratio:.2f}x' if ratio else '':>15} {f'{paired:.2f}x' if paired else '':>7}"
+        cells.append(
+            [
+                row["system"],
+                row["dtype"],
+                f"{row['params'] / 1e6:.2f}M",
+                f"{1000 * row['step_time_s']:.1f}",
+                f"{row['tokens_per_s']:,.0f}",
+                f"{ratio:.2f}x" if ratio else "",
+                f"{paired:.2f}x" if paired else "",
+            ]
         )
+    print_table(header, cells)
     print(
         "ours/olmo-core: ratio of the median tokens/s; paired: median over rounds of the "
         "ratio within a round"
@@ -373,16 +376,15 @@ def main() -> None:
     for dtype in args.dtypes:
         rows += measure(dtype, args)
     print(f"\ntorch {torch.__version__}, {args.threads} threads, {BATCH}x{SEQ_LEN} tokens/step")
-    print_table(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print_summary(rows)
     meta = {
         "torch": torch.__version__,
         "threads": args.threads,
         "olmo_core": olmo_core_version(),
         "compile": args.compile,
     }
-    args.out.write_text(json.dumps({**meta, "runs": rows}, indent=2))
-    print(f"\nwrote {args.out}")
+    print()
+    write_json(args.out, {**meta, "runs": rows})
 
 
 def olmo_core_version() -> str:

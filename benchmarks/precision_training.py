@@ -16,7 +16,6 @@ the tokens/s ratios with care.
 """
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from harness.output import print_table, write_json
 from harness.processes import benchmark_run_overrides
 from moe_train.config import load_config
 from moe_train.train import measure_matmul_peak, read_metrics, train
@@ -138,52 +138,50 @@ def main() -> None:
                     flush=True,
                 )
     rows = summarise(runs, names)
-    print_table(rows, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "config": str(args.config),
-                "steps": args.steps,
-                "seeds": args.seeds,
-                "threads": torch.get_num_threads(),
-                "loss_window": args.loss_window,
-                "peak_flops": peak,
-                "variants": rows,
-                "runs": runs,
-            },
-            indent=2,
-        )
-    )
-    print(f"wrote {args.out}")
+    print_summary(rows, args)
+    document = {
+        "config": str(args.config),
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "threads": torch.get_num_threads(),
+        "loss_window": args.loss_window,
+        "peak_flops": peak,
+        "variants": rows,
+        "runs": runs,
+    }
+    write_json(args.out, document)
 
 
-def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+def print_summary(rows: list[dict], args: argparse.Namespace) -> None:
     print(
         f"\n{args.config.name}, {args.steps} steps, seeds {' '.join(map(str, args.seeds))}, "
         f"threads {torch.get_num_threads()}; loss = mean of the last {args.loss_window} steps, "
         "averaged over the seeds; gap = relative to bf16 at the same seed"
     )
-    header = (
-        f"{'run':>11} {'loss':>8} {'mean gap':>9} {'target':>8} {'gap per seed':>22} "
-        f"{'tokens/s':>10} {'vs bf16':>8} {'MFU':>6}"
+    print_table(
+        ("run", "loss", "mean gap", "target", "gap per seed", "tokens/s", "vs bf16", "MFU"),
+        map(_table_row, rows),
     )
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        target = ""
-        if "target_gap" in row:
-            verdict = "ok" if row["within_target"] else "OUT"
-            target = f"{100 * row['target_gap']:.1f}% {verdict}"
-        per_seed = ""
-        if row["run"] != "bf16":  # the baseline's own gaps are zero
-            per_seed = " ".join(f"{100 * gap:+.2f}%" for gap in row["relative_loss_gaps"])
-        print(
-            f"{row['run']:>11} {row['final_loss_mean']:>8.4f} "
-            f"{100 * row['relative_loss_gap_mean']:>+8.2f}% {target:>8} {per_seed:>22} "
-            f"{row['tokens_per_s']:>10,.0f} {row['tokens_per_s_ratio']:>7.2f}x "
-            f"{100 * row['mfu']:>5.1f}%"
-        )
+
+
+def _table_row(row: dict) -> list:
+    target = ""
+    if "target_gap" in row:
+        verdict = "ok" if row["within_target"] else "OUT"
+        target = f"{100 * row['target_gap']:.1f}% {verdict}"
+    per_seed = ""
+    if row["run"] != "bf16":  # the baseline's own gaps are zero
+        per_seed = " ".join(f"{100 * gap:+.2f}%" for gap in row["relative_loss_gaps"])
+    return [
+        row["run"],
+        f"{row['final_loss_mean']:.4f}",
+        f"{100 * row['relative_loss_gap_mean']:+.2f}%",
+        target,
+        per_seed,
+        f"{row['tokens_per_s']:,.0f}",
+        f"{row['tokens_per_s_ratio']:.2f}x",
+        f"{100 * row['mfu']:.1f}%",
+    ]
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the tokenizers library is loaded
 
+from harness.output import print_table, write_json
 from moe_train.data import prepare_data
 
 _WORD_LIST = (
@@ -178,21 +179,27 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[dict], dict[int, flo
     return rows, {w: statistics.median(values) for w, values in control.items()}
 
 
-def print_table(rows: list[dict], control: dict[int, float], first_workers: int) -> None:
-    header = (
-        f"{'tokenizer':<10}{'workers':>8}{'input MB':>10}{'tokens':>12}{'seconds':>9}"
-        f"{'start-up s':>11}{'MB/s':>8}{'MB/s net':>10}{f'vs {first_workers} worker':>13}"
-        f"{'vs 1, net':>11}"
+def print_summary(rows: list[dict], control: dict[int, float], first_workers: int) -> None:
+    header = ("tokenizer", "workers", "input MB", "tokens", "seconds", "start-up s", "MB/s")
+    header += ("MB/s net", f"vs {first_workers} worker", "vs 1, net")
+    print_table(
+        header,
+        (
+            [
+                row["tokenizer"],
+                row["workers"],
+                f"{row['input_mb']:.1f}",
+                f"{row['tokens']:,}",
+                f"{row['seconds']:.2f}",
+                f"{row['startup_seconds']:.2f}",
+                f"{row['mb_per_s']:.1f}",
+                f"{row['mb_per_s_net']:.1f}",
+                f"{row['vs_first']:.2f}",
+                f"{row['vs_first_net']:.2f}",
+            ]
+            for row in rows
+        ),
     )
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(
-            f"{row['tokenizer']:<10}{row['workers']:>8}{row['input_mb']:>10.1f}"
-            f"{row['tokens']:>12,}{row['seconds']:>9.2f}{row['startup_seconds']:>11.2f}"
-            f"{row['mb_per_s']:>8.1f}{row['mb_per_s_net']:>10.1f}{row['vs_first']:>13.2f}"
-            f"{row['vs_first_net']:>11.2f}"
-        )
     for workers, speedup in control.items():
         print(
             f"machine now: {workers} processes of pure-Python work ran {speedup:.2f}x as fast "
@@ -212,14 +219,12 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="prepare-data-bench-") as work:
         rows, control = run(args, Path(work))
-    print_table(rows, control, args.workers[0])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print_summary(rows, control, args.workers[0])
     config = {key: value for key, value in vars(args).items() if key != "out"}
     config["cores"] = len(os.sched_getaffinity(0))
     config["load_average"] = os.getloadavg()
     result = {"config": config, "results": rows, "control_speedup": control}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

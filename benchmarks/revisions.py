@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness.output import print_table, write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("moe-kernels", "moe-dispatch", "moe-parallel", "moe-checkpoint", "moe-train")
 
@@ -104,18 +106,16 @@ def main() -> None:
                     ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
                     capture_output=True,
                 )
-    rows = print_table(samples, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rounds": args.rounds, "steps": args.steps, "rows": rows}))
-    print(f"\nwrote {args.out}")
+    rows = summarise(samples, args)
+    print()
+    print_table(("config", "dtype", "revision", "tokens/s", "vs first"), map(_table_row, rows))
+    print()
+    write_json(args.out, {"rounds": args.rounds, "steps": args.steps, "rows": rows})
 
 
-def print_table(samples: dict[tuple[str, str, str], list[float]], args) -> list[dict]:
-    """One line per (config, dtype, revision): median tokens/s and the ratio to the first."""
+def summarise(samples: dict[tuple[str, str, str], list[float]], args) -> list[dict]:
+    """One row per (config, dtype, revision): median tokens/s and the ratio to the first."""
     rows = []
-    header = f"{'config':>10} {'dtype':>11} {'revision':>12} {'tokens/s':>9} {'vs first':>9}"
-    print("\n" + header)
-    print("-" * len(header))
     for config in args.configs:
         for dtype in args.dtypes:
             first = samples.get((args.revisions[0], config, dtype))
@@ -135,9 +135,18 @@ def print_table(samples: dict[tuple[str, str, str], list[float]], args) -> list[
                         "ratio_to_first": ratio,
                     }
                 )
-                shown = f"{ratio:.2f}x" if ratio else ""
-                print(f"{config:>10} {dtype:>11} {rev[:12]:>12} {median:>9,.0f} {shown:>9}")
     return rows
+
+
+def _table_row(row: dict) -> list:
+    ratio = row["ratio_to_first"]
+    return [
+        row["config"],
+        row["dtype"],
+        row["revision"][:12],
+        f"{row['tokens_per_s']:,.0f}",
+        f"{ratio:.2f}x" if ratio else "",
+    ]
 
 
 if __name__ == "__main__":

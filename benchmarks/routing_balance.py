@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,9 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+
+from harness import output
+from harness.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 30
@@ -96,18 +98,12 @@ def _case_config(case: str, root: Path) -> tuple[Path, list[str]]:
     return path, []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(case: str, root: Path) -> tuple[Path, list[str]]:
     """Train the case on 2 ranks; its run directory and the console's warning lines."""
     config, overrides = _case_config(case, root)
     shutil.rmtree(root / case, ignore_errors=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
-    command += ["--master-port", str(_free_port()), "-m", "moe_train.cli", "train", str(config)]
+    command += ["--master-port", str(free_port()), "-m", "moe_train.cli", "train", str(config)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command + overrides, capture_output=True, text=True, env=env)
     if result.returncode != 0:
@@ -142,13 +138,9 @@ def summarise(run_dir: Path) -> list[dict]:
 
 
 def print_table(results: dict[str, dict]) -> None:
-    header = (
-        f"{'case':<13} {'layer':>5} {'lb_loss first -> last (mean)':>29} "
-        f"{'rank max/mean: mean (min-max)':>30} {'expert max/mean':>15} {'flagged':>8} "
-        f"{'warned at':>9}"
-    )
-    print(header)
-    print("-" * len(header))
+    header = ("case", "layer", "lb_loss first -> last (mean)", "rank max/mean: mean (min-max)")
+    header += ("expert max/mean", "flagged", "warned at")
+    rows = []
     for case, result in results.items():
         for s in result["layers"]:
             lb = f"{s['lb_loss_first']:.3f} -> {s['lb_loss_last']:.3f} ({s['lb_loss_mean']:.3f})"
@@ -157,11 +149,11 @@ def print_table(results: dict[str, dict]) -> None:
                 f"{s['rank_imbalance_max']:.2f})"
             )
             warned = "-" if s["warned_at_step"] is None else f"step {s['warned_at_step']}"
-            print(
-                f"{case:<13} {s['layer']:>5} {lb:>29} {ranks:>30} "
-                f"{s['expert_imbalance_mean']:>15.2f} {s['flagged_steps']:>4}/{STEPS:<3} "
-                f"{warned:>9}"
+            flagged = f"{s['flagged_steps']}/{STEPS}"
+            rows.append(
+                [case, s["layer"], lb, ranks, f"{s['expert_imbalance_mean']:.2f}", flagged, warned]
             )
+    output.print_table(header, rows)
 
 
 def main() -> None:
@@ -187,8 +179,7 @@ def main() -> None:
     for case, result in results.items():
         for line in result["warnings"]:
             print(f"{case}: {line}")
-    args.out.write_text(json.dumps({"steps": STEPS, "cases": results}, indent=2))
-    print(f"wrote {args.out}")
+    output.write_json(args.out, {"steps": STEPS, "cases": results})
     if args.plot is not None:
         from moe_train.plot.routing import balance_figure
         from moe_train.plot.runs import read_run
