@@ -13,11 +13,11 @@ prefetch.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
+from harness.output import print_table, write_json
 from harness.processes import train_in_fresh_process
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -69,22 +69,26 @@ def main() -> None:
                 runs[name].append(run_once(args, prefetch, run_dir))
     summary = {name: summarise(r) for name, r in runs.items()}
 
-    header = f"{'reading':<20} {'steps':>6} {'step s':>8} {'wait ms':>9} {'max ms':>8} {'wait share':>11}"
     print(
         f"config {args.config.name}, {args.steps} steps per run ({args.skip} left out), "
         f"{args.rounds} round(s)"
     )
-    print(header)
-    print("-" * len(header))
-    for name, figures in summary.items():
-        print(
-            f"{name:<20} {figures['steps']:>6} {figures['median_step_s']:>8.2f} "
-            f"{figures['median_wait_ms']:>9.2f} {figures['max_wait_ms']:>8.2f} "
-            f"{100 * figures['wait_share']:>10.2f}%"
-        )
+    print_table(
+        ("reading", "steps", "step s", "wait ms", "max ms", "wait share"),
+        (
+            [
+                name,
+                figures["steps"],
+                f"{figures['median_step_s']:.2f}",
+                f"{figures['median_wait_ms']:.2f}",
+                f"{figures['max_wait_ms']:.2f}",
+                f"{100 * figures['wait_share']:.2f}%",
+            ]
+            for name, figures in summary.items()
+        ),
+    )
     goal = summary["prefetch"]["wait_share"] < 0.02
     print(f"goal (prefetch wait share < 2%): {'met' if goal else 'NOT met'}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "config": str(args.config),
         "steps": args.steps,
@@ -95,8 +99,7 @@ def main() -> None:
         "runs": runs,
         "goal_met": goal,
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ the mean number of documents (pieces of them) in a training sequence of those st
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
+from harness.output import print_table, write_json
 from harness.processes import train_in_fresh_process
 from moe_train.config import load_config
 from moe_train.data import TokenDataset
@@ -81,21 +81,23 @@ def main() -> None:
                 }
             )
 
-    header = f"{'config':<10} {'plain tok/s':>12} {'masked tok/s':>13} {'masked / plain':>15} {'docs/seq':>9}"
     print(f"{args.steps} steps per run ({args.skip} left out), {args.rounds} round(s)")
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(
-            f"{row['config']:<10} {row['plain_tokens_per_s']:>12,.0f} "
-            f"{row['masked_tokens_per_s']:>13,.0f} {row['masked_over_plain']:>15.3f} "
-            f"{row['documents_per_sequence']:>9.2f}"
-        )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print_table(
+        ("config", "plain tok/s", "masked tok/s", "masked / plain", "docs/seq"),
+        (
+            [
+                row["config"],
+                f"{row['plain_tokens_per_s']:,.0f}",
+                f"{row['masked_tokens_per_s']:,.0f}",
+                f"{row['masked_over_plain']:.3f}",
+                f"{row['documents_per_sequence']:.2f}",
+            ]
+            for row in rows
+        ),
+    )
     result = {"steps": args.steps, "skip": args.skip, "rounds": args.rounds, "rows": rows}
     result["overrides"] = args.override
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,9 @@ else took no time at all, with the kernels this torch build has for these shapes
 """
 
 import argparse
-import json
 import re
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +32,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from harness.processes import benchmark_run_overrides
+from harness import output
+from harness.processes import benchmark_run_overrides, json_from_fresh_process
 from moe_train.config import Config, load_config
 from moe_train.model import count_params, flops_per_token
 from moe_train.train import measure_matmul_peak, read_metrics, train
@@ -236,22 +234,24 @@ def print_table(rows: list[dict], peaks: dict[str, float]) -> None:
             "shares of one profiled step's self time; outside = not matmul or attention; "
             "ceiling = the MFU if only matmuls and attention took time"
         )
-    header = f"{'config':>9} {'dtype':>9} {'params':>7} {'active':>7} {'tokens/s':>9} {'MFU':>6}"
-    header += "".join(f" {c:>12}" for c in columns)
-    print(header)
-    print("-" * len(header))
+    cells = []
     for row in rows:
-        line = (
-            f"{row['config']:>9} {row['dtype']:>9} {row['total_params'] / 1e6:>6.1f}M "
-            f"{row['active_params'] / 1e6:>6.1f}M {row['tokens_per_s']:>9,.0f} "
-            f"{100 * row['mfu']:>5.1f}%"
-        )
+        line = [
+            row["config"],
+            row["dtype"],
+            f"{row['total_params'] / 1e6:.1f}M",
+            f"{row['active_params'] / 1e6:.1f}M",
+            f"{row['tokens_per_s']:,.0f}",
+            f"{100 * row['mfu']:.1f}%",
+        ]
         if breakdown:
             parts = row["breakdown"]
             shares = [parts["shares"][c] for c in classes]
             shares += [parts["outside_share"], parts["mfu_ceiling"]]
-            line += "".join(f" {100 * share:>11.1f}%" for share in shares)
-        print(line)
+            line += [f"{100 * share:.1f}%" for share in shares]
+        cells.append(line)
+    header = ["config", "dtype", "params", "active", "tokens/s", "MFU", *columns]
+    output.print_table(header, cells)
     if breakdown:
         for row in rows:
             parts = row["breakdown"]
@@ -289,7 +289,7 @@ def main() -> None:
         name, dtype, peak = args.one_row
         with tempfile.TemporaryDirectory() as tmp:
             row = run_one(name, dtype, args, float(peak), Path(tmp))
-        args.out.write_text(json.dumps(row))
+        output.write_json(args.out, row)
         return
 
     peaks = {
@@ -306,19 +306,16 @@ def main() -> None:
                 flush=True,
             )
     print_table(rows, peaks)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"peak_flops": peaks, "runs": rows}, indent=2))
-    print(f"\nwrote {args.out}")
+    print()
+    output.write_json(args.out, {"peak_flops": peaks, "runs": rows})
 
 
 def _run_in_fresh_process(name: str, dtype: str, peak: float, args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "row.json"
-        command = [sys.executable, __file__, "--one-row", name, dtype, repr(peak)]
-        command += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
-        command += ["--breakdown"] * args.breakdown + ["--compile"] * args.compile
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-        return json.loads(out.read_text())
+    """One row (``run_one``) trained in a process of its own."""
+    options = ["--one-row", name, dtype, repr(peak), "--steps", str(args.steps)]
+    options += ["--warmup", str(args.warmup)]
+    options += ["--breakdown"] * args.breakdown + ["--compile"] * args.compile
+    return json_from_fresh_process(__file__, *options)
 
 
 if __name__ == "__main__":
