@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import shutil
 import statistics
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from harness.output import print_table, write_json
 from harness.ranks import run_distributed
 from moe_checkpoint import (
     OwnedSlice,
@@ -271,7 +271,6 @@ def main() -> None:
         f"checkpoint I/O: {gb:.2f} GB of fp32 in {args.tensors} tensors, median of {args.reps}, "
         f"checksum chunks of {args.chunk_kib[0]} KiB"
     )
-    print(f"{'operation':<38} {'median s':>9} {'GB/s':>7} {'ratio':>7} {'target':>7}")
     rows = [
         ("raw write + fsync", median["raw_write"], None, None),
         ("save_checkpoint (sync)", median["save"], result["save_over_raw_write"], ">=0.50"),
@@ -296,20 +295,19 @@ def main() -> None:
         ),
         ("async save: return + wait", median["async_total"], None, None),
     ]
+    cells = []
     for name, seconds, ratio, target in rows:
         gbps = f"{gb / seconds:.2f}" if not name.startswith("async save: stall") else ""
-        print(
-            f"{name:<38} {seconds:>9.3f} {gbps:>7} "
-            f"{'' if ratio is None else f'{ratio:.2f}':>7} {target or '':>7}"
-        )
+        ratio_text = "" if ratio is None else f"{ratio:.2f}"
+        cells.append([name, f"{seconds:.3f}", gbps, ratio_text, target or ""])
+    print_table(("operation", "median s", "GB/s", "ratio", "target"), cells)
     if "dcp" in result:
         dcp = result["dcp"]
         print(
             f"world 2, gloo: moe_checkpoint save {dcp['moe_checkpoint_s']:.2f} s, "
             f"DCP HuggingFaceStorageWriter (consolidating) {dcp['dcp_s']:.2f} s"
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_json(Path(args.out), result)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Memory per rank (parameters, gradients, optimizer state, activations, peak) and tokens/s,
 per topology and activation-recompute mode, in one table (CPU, gloo).
 
-Every row runs in fresh gloo processes, one CPU thread per rank (tests/distributed.py), in two
+Every row runs in fresh gloo processes, one CPU thread per rank (``harness.ranks``), in two
 phases:
 
 1. Throughput: the real trainer (`moe_train.train.train`) for `--warmup + --steps` steps;
@@ -24,14 +24,14 @@ phases:
    Bytes in use are glibc's in-use heap bytes (as `allocated_host_bytes`; CPU tensors are
    malloc'd), read after every op of the instrumented steps by a dispatch mode.
 
-Targets (issue 4; the published figures for full recompute are ~2/3 less activation memory for
-~1/5 of the throughput): the distributed optimizer's state per rank within 10% of 1/dp of its
+Targets (the published figures for full recompute are ~2/3 less activation memory for ~1/5 of
+the throughput): the distributed optimizer's state per rank within 10% of 1/dp of its
 unsharded size (FP32 words per parameter: two moments, plus the master weight for bf16
 parameters); full recompute cuts activation memory by >= 60% at >= 0.75x the tokens/s of no
 recompute (single process). With `--param-dtype bfloat16` the parameters are bf16 (2 bytes),
 their gradients FP32 (4) and the optimizer holds FP32 masters and moments (12 / dp sharded).
 
-    uv run python benchmarks/memory.py            # ~8 min on 2 cores; bench_results/memory.json
+    uv run python benchmarks/memory.py            # bench_results/memory.json
     uv run python benchmarks/memory.py --quick    # smoke run: smaller model, fewer steps
     uv run python benchmarks/memory.py --param-dtype bfloat16   # bf16 parameters
 """
@@ -43,7 +43,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
-import json
 import statistics
 import tempfile
 from collections.abc import Callable, Iterator
@@ -55,6 +54,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.output import print_table, write_json
 from harness.ranks import run_distributed
 from moe_train.config import Config, load_config
 from moe_train.data import TokenDataset
@@ -366,22 +366,16 @@ def _row_ratios(rows: list[dict]) -> dict[str, Any]:
 
 
 def _print_table(rows: list[dict], dtype: str, param_dtype: str) -> None:
-    header = (
-        f"{'topology':<15} {'recompute':<9} {'rank':>4} {'params':>7} {'grads':>7} "
-        f"{'optim':>7} {'activ.':>7} {'peak':>7} {'tokens/s':>9}  peak after"
-    )
     print(f"\nper-rank memory in MiB, compute dtype {dtype}, parameters {param_dtype}")
-    print(header)
-    print("-" * len(header))
+    header = ("topology", "recompute", "rank", "params", "grads", "optim", "activ.", "peak")
+    cells = []
     for row in rows:
         for rank, r in enumerate(row["ranks"]):
-            tokens = f"{row['tokens_per_s']:>9,.0f}" if rank == 0 else ""
-            print(
-                f"{row['topology']:<15} {row['recompute']:<9} {rank:>4} "
-                f"{r['params'] / MIB:>7.1f} {r['grads'] / MIB:>7.1f} {r['optim'] / MIB:>7.1f} "
-                f"{r['activations'] / MIB:>7.1f} {r['peak'] / MIB:>7.1f} {tokens:>9}  "
-                f"{r['peak_at']}"
-            )
+            keys = ("params", "grads", "optim", "activations", "peak")
+            sizes = [f"{r[key] / MIB:.1f}" for key in keys]
+            tokens = f"{row['tokens_per_s']:,.0f}" if rank == 0 else ""
+            cells.append([row["topology"], row["recompute"], rank, *sizes, tokens, r["peak_at"]])
+    print_table([*header, "tokens/s", "peak after"], cells, left=("recompute", "peak after"))
 
 
 def _print_ratios(ratios: dict[str, Any]) -> None:
@@ -479,26 +473,21 @@ def main() -> None:
     ratios = _row_ratios(rows)
     _print_table(rows, args.dtype, args.param_dtype)
     _print_ratios(ratios)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "dtype": args.dtype,
-                "param_dtype": args.param_dtype,
-                "quick": args.quick,
-                "model": model,
-                "rounds": rounds,
-                "warmup_steps": args.warmup,
-                "timed_steps": steps,
-                "threads_per_rank": 1,
-                "rows": rows,
-                "ratios": ratios,
-                "targets": TARGETS,
-            },
-            indent=2,
-        )
-    )
-    print(f"\nwrote {args.out}")
+    document = {
+        "dtype": args.dtype,
+        "param_dtype": args.param_dtype,
+        "quick": args.quick,
+        "model": model,
+        "rounds": rounds,
+        "warmup_steps": args.warmup,
+        "timed_steps": steps,
+        "threads_per_rank": 1,
+        "rows": rows,
+        "ratios": ratios,
+        "targets": TARGETS,
+    }
+    print()
+    write_json(args.out, document)
 
 
 if __name__ == "__main__":

@@ -40,14 +40,13 @@ What the figures say:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
+from harness import output
+from harness.output import write_json, write_whole
 from vs_fsdp_variants import EP, VARIANTS, Variant
 
 if TYPE_CHECKING:
@@ -248,48 +247,33 @@ def _ratio(value: float | None) -> str:
 
 def print_table(rows: list[dict]) -> None:
     """Wire MiB per step and rank by kind; ratios are this row over FSDP at the same experts."""
-    header = (
-        f"{'design':<6} {'dispatcher':<10} {'dist-opt':<8} {'experts':>7} {'tokens/s':>9} "
-        f"{'vs fsdp':>7} {'all-gather':>10} {'red-scat':>9} {'all-red':>8} {'all-to-all':>10} "
-        f"{'wire':>8} {'vs fsdp':>7} {'payload':>8} {'peak MiB':>8} {'dropped':>7}"
-    )
     print(
         "\nMiB per step and rank: sent over links by collective kind (ring algorithms; "
         "all-to-all exact), their total (wire) and the bytes handed to the collectives "
         "(payload); ratios: this row / fsdp; dropped: token copies over capacity"
     )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        w = r["wire_bytes_per_step"]
-        dist_opt = "yes" if r["distributed_optimizer"] else "no"
-        print(
-            f"{r['design']:<6} {r['dispatcher']:<10} {dist_opt:<8} {r['experts']:>7} "
-            f"{r['tokens_per_s']:>9,.0f} {_ratio(r['tokens_per_s_vs_fsdp']):>7} "
-            f"{w['all_gather'] / MIB:>10.2f} {w['reduce_scatter'] / MIB:>9.2f} "
-            f"{w['all_reduce'] / MIB:>8.2f} {w['all_to_all'] / MIB:>10.2f} "
-            f"{r['wire_bytes_per_step_total'] / MIB:>8.2f} "
-            f"{_ratio(r['wire_bytes_per_step_vs_fsdp']):>7} "
-            f"{r['bytes_per_step_total'] / MIB:>8.2f} {r['peak_mem_bytes'] / MIB:>8.1f} "
-            f"{r['dropped_fraction']:>7.2%}"
-        )
+    header = ("design", "dispatcher", "dist-opt", "experts", "tokens/s", "vs fsdp", "all-gather")
+    header += ("red-scat", "all-red", "all-to-all", "wire", "vs fsdp", "payload", "peak MiB")
+    output.print_table([*header, "dropped"], map(_table_row, rows), left=header[:3])
 
 
-def _write_whole(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """`write` into a temporary file beside `path`, then rename it into place: `path` is
-    either its old self or complete."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        with partial.open("wb") as f:
-            write(f)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
-def write_json(path: Path, document: dict) -> None:
-    _write_whole(path, lambda f: f.write(json.dumps(document, indent=2).encode()))
+def _table_row(r: dict) -> list:
+    w = r["wire_bytes_per_step"]
+    return [
+        r["design"],
+        r["dispatcher"],
+        "yes" if r["distributed_optimizer"] else "no",
+        r["experts"],
+        f"{r['tokens_per_s']:,.0f}",
+        _ratio(r["tokens_per_s_vs_fsdp"]),
+        *(f"{w[kind] / MIB:.2f}" for kind in ("all_gather", "reduce_scatter", "all_reduce")),
+        f"{w['all_to_all'] / MIB:.2f}",
+        f"{r['wire_bytes_per_step_total'] / MIB:.2f}",
+        _ratio(r["wire_bytes_per_step_vs_fsdp"]),
+        f"{r['bytes_per_step_total'] / MIB:.2f}",
+        f"{r['peak_mem_bytes'] / MIB:.1f}",
+        f"{r['dropped_fraction']:.2%}",
+    ]
 
 
 def _line_style(variant: str) -> dict[str, Any]:
@@ -339,7 +323,7 @@ def write_plot(path: Path, rows: list[dict], note: str) -> None:
     right.set_title("Bytes sent over links per step (counted calls)")
     fig.suptitle(f"Resident experts (ep=4) against FSDP2 weight gathering\n{note}", fontsize=11)
     fig.tight_layout()
-    _write_whole(path, lambda f: fig.savefig(f, format="png", dpi=120))
+    write_whole(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
 
@@ -418,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         **describe(setup),
         "rows": rows,
     }
+    print()
     write_json(args.json, document)
-    print(f"\nwrote {args.json}")
     if args.plot is not None:
         write_plot(args.plot, rows, plot_note(setup))
         print(f"wrote {args.plot}")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 def print_table(
@@ -35,16 +35,22 @@ def print_table(
         print(line(row))
 
 
-def write_json(path: Path, document: Any) -> None:
-    """Write ``document`` as indented JSON to ``path`` (its folder made if missing) and say so.
-    The file is written beside ``path`` and renamed into place: ``path`` is either its old
-    self or complete."""
+def write_whole(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """``write`` into a temporary file beside ``path`` (its folder made if missing), then
+    rename it into place: ``path`` is either its old self or complete."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        partial.write_text(json.dumps(document, indent=2) + "\n")
+        with partial.open("wb") as f:
+            write(f)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def write_json(path: Path, document: Any) -> None:
+    """Write ``document`` as indented JSON to ``path`` (``write_whole``) and say so."""
+    text = json.dumps(document, indent=2) + "\n"
+    write_whole(path, lambda f: f.write(text.encode()))
     print(f"wrote {path}")
