@@ -94,7 +94,7 @@ if [[ $device == cuda ]]; then
   part moe_layer "gpu_moe_layer.py (MoE layer sync-free, vs dense)" $limit_moe_layer \
     bench_results/gpu_moe_layer.json \
     "$python" benchmarks/gpu_moe_layer.py --out bench_results/gpu_moe_layer.json
-  # One shape (it had two) to fit the 8 minutes; gpu_train_check times the trained model's.
+  # One shape, to fit the 8 minutes; gpu_train_check times the trained model's.
   part gemm "grouped_mm_backends.py (16384,64,2048,1408)" $limit_gemm \
     bench_results/grouped_mm_backends.json \
     "$python" benchmarks/grouped_mm_backends.py --shapes 16384,64,2048,1408 --reps 5 \

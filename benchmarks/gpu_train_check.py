@@ -45,7 +45,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import json
 import math
 import os
 import signal
@@ -75,6 +74,7 @@ from gpu_check_support import (
     synchronize,
 )
 from grouped_mm_backends import bench_shape
+from harness.output import write_json
 from harness.processes import benchmark_run_overrides
 from moe_dispatch import make_dispatcher, make_row_transport
 from moe_train.config import Config, load_config
@@ -502,21 +502,14 @@ def main() -> int:
 
     rows += own
     print_table(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "environment": environment(device),
-                "sizes": "dry run" if sizes is DRY_RUN_SIZES else "gpu",
-                "config": list(config_overrides(sizes)),
-                "seconds": round(time.monotonic() - started, 1),
-                "rows": [dataclasses.asdict(row) for row in rows],
-            },
-            indent=2,
-            default=str,
-        )
-    )
-    print(f"wrote {args.out}")
+    document = {
+        "environment": environment(device),
+        "sizes": "dry run" if sizes is DRY_RUN_SIZES else "gpu",
+        "config": list(config_overrides(sizes)),
+        "seconds": round(time.monotonic() - started, 1),
+        "rows": [dataclasses.asdict(row) for row in rows],
+    }
+    write_json(args.out, document, default=str)
     return 1 if any(row.failed for row in rows) else 0
 
 

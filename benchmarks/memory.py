@@ -268,7 +268,8 @@ def _probe(config: Config, runtime: Runtime, warm_steps: int) -> RankMemory:
     )
 
 
-def _config(overrides: list[str], recompute: str, run_dir: Path, max_steps: int) -> Config:
+def row_config(overrides: list[str], recompute: str, run_dir: Path, max_steps: int) -> Config:
+    """The config of one row: the model and topology ``overrides`` in a recompute mode."""
     return load_config(
         None,
         [
@@ -303,18 +304,18 @@ def measure_topology(
     samples: dict[str, list[float]] = {mode: [] for mode in modes}
     # The first trainer run of a process is slow for several steps (lazy initialisation):
     # one untimed run first.
-    train(_config(overrides, modes[0], Path(run_root) / "warmup", warmup + steps), device=CPU)
+    train(row_config(overrides, modes[0], Path(run_root) / "warmup", warmup + steps), device=CPU)
     for round_index in range(rounds):
         for mode in modes if round_index % 2 == 0 else modes[::-1]:
             run_dir = Path(run_root) / f"{mode}-{round_index}"
-            result = train(_config(overrides, mode, run_dir, warmup + steps), device=CPU)
+            result = train(row_config(overrides, mode, run_dir, warmup + steps), device=CPU)
             if result.is_main:
                 records = read_metrics(result.run_dir / "metrics.jsonl")[warmup:]
                 samples[mode] += [r["tokens_per_s"] for r in records]
             del result
     out = {}
     for mode in modes:
-        config = _config(overrides, mode, Path(run_root) / "probe", warmup + steps)
+        config = row_config(overrides, mode, Path(run_root) / "probe", warmup + steps)
         memory = asdict(probe_memory(config, probe_warmup))
         memory["tokens_per_s"] = statistics.median(samples[mode]) if samples[mode] else None
         memory["tokens_per_s_samples"] = samples[mode]

@@ -21,7 +21,7 @@ busiest EP rank and the busiest expert over the mean; the logged steps the check
 the step it warned at) and writes bench_results/routing_balance.json; the runs stay under
 bench_results/routing_balance/ for `moe-train plot`.
 
-    uv run python benchmarks/routing_balance.py            # about 2 minutes on 2 cores
+    uv run python benchmarks/routing_balance.py
     uv run python benchmarks/routing_balance.py --cases alike --plot docs
 """
 

@@ -3,11 +3,11 @@ compute on fp32 parameters, and bf16 parameters (`PRECISIONS`).
 
 MFU is model FLOPs (6 x active parameters + causal attention) per second over the peak
 matmul rate of this machine, measured once per dtype at the start of this run and shared by
-every row, so the rows compare within one run. Each row trains in a fresh process: in one
-process the second of two medium-sized rows ran 4-6x slower than alone, whichever came
-second (the allocator's state after the first run's gigabytes). The first steps of each run
-warm up caches and kernel choices and are left out of the medians. bench-14m is the reference trainer's
-benchmark model (``BENCH_14M``), built as overrides of configs/tiny.yaml.
+every row, so the rows compare within one run. Each row trains in a fresh process, so that
+no row inherits the allocator state of the one before (``harness.processes``). The first
+steps of each run warm up caches and kernel choices and are left out of the medians.
+bench-14m is the reference trainer's benchmark model (``BENCH_14M``), built as overrides of
+configs/tiny.yaml.
 
 With ``--breakdown`` each row also profiles one optimizer step (after the warm-up steps) and
 splits its self time into matmul kernels, attention kernels (together the work MFU counts),

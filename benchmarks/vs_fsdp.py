@@ -25,14 +25,14 @@ What the figures say:
   others as ring algorithms send them). They are what a GPU run of the same layout moves,
   except rowwise, whose GPU transport (symmetric memory) writes only the used rows where
   this CPU transport sends every capacity slot;
-- tokens/s: on 2 shared CPU cores with gloo over loopback, a proxy: the ratio between the
+- tokens/s: on CPU cores with gloo over loopback, a proxy: the ratio between the
   designs depends on how compute compares with communication, which differs on GPUs with
   NVLink; the trend over expert counts is the point;
 - peak memory: the most heap bytes in use (glibc's count, where CPU tensors live) after any
   op of the counted steps, above what the rank held before building the model: parameters,
   gradients, optimizer state, activations and communication buffers, not allocator slack.
 
-    uv run python benchmarks/vs_fsdp.py            # experts 8..64, a few minutes on 2 cores
+    uv run python benchmarks/vs_fsdp.py            # experts 8..64
     uv run python benchmarks/vs_fsdp.py --quick    # smaller model, experts 8 and 16
     uv run python benchmarks/vs_fsdp.py --json bench_results/vs_fsdp.json --plot docs/vs_fsdp.png
 """

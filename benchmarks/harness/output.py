@@ -49,8 +49,9 @@ def write_whole(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         partial.unlink(missing_ok=True)
 
 
-def write_json(path: Path, document: Any) -> None:
-    """Write ``document`` as indented JSON to ``path`` (``write_whole``) and say so."""
-    text = json.dumps(document, indent=2) + "\n"
+def write_json(path: Path, document: Any, *, default: Callable[[Any], Any] | None = None) -> None:
+    """Write ``document`` as indented JSON to ``path`` (``write_whole``) and say so;
+    ``default`` is ``json.dumps``'s, what to write for an object JSON has no type for."""
+    text = json.dumps(document, indent=2, default=default) + "\n"
     write_whole(path, lambda f: f.write(text.encode()))
     print(f"wrote {path}")

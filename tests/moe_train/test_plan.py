@@ -168,7 +168,7 @@ def _rank_body(rank: int, world_size: int) -> dict:
         if world != world_size:
             continue
         for mode in modes:
-            config = memory_benchmark._config(
+            config = memory_benchmark.row_config(
                 [*memory_benchmark.QUICK_MODEL, *overrides], mode, Path("/unused"), 4
             )
             memory = memory_benchmark.probe_memory(config, warm_steps=2)
@@ -177,7 +177,7 @@ def _rank_body(rank: int, world_size: int) -> dict:
         # One step's collectives (after a warm step), the router random so that every
         # rank's expected load is even.
         random = [*memory_benchmark.QUICK_MODEL, *overrides, "--model.moe.random_routing=true"]
-        config = memory_benchmark._config(random, "none", Path("/unused"), 4)
+        config = memory_benchmark.row_config(random, "none", Path("/unused"), 4)
         runtime = start_runtime(config, torch.device("cpu"))
         runner = StepRunner(config, runtime)
         shape = (config.data.global_batch_size, config.data.seq_len + 1)
@@ -197,7 +197,7 @@ def two_ranks() -> list[dict]:
 
 def _measured_config(name: str, mode: str):
     world, overrides, _ = memory_benchmark.TOPOLOGIES[name]
-    return world, memory_benchmark._config(
+    return world, memory_benchmark.row_config(
         [*memory_benchmark.QUICK_MODEL, *overrides], mode, Path("/unused"), 4
     )
 
