@@ -13,8 +13,9 @@ def print_table(
     header: Sequence[str], rows: Iterable[Sequence[Any]], *, left: Collection[str] = ()
 ) -> None:
     """Print ``rows`` under ``header`` and a dashed rule, each column as wide as its widest
-    cell. The first column and those titled in ``left`` are left-aligned, the others
-    right-aligned. Cells are printed as ``str`` gives them: format numbers before."""
+    cell, two spaces apart. The first column and those titled in ``left`` are left-aligned,
+    the others right-aligned. Cells are printed as ``str`` gives them: format numbers
+    before."""
     cells = [[str(cell) for cell in row] for row in rows]
     widths = [len(title) for title in header]
     for row in cells:
@@ -29,8 +30,11 @@ def print_table(
             for cell, width, leftward in zip(row, widths, to_left, strict=True)
         ).rstrip()
 
+    rule = ["-" * width for width in widths]
+    if to_left[-1]:  # nothing to line up after a left-aligned last column: rule its title only
+        rule[-1] = "-" * len(header[-1])
     print(line(header))
-    print("  ".join("-" * width for width in widths))
+    print("  ".join(rule))
     for row in cells:
         print(line(row))
 
