@@ -1,0 +1,109 @@
+"""benchmarks/harness: the table, the JSON files, the interleaved timing loop and the runs in
+fresh processes that every benchmark shares."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from harness.output import print_table, write_json, write_whole
+from harness.processes import json_from_fresh_process
+from harness.timing import interleaved_medians, interleaved_samples, median_seconds
+
+
+def test_table_columns_fit_their_widest_cell_text_left_numbers_right(capsys):
+    print_table(
+        ("name", "n", "kind", "ms"),
+        [["a", 1, "long kind", "2.50"], ["longer name", 12345, "x", ""]],
+        left=["kind"],
+    )
+    assert capsys.readouterr().out.splitlines() == [
+        "name             n  kind         ms",
+        "-----------  -----  ---------  ----",
+        "a                1  long kind  2.50",
+        "longer name  12345  x",
+    ]
+
+
+def test_table_rules_only_the_title_of_a_left_aligned_last_column(capsys):
+    print_table(("check", "figure"), [["a", "a long figure"]], left=["figure"])
+    assert capsys.readouterr().out.splitlines()[1] == "-----  ------"
+
+
+def test_table_refuses_a_row_with_another_number_of_cells():
+    with pytest.raises(ValueError, match="3 cells for 2 columns"):
+        print_table(("a", "b"), [[1, 2, 3]])
+
+
+def test_interleaved_rounds_call_every_measure_once_per_round_and_drop_the_warmup():
+    calls: list[str] = []
+
+    def measure(name: str):
+        def run() -> float:
+            calls.append(name)
+            return float(len(calls))  # the call's position: which round it belonged to
+
+        return run
+
+    samples = interleaved_samples({"a": measure("a"), "b": measure("b")}, warmup=2, reps=3)
+    assert calls == ["a", "b"] * 5
+    assert samples == {"a": [5.0, 7.0, 9.0], "b": [6.0, 8.0, 10.0]}
+
+
+def test_interleaved_medians_are_the_medians_of_the_timed_rounds():
+    values = {"x": iter([100.0, 3.0, 1.0, 2.0]), "y": iter([100.0, 5.0, 4.0, 9.0])}
+    measures = {key: (lambda it=it: next(it)) for key, it in values.items()}
+    assert interleaved_medians(measures, warmup=1, reps=3) == {"x": 2.0, "y": 5.0}
+
+
+def test_median_seconds_times_the_step_by_the_timer_given():
+    ticks = iter([9.0, 1.0, 3.0, 2.0])
+    calls = []
+    seconds = median_seconds(
+        lambda: calls.append(1), 1, 3, timer=lambda step: (step(), next(ticks))[1]
+    )
+    assert (seconds, len(calls)) == (2.0, 4)
+
+
+def test_json_is_written_whole_and_says_where(tmp_path, capsys):
+    path = tmp_path / "new" / "result.json"
+    write_json(path, {"rows": [1, 2]})
+    assert json.loads(path.read_text()) == {"rows": [1, 2]}
+    assert capsys.readouterr().out == f"wrote {path}\n"
+
+
+def test_a_write_that_fails_leaves_the_old_file_and_no_partial_one(tmp_path):
+    path = tmp_path / "result.json"
+    path.write_text("old")
+
+    def failing(f) -> None:
+        f.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_whole(path, failing)
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_a_fresh_process_hands_back_the_json_it_wrote(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "args = sys.argv[1:]\n"
+        "out = args[args.index('--out') + 1]\n"
+        "open(out, 'w').write(json.dumps({'args': args[:-2], 'pid': os.getpid()}))\n"
+    )
+    result = json_from_fresh_process(script, "--row", "tiny")
+    assert result["args"] == ["--row", "tiny"]
+    assert result["pid"] != os.getpid()
+
+
+def test_a_fresh_process_that_fails_raises(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(subprocess.CalledProcessError, match="exit status 3"):
+        json_from_fresh_process(script)
