@@ -22,7 +22,6 @@ import argparse
 import ctypes
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from torch import Tensor
 
 from harness.output import print_table, write_json
 from harness.ranks import run_distributed
+from harness.timing import medians
 from moe_checkpoint import (
     OwnedSlice,
     load_into,
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict:
         shutil.rmtree(path)
         os.remove(raw_path)
     release_staging_memory()
-    median = {k: statistics.median(v) for k, v in times.items()}
+    median = medians(times)
     result = {
         "bytes": nbytes,
         "tensors": args.tensors,

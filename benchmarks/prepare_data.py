@@ -33,6 +33,7 @@ from pathlib import Path
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the tokenizers library is loaded
 
 from harness.output import print_table, write_json
+from harness.timing import medians
 from moe_train.data import prepare_data
 
 _WORD_LIST = (
@@ -176,7 +177,7 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[dict], dict[int, flo
                 "all_startup_seconds": startup[(name, workers)],
             }
         )
-    return rows, {w: statistics.median(values) for w, values in control.items()}
+    return rows, medians(control)
 
 
 def print_summary(rows: list[dict], control: dict[int, float], first_workers: int) -> None:
