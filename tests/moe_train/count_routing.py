@@ -24,7 +24,7 @@ from moe_train.train.step import StepRunner
 def _watch(out_dir: Path) -> None:
     rank = int(os.environ.get("RANK", "0"))
     counts: dict[int, dict[int, dict]] = {}
-    step = {"now": 0}
+    step = {"now": 1}  # the step being run: the state after it is step N
     original_init, original_step = StepRunner.__init__, StepRunner.train_on
 
     def init(self: StepRunner, config, runtime, *args) -> None:

@@ -1,45 +1,57 @@
 """What a person reads: banner, progress lines every log_interval steps, summary."""
 
 import io
+import math
 import re
 
 from moe_train.train import train
 from moe_train.train.console import Console, progress_line
+from moe_train.train.step_record import StepRecord
 
 
-def _record(step: int, **extra) -> dict:
-    return {
+def _record(step: int, **extra) -> StepRecord:
+    """The record of step `step` (the state after `step` optimizer steps)."""
+    figures = {
         "step": step,
         "loss": 2.5,
+        "lb_loss": 1.0,
+        "z_loss": 0.0,
         "lr": 1e-3,
         "grad_norm": 0.5,
         "tokens_per_s": 4000.0,
         "mfu": 0.125,
         "expert_load_max_over_mean": 1.5,
+        "hidden_imbalance_layers": 0,
+        "dropped_token_frac": 0.0,
         "peak_mem_bytes": 3 * 2**29,
         "step_time_s": 0.5,
+        "data_wait_s": 0.0,
         "skipped_steps": 0,
-        "tokens_seen": (step + 1) * 1000,
-        **extra,
+        "tokens_seen": step * 1000,
+        "tokens_per_source": {},
+        "time": 1.8e9,
+        "tokens": 2000,
     }
+    return StepRecord(**(figures | extra))
 
 
 def test_progress_line_holds_every_figure():
-    line = progress_line(_record(9, eval_loss=2.75, skipped_steps=2), 100, 2, eta=3725)
+    line = progress_line(_record(10, eval_loss=2.75, skipped_steps=2), 100, 2, eta=3725)
     assert line == (
         "step 10/100 | loss 2.5000 | eval 2.7500 | lr 1.00e-03 | gnorm 0.500 | "
         "2,000 tok/s/dev | MFU 12.5% | load 1.50 | mem 1.50 GiB | skipped 2 | ETA 1:02:05"
     )
-    plain = progress_line(_record(9, loss=None, grad_norm=None), 100, 1, eta=0)
-    assert "loss nan" in plain and "gnorm nan" in plain and "eval" not in plain
+    plain = progress_line(_record(10, loss=math.nan, grad_norm=math.inf), 100, 1, eta=0)
+    assert "loss nan" in plain and "gnorm inf" in plain and "eval" not in plain
     assert "skipped" not in plain
 
 
 def test_a_line_every_log_interval_and_at_the_end_when_not_a_terminal():
     stream = io.StringIO()
-    console = Console(7, 3, enabled=True, progress=True, world_size=1, stream=stream)
-    for step in range(7):
-        console.step(_record(step, **({"eval_loss": 2.0 - step / 10} if step == 4 else {})))
+    console = Console(7, enabled=True, progress=True, world_size=1, stream=stream)
+    for step in range(1, 8):
+        evaluated = {"eval_loss": 2.0 - (step - 1) / 10} if step == 5 else {}
+        console.step(_record(step, **evaluated), logged=step % 3 == 0 or step == 7)
     console.summary(12.0, "runs/x/checkpoints/step_00000007")
     lines = stream.getvalue().splitlines()
     steps = [re.match(r"step (\d+)/7", line).group(1) for line in lines[:-1]]
@@ -53,14 +65,14 @@ def test_a_line_every_log_interval_and_at_the_end_when_not_a_terminal():
 
 def test_other_ranks_print_nothing_and_progress_false_keeps_run_facts():
     quiet = io.StringIO()
-    other = Console(3, 1, enabled=False, progress=True, world_size=2, stream=quiet)
+    other = Console(3, enabled=False, progress=True, world_size=2, stream=quiet)
     other.banner([("run", "x")])
-    other.step(_record(0))
+    other.step(_record(1), logged=True)
     other.summary(1.0, None)
     assert quiet.getvalue() == ""
     facts = io.StringIO()
-    console = Console(3, 1, enabled=True, progress=False, world_size=1, stream=facts)
-    console.step(_record(0))
+    console = Console(3, enabled=True, progress=False, world_size=1, stream=facts)
+    console.step(_record(1), logged=True)
     console.message("resumed from somewhere")
     assert facts.getvalue() == "resumed from somewhere\n"
 
@@ -91,8 +103,8 @@ def test_eta_counts_only_the_steps_this_process_ran(monkeypatch):
     clock = {"now": 1000.0}
     monkeypatch.setattr(console_module.time, "perf_counter", lambda: clock["now"])
     stream = io.StringIO()
-    console = Console(100, 1, enabled=True, progress=True, world_size=1, stream=stream)
-    for step in (50, 51):
+    console = Console(100, enabled=True, progress=True, world_size=1, stream=stream)
+    for step in (51, 52):
         clock["now"] += 10.0
-        console.step(_record(step, step_time_s=10.0))
+        console.step(_record(step, step_time_s=10.0), logged=True)
     assert stream.getvalue().splitlines()[-1].endswith("ETA 0:08:00")

@@ -49,7 +49,7 @@ def test_eval_loss_is_the_mean_token_loss_of_the_eval_batches(tmp_path, token_fi
     config = config_from_dict(_data(token_file, eval_file, tmp_path / "run", batches=3))
     result = train(config)
     evaluated = _eval_losses(result.run_dir)
-    assert sorted(evaluated) == [1, 3]  # after steps 2 and 4 (the last)
+    assert sorted(evaluated) == [2, 4]  # every 2 steps, and the last
     # Independently: every eval sequence of the 3 batches at once, one cross-entropy.
     dataset = TokenDataset([str(eval_file)], config.data.seq_len)
     size = config.data.global_batch_size
@@ -59,8 +59,8 @@ def test_eval_loss_is_the_mean_token_loss_of_the_eval_batches(tmp_path, token_fi
     with torch.no_grad():
         logits = model(tokens[:, :-1]).double()
     expected = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
-    assert abs(evaluated[3] - expected) <= 1e-6 * expected, (evaluated[3], expected)
-    assert evaluated[1] != evaluated[3]
+    assert abs(evaluated[4] - expected) <= 1e-6 * expected, (evaluated[4], expected)
+    assert evaluated[2] != evaluated[4]
 
 
 @pytest.mark.parametrize("moe", [{}, {"random_routing": True}], ids=["learned", "random_routing"])

@@ -67,19 +67,19 @@ def test_rows_resume_without_duplicates_and_keep_the_check_state(tmp_path):
     warnings: list[str] = []
     hidden = _routing([[8, 0, 0, 0], [2, 2, 2, 2]], [1.0, 1.0])  # layer 3 all on rank 0
     log = ExpertLoadLog(tmp_path, 0, CHECK, warnings.append)
-    for step in range(6):
+    for step in range(1, 7):
         log.write(step, hidden)
     log.close()
     assert len(warnings) == 1 and warnings[0].startswith("warning: MoE layer 3 ")
-    assert "up to step 2" in warnings[0]
-    # A relaunch resuming at step 4: the rows of steps 4 and 5 are written again.
+    assert "up to step 3" in warnings[0]
+    # A relaunch resuming from step 4: the rows of steps 5 and 6 are written again.
     resumed = ExpertLoadLog(tmp_path, 4, CHECK, warnings.append)
-    assert resumed.flagged_layers == 1  # the streak of steps 0-3 goes on
-    resumed.write(4, hidden)
-    resumed.write(5, _routing([[2, 2, 2, 2], [2, 2, 2, 2]], [1.0, 1.0]))
+    assert resumed.flagged_layers == 1  # the streak of steps 1-4 goes on
+    resumed.write(5, hidden)
+    resumed.write(6, _routing([[2, 2, 2, 2], [2, 2, 2, 2]], [1.0, 1.0]))
     resumed.close()
     rows = read_metrics(tmp_path / "expert_load.jsonl")
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(1, 7))
     assert [r["hidden_imbalance"] for r in rows] == [[0, 0]] * 2 + [[1, 0]] * 3 + [[0, 0]]
     assert len(warnings) == 1, "layer 3 was reported again after the resume"
     assert rows[0]["kept"] == [[8, 0, 0, 0], [2, 2, 2, 2]]
@@ -90,19 +90,19 @@ def test_rows_resume_without_duplicates_and_keep_the_check_state(tmp_path):
 
 @pytest.mark.slow
 def test_a_resumed_run_rewrites_the_rows_after_its_checkpoint(tmp_path, make_config):
-    """A job that logged steps 3-5 but whose step-6 save never committed resumes at step 3:
+    """A job that logged steps 4-6 but whose step-6 save never committed resumes from step 3:
     the file then holds each step once, the rewritten rows equal to the first job's."""
     config = make_config(tmp_path, checkpoint={"interval": 3}, model={"moe": {"top_k": 1}})
     first = train(config)
     path = first.run_dir / "expert_load.jsonl"
     before = read_metrics(path)
-    assert [r["step"] for r in before] == list(range(6))
+    assert [r["step"] for r in before] == list(range(1, 7))
     shutil.rmtree(first.run_dir / "checkpoints" / "step_00000006")
     resumed = train(make_config(tmp_path, checkpoint={"interval": 3, "resume": "auto"},
                                 model={"moe": {"top_k": 1}}))  # fmt: skip
     assert resumed.start_step == 3 and resumed.run_dir == first.run_dir
     after = read_metrics(path)
-    assert [r["step"] for r in after] == list(range(6))
+    assert [r["step"] for r in after] == list(range(1, 7))
     for old, new in zip(before, after, strict=True):
         assert (new["load"], new["kept"], new["lb_loss"]) == (
             old["load"],

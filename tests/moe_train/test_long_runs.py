@@ -103,7 +103,7 @@ def test_a_signal_saves_and_stops_and_auto_resume_continues_in_the_same_run_dir(
     for a, b in zip(second.losses, uninterrupted[3:], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
     logged = [r["step"] for r in read_metrics(first.run_dir / "metrics.jsonl")]
-    assert logged == list(range(6))
+    assert logged == list(range(1, 7))
     assert not first.run_dir.with_name("run.1").exists()
     # More steps later: allowed and reported.
     third = train(make_config(tmp_path, train={"max_steps": 7}, checkpoint=auto))
@@ -132,7 +132,7 @@ def test_job_stopped_before_its_first_save_continues_in_its_run_dir(tmp_path, ma
     again = train(make_config(tmp_path, train={"max_steps": 2}, checkpoint=auto_no_saves))
     assert again.run_dir == first.run_dir and again.start_step == 0
     assert again.losses == first.losses
-    assert [r["step"] for r in read_metrics(again.run_dir / "metrics.jsonl")] == [0, 1]
+    assert [r["step"] for r in read_metrics(again.run_dir / "metrics.jsonl")] == [1, 2]
     # Another model in that directory is not this job's: refused, nothing touched.
     before = (first.run_dir / "metrics.jsonl").read_bytes()
     other = make_config(tmp_path, model={"d_model": 64}, checkpoint={"resume": "auto"})
@@ -254,7 +254,7 @@ def test_a_checkpoint_is_never_written_with_non_finite_values(tmp_path, make_con
 
     monkeypatch.setattr(StepRunner, "apply", overflow)
     config = make_config(tmp_path, train={"max_steps": 4}, checkpoint={"interval": 1})
-    with pytest.raises(TrainingDiverged, match=r"tensor \S+ holds non-finite values after step 1"):
+    with pytest.raises(TrainingDiverged, match=r"tensor \S+ holds non-finite values after step 2"):
         train(config)
     assert committed_steps(tmp_path / "run") == [1]
 

@@ -51,7 +51,7 @@ def test_sigterm_to_torchrun_saves_and_the_same_command_continues_bitwise(tmp_pa
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     records = read_metrics(tmp_path / "job" / "metrics.jsonl")
     expected = read_metrics(tmp_path / "ref" / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in records] == [r["loss"] for r in expected]
 
 
@@ -72,4 +72,4 @@ def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, toke
     again = [finish(rank, timeout=300) for rank in start_ranks(job, 2)]
     assert [o.returncode for o in again] == [0, 0], again[0].stderr[-3000:]
     steps = [r["step"] for r in read_metrics(tmp_path / "job" / "metrics.jsonl")]
-    assert steps == list(range(STEPS))
+    assert steps == list(range(1, STEPS + 1))

@@ -97,7 +97,7 @@ def as_float32(series: dict[str, list[tuple[int, float]]]) -> dict[str, list[tup
 
 def test_tensorboard_holds_every_row_by_step(tmp_path):
     pytest.importorskip("tensorboard")
-    rows = random_rows(range(6), random.Random(1))
+    rows = random_rows(range(1, 7), random.Random(1))
     trackers = Trackers.open(tmp_path, CONFIG, tensorboard=True, wandb_project=None)
     for row in rows:
         trackers.log(row)
@@ -108,13 +108,14 @@ def test_tensorboard_holds_every_row_by_step(tmp_path):
     want = as_float32(expected_series(rows))
     assert set(got) == {"loss", "lr", "grad_norm", "skipped_steps"}
     assert got == want
-    assert [step for step, _ in got["grad_norm"]] == [0, 2, 3, 5]  # null values left out
+    assert [step for step, _ in got["grad_norm"]] == [2, 3, 5, 6]  # null values left out
 
 
 def test_tensorboard_resume_replaces_the_steps_it_rewrites(tmp_path):
     pytest.importorskip("tensorboard")
     rng = random.Random(2)
-    first_rows, second_rows = random_rows(range(6), rng), random_rows(range(3, 8), rng)
+    # Steps 1-6 written, then a resume from step 3 writes steps 4-8 again.
+    first_rows, second_rows = random_rows(range(1, 7), rng), random_rows(range(4, 9), rng)
     trackers = Trackers.open(tmp_path, CONFIG, tensorboard=True, wandb_project=None)
     for row in first_rows:
         trackers.log(row)
@@ -219,7 +220,7 @@ def fake_wandb(monkeypatch):
 def test_wandb_run_gets_config_name_dir_and_every_row_at_its_step(tmp_path, fake_wandb):
     run_dir = tmp_path / "run.2"
     run_dir.mkdir()
-    rows = random_rows(range(4), random.Random(3))
+    rows = random_rows(range(1, 5), random.Random(3))
     trackers = Trackers.open(run_dir, CONFIG, tensorboard=False, wandb_project="moe")
     for row in rows:
         trackers.log(row)
@@ -247,12 +248,12 @@ def test_wandb_resume_continues_the_stored_run_and_a_new_start_makes_a_new_one(
     Trackers.open(tmp_path, CONFIG, tensorboard=False, wandb_project="moe").close()
     first_id = fake_wandb.inits[0]["id"]
 
-    # W&B's run holds steps up to 5; this resume starts at 3: steps 3 to 5 are not resent.
+    # W&B's run holds steps up to 5; this resume starts from 3: steps 4 and 5 are not resent.
     fake_wandb.starting_step = 6
     resumed = Trackers.open(
         tmp_path, CONFIG, tensorboard=False, wandb_project="moe", resumed_from_step=3
     )
-    rows = random_rows(range(3, 9), random.Random(4))
+    rows = random_rows(range(4, 9), random.Random(4))
     for row in rows:
         resumed.log(row)
     resumed.close(failed=True)
@@ -368,7 +369,7 @@ def test_wandb_offline_run_holds_config_and_every_row(tmp_path, wandb_offline):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     rng = random.Random(5)
-    first_rows, second_rows = random_rows(range(5), rng), random_rows(range(3, 7), rng)
+    first_rows, second_rows = random_rows(range(1, 6), rng), random_rows(range(4, 8), rng)
     trackers = Trackers.open(run_dir, CONFIG, tensorboard=False, wandb_project="moe-test")
     for row in first_rows:
         trackers.log(row)
@@ -412,7 +413,7 @@ def test_training_writes_every_metrics_row_to_tensorboard(tmp_path, make_config)
     result = train(make_config(tmp_path, train={"tensorboard": True}))
     got = read_tensorboard(result.run_dir / TENSORBOARD_DIR)
     assert got == metrics_series(result.run_dir, float32=True)
-    assert [step for step, _ in got["loss"]] == list(range(6))
+    assert [step for step, _ in got["loss"]] == list(range(1, 7))
 
 
 def test_training_logs_to_wandb_and_a_resume_continues_the_same_run(

@@ -32,7 +32,7 @@ def test_metrics_file_and_resolved_config(tmp_path, make_config):
     config = make_config(tmp_path)
     result = train(config)
     records = read_metrics(result.run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(6))
+    assert [r["step"] for r in records] == list(range(1, 7))  # step N: after N updates
     for record in records:
         assert record.keys() >= REQUIRED_METRICS
         assert all(math.isfinite(record[k]) for k in REQUIRED_METRICS)
@@ -53,14 +53,14 @@ def test_metrics_file_and_resolved_config(tmp_path, make_config):
         assert record["mfu"] > 0
     # The same figure from the per-expert counts of expert_load.jsonl, computed here.
     routing = read_metrics(result.run_dir / "expert_load.jsonl")
-    assert [r["step"] for r in routing] == list(range(6))
+    assert [r["step"] for r in routing] == list(range(1, 7))
     for record, row in zip(records, routing, strict=True):
         worst = max(max(load) * len(load) / sum(load) for load in row["load"])
         assert record["expert_load_max_over_mean"] == pytest.approx(worst, rel=1e-12)
         assert record["hidden_imbalance_layers"] == 0  # one process: one EP rank
     assert [r["loss"] for r in records] == result.losses
     tokens_per_step = config.data.global_batch_size * config.data.seq_len
-    assert [r["tokens_seen"] for r in records] == [(s + 1) * tokens_per_step for s in range(6)]
+    assert [r["tokens_seen"] for r in records] == [s * tokens_per_step for s in range(1, 7)]
     times = [r["time"] for r in records]
     assert times == sorted(times) and abs(times[-1] - time.time()) < 600
     assert (result.run_dir / "config.yaml").is_file()

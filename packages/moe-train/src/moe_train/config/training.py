@@ -111,7 +111,8 @@ class TrainConfig:
     run_dir: str = "runs/default"
     """Where metrics.jsonl and the resolved config go; a taken one gets a numbered suffix."""
     log_interval: int = 1
-    """Log metrics every this many steps."""
+    """Log metrics at every step that is a multiple of this, and at the last step (step N is
+    the state after N optimizer steps)."""
     peak_flops: float | None = None
     """Peak matmul FLOP/s for MFU; null measures it at start-up (or looks up a known GPU)."""
     progress: bool = True

@@ -1,7 +1,8 @@
 """The trainer's checkpoints: where they live, when they are written, and what resume loads.
 
 Everything the loop does with checkpoints goes through `Checkpoints`: `read_state` and `load`
-on resume, `due` after each step, `save`, and `finish` at the end. The tensors themselves
+on resume, `due_by_time` after each step, `save`, and `finish` at the end (which steps are
+saved by count is the cadence's). The tensors themselves
 (which rank writes and reads which piece) are `state_slices`' business.
 """
 
@@ -114,8 +115,8 @@ def read_resume_state(path: Path) -> dict[str, Any]:
 class Checkpoints:
     """Saves and loads this rank's part of the training state under `root`.
 
-    Saves every checkpoint.interval steps, or checkpoint.interval_minutes after the last
-    save, after the last step and when a signal stops the run; keeps checkpoint.keep_last.
+    Saves when the loop asks (see cadence.py), and tells when checkpoint.interval_minutes have
+    passed since the last save; keeps checkpoint.keep_last.
     Never writes a checkpoint that holds a non-finite value.
     """
 
@@ -160,29 +161,24 @@ class Checkpoints:
         error = load_model_state(path, self.model, self.optimizer, self.runtime.layout)
         self.runtime.raise_if_any(error)
 
-    def due_by_steps(self, next_step: int) -> bool:
-        """Whether the state in which step `next_step` starts is due for a step-based save."""
-        interval = self.config.checkpoint.interval
-        return bool(interval) and next_step % interval == 0
-
     def due_by_time(self) -> bool:
         """Whether checkpoint.interval_minutes have passed since the last save (this rank's
         clock: the loop takes rank 0's answer)."""
         minutes = self.config.checkpoint.interval_minutes
         return bool(minutes) and time.monotonic() - self._last_save_time >= 60 * minutes
 
-    def save(self, next_step: int, loop_state: dict[str, Any]) -> Path:
-        """Checkpoint the state in which step `next_step` starts (every rank calls this).
+    def save(self, step: int, loop_state: dict[str, Any]) -> Path:
+        """Checkpoint the state after `step` optimizer steps (every rank calls this).
 
         `loop_state` (JSON-able) is stored in trainer_state.json with the step, data
         position, RNG state, config and topology."""
         self._complete_pending()
         data, layout = self.config.data, self.runtime.layout
         slices = saved_slices(self.model, self.optimizer, layout)
-        self._check_finite(slices, next_step)
+        self._check_finite(slices, step)
         trainer_state = {
-            "step": next_step,
-            "data": self.dataset.state(next_step, data.global_batch_size),
+            "step": step,
+            "data": self.dataset.state(step, data.global_batch_size),
             "rng": encode_rng_state(),
             "config": self.config.to_dict(),
             "topology": layout.describe(),
@@ -192,16 +188,16 @@ class Checkpoints:
         try:
             handle = save_checkpoint(
                 self.root,
-                next_step,
+                step,
                 slices,
                 category_of,
                 trainer_state,
                 asynchronous=self.config.checkpoint.async_save,
             )
         except CheckpointError as e:  # raised alike on every rank
-            raise MoeTrainError(f"saving the checkpoint of step {next_step} failed: {e}") from e
+            raise MoeTrainError(f"saving the checkpoint of step {step} failed: {e}") from e
         self._last_save_time = time.monotonic()
-        path = self.root / f"step_{next_step:08d}"
+        path = self.root / f"step_{step:08d}"
         if self.config.checkpoint.async_save:
             self._pending = handle
         else:
@@ -213,7 +209,7 @@ class Checkpoints:
         """Commit a save still in flight (every rank calls this)."""
         self._complete_pending()
 
-    def _check_finite(self, slices: list[OwnedSlice], next_step: int) -> None:
+    def _check_finite(self, slices: list[OwnedSlice], step: int) -> None:
         """Raise on every rank if any rank's state to be saved holds a NaN or infinity (one
         device-to-host copy of a flag per tensor, not a sync per tensor)."""
         floats = [piece for piece in slices if piece.data.is_floating_point()]
@@ -222,7 +218,7 @@ class Checkpoints:
         if finite and not bool(torch.stack(finite).all()):
             name = next(p.name for p, ok in zip(floats, finite, strict=True) if not ok)
             error = (
-                f"tensor {name} holds non-finite values after step {next_step - 1}; "
+                f"tensor {name} holds non-finite values after step {step}; "
                 f"not saving it (the newest good checkpoint stays as it is): lower optim.lr "
                 f"(now {self.config.optim.lr}) or set optim.grad_clip"
             )

@@ -1,7 +1,7 @@
 """What a person reads while a run goes on: a start banner, progress lines, and a summary.
 
 On a terminal the progress line is redrawn in place after every step; elsewhere (a SLURM log,
-`| tee`) one line is printed every train.log_interval steps. Only rank 0 prints.
+`| tee`) one line is printed for every logged step (see cadence.py). Only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TextIO
+
+from moe_train.train.step_record import StepRecord
 
 GIB = 2**30
 
@@ -22,7 +24,7 @@ class RunTotals:
     """Steps this process ran."""
     tokens: int = 0
     """Tokens seen by the run so far (a resumed run counts its earlier steps)."""
-    tokens_here: float = 0.0
+    tokens_here: int = 0
     """Tokens of the steps this process ran."""
     step_seconds: float = 0.0
     peak_mem_bytes: int = 0
@@ -35,14 +37,13 @@ class Console:
     def __init__(
         self,
         max_steps: int,
-        log_interval: int,
         *,
         enabled: bool,
         progress: bool,
         world_size: int,
         stream: TextIO | None = None,
     ) -> None:
-        self.max_steps, self.log_interval = max_steps, log_interval
+        self.max_steps = max_steps
         self.enabled = enabled
         """Whether anything is printed (run facts: banner, resume, skipped steps, summary)."""
         self.progress = enabled and progress
@@ -67,31 +68,30 @@ class Console:
         width = max(len(name) for name, _ in rows)
         self.message("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
 
-    def step(self, record: dict[str, Any]) -> None:
-        """Account for one metrics row and print its progress line when due."""
+    def step(self, record: StepRecord, *, logged: bool) -> None:
+        """Account for one step and print its progress line when due (a `logged` step, or
+        one that evaluated; after every step on a terminal)."""
         now = time.perf_counter()
         if self._first_step_at is None:
-            self._first_step_at = now - record["step_time_s"]
+            self._first_step_at = now - record.step_time_s
         self._steps_here += 1
         totals = self.totals
         totals.steps += 1
-        totals.tokens = record["tokens_seen"]
-        totals.tokens_here += record["tokens_per_s"] * record["step_time_s"]
-        totals.step_seconds += record["step_time_s"]
-        totals.peak_mem_bytes = max(totals.peak_mem_bytes, record["peak_mem_bytes"])
-        if record.get("eval_loss") is not None:
-            totals.eval_losses.append(record["eval_loss"])
-        done = record["step"] + 1
-        due = done % self.log_interval == 0 or done == self.max_steps
-        if not self.progress or not (self.live or due or "eval_loss" in record):
+        totals.tokens = record.tokens_seen
+        totals.tokens_here += record.tokens
+        totals.step_seconds += record.step_time_s
+        totals.peak_mem_bytes = max(totals.peak_mem_bytes, record.peak_mem_bytes)
+        if record.eval_loss is not None:
+            totals.eval_losses.append(record.eval_loss)
+        if not self.progress or not (self.live or logged or record.eval_loss is not None):
             return
         # This process's own pace (a resumed run counts only the steps it ran).
-        eta = (now - self._first_step_at) / self._steps_here * (self.max_steps - done)
+        eta = (now - self._first_step_at) / self._steps_here * (self.max_steps - record.step)
         line = progress_line(record, self.max_steps, self.world_size, eta)
         if self.live:
             self.stream.write(f"\r\033[K{line}")
             self._line_open = True
-            if done == self.max_steps:
+            if record.step == self.max_steps:
                 self._end_live_line()
         else:
             self.stream.write(line + "\n")
@@ -118,30 +118,25 @@ class Console:
             self._line_open = False
 
 
-def progress_line(record: dict[str, Any], max_steps: int, world_size: int, eta: float) -> str:
-    """One progress line from a metrics row."""
-    done = record["step"] + 1
-    parts = [f"step {done}/{max_steps}", f"loss {_number(record['loss'], '.4f')}"]
-    if record.get("eval_loss") is not None:
-        parts.append(f"eval {record['eval_loss']:.4f}")
+def progress_line(record: StepRecord, max_steps: int, world_size: int, eta: float) -> str:
+    """One progress line from a step's record."""
+    parts = [f"step {record.step}/{max_steps}", f"loss {record.loss:.4f}"]
+    if record.eval_loss is not None:
+        parts.append(f"eval {record.eval_loss:.4f}")
     parts += [
-        f"lr {record['lr']:.2e}",
-        f"gnorm {_number(record['grad_norm'], '.3f')}",
-        f"{record['tokens_per_s'] / world_size:,.0f} tok/s/dev",
-        f"MFU {100 * record['mfu']:.1f}%",
-        f"load {record['expert_load_max_over_mean']:.2f}",
-        f"mem {record['peak_mem_bytes'] / GIB:.2f} GiB",
+        f"lr {record.lr:.2e}",
+        f"gnorm {record.grad_norm:.3f}",
+        f"{record.tokens_per_s / world_size:,.0f} tok/s/dev",
+        f"MFU {100 * record.mfu:.1f}%",
+        f"load {record.expert_load_max_over_mean:.2f}",
+        f"mem {record.peak_mem_bytes / GIB:.2f} GiB",
     ]
-    if record.get("skipped_steps"):
-        parts.append(f"skipped {record['skipped_steps']}")
-    if record.get("hidden_imbalance_layers"):
-        parts.append(f"hidden imbalance {record['hidden_imbalance_layers']} layers")
+    if record.skipped_steps:
+        parts.append(f"skipped {record.skipped_steps}")
+    if record.hidden_imbalance_layers:
+        parts.append(f"hidden imbalance {record.hidden_imbalance_layers} layers")
     parts.append(f"ETA {clock(eta)}")
     return " | ".join(parts)
-
-
-def _number(value: float | None, spec: str) -> str:
-    return "nan" if value is None else format(value, spec)
 
 
 def clock(seconds: float) -> str:

@@ -42,12 +42,6 @@ class Evaluator:
                 f"training data's tokenizer"
             )
 
-    def due(self, next_step: int) -> bool:
-        """Whether the state after `next_step` steps is evaluated: every eval.interval steps
-        and after the last step."""
-        interval = self.config.eval.interval
-        return next_step % interval == 0 or next_step == self.config.train.max_steps
-
     def batch(self, index: int) -> Tensor:
         """Eval batch `index`: the next global_batch_size sequences in order, wrapping."""
         size = self.config.data.global_batch_size

@@ -25,11 +25,12 @@ def prepare_run_dir(requested: str, *, reuse: bool) -> Path:
 
 
 def truncate_metrics(path: Path, start_step: int) -> None:
-    """Keep only the records of steps before `start_step` (a resumed run rewrites the rest)."""
+    """Keep only the records of steps up to `start_step`, the step a run resumes from (the
+    run rewrites the later ones)."""
     if not path.exists():
         return
     kept = [
-        line for line in path.read_text().splitlines(keepends=True) if _step_of(line) < start_step
+        line for line in path.read_text().splitlines(keepends=True) if _step_of(line) <= start_step
     ]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))

@@ -81,8 +81,8 @@ class Trackers:
         """The trackers asked for, writing under `run_dir`.
 
         `config` (plain values, e.g. `Config.to_dict()`) becomes the W&B run's config.
-        `resumed_from_step` is the step this run starts at: rows of that step and later are
-        written again, so TensorBoard hides the ones an earlier run wrote; at 0 (a new run,
+        `resumed_from_step` is the step this run starts from: rows of later steps are written
+        again, so TensorBoard hides the ones an earlier run wrote; at 0 (a new run,
         also in a reused directory) W&B starts a new run, later it continues the stored one.
         """
         run_dir = Path(run_dir)
@@ -170,8 +170,8 @@ def _check_wandb_project(project: str) -> None:
 def _open_summary_writer(log_dir: Path, resumed_from_step: int) -> Any:
     summary_writer = _summary_writer_class()
     # purge_step hides, when the directory is read, the events an earlier writer wrote at
-    # that step or later: the ones this run writes again.
-    purge_step = resumed_from_step if log_dir.is_dir() else None
+    # that step or later: the steps after the one this run starts from, which it writes again.
+    purge_step = resumed_from_step + 1 if log_dir.is_dir() else None
     return summary_writer(log_dir=str(log_dir), purge_step=purge_step, flush_secs=10)
 
 

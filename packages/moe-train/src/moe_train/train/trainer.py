@@ -9,10 +9,9 @@ time-based saves, so every rank stops and saves after the same step.
 from __future__ import annotations
 
 import contextlib
-import math
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from moe_train.config import Config, dump_config
 from moe_train.errors import TrainingDiverged
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.signals import StopRequests
+from moe_train.train.cadence import Cadence
 from moe_train.train.checkpointing import (
     Checkpoints,
     check_no_newer_checkpoints,
@@ -40,6 +40,7 @@ from moe_train.train.run_dir import truncate_metrics
 from moe_train.train.runtime import Runtime, lost_rank_error, start_runtime
 from moe_train.train.schedule import lr_at
 from moe_train.train.step import DTYPES, StepResult, StepRunner
+from moe_train.train.step_record import StepRecord
 from moe_train.train.tracking import Trackers, check_tracking_available
 
 
@@ -153,6 +154,7 @@ class Trainer:
         if runtime.device.type == "cpu":
             keep_freed_host_memory()
         self.dataset = open_dataset(config)
+        self.cadence = Cadence.of(config)
         # Measured before seeding: the measurement draws random numbers.
         compute_dtype = DTYPES[config.precision.compute_dtype]
         peak, self.peak_source = peak_flops(compute_dtype, runtime.device, config.train.peak_flops)
@@ -201,7 +203,6 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl") if runtime.is_main else None
         self.console = Console(
             config.train.max_steps,
-            config.train.log_interval,
             enabled=runtime.is_main,
             progress=config.train.progress,
             world_size=runtime.layout.world_size,
@@ -302,27 +303,26 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """The step, log and save phases, step after step, until train.max_steps or a stop."""
-        max_steps = self.end_step
         stopped_by = None
-        next_step = self.start_step
+        done = self.start_step
         if not self.already_finished:
             self.runner.model.train()
             started = time.perf_counter()
             failed = True
             try:
-                for step in range(self.start_step, max_steps):
-                    result, flags = self._step(step)
-                    next_step = step + 1
+                for step in range(self.start_step + 1, self.end_step + 1):
+                    result, stop, time_due = self._step(step)
+                    done = step
                     self._check_bad_streak(step, result)
-                    if flags["stop"] and next_step < max_steps:
+                    if stop:
                         stopped_by = self.stops.signal_name or "a signal on another rank"
-                    self._save(next_step, time_due=flags["time_due"], stop=bool(stopped_by))
-                    if stopped_by:
+                    self._save(step, final=stop or step == self.end_step, time_due=time_due)
+                    if stop:
                         break
                 self.checkpoints.finish()
                 if self.manifest is not None:
-                    done = manifest_at(self.manifest, next_step, completed=True)
-                    write_manifest(self.run_dir, done)
+                    finished = manifest_at(self.manifest, done, completed=True)
+                    write_manifest(self.run_dir, finished)
                 last = self.checkpoints.last_committed
                 self.console.summary(time.perf_counter() - started, str(last) if last else None)
                 failed = False
@@ -339,24 +339,26 @@ class Trainer:
             model=self.runner.model,
             is_main=self.runtime.is_main,
             start_step=self.start_step,
-            end_step=next_step,
+            end_step=done,
             stopped_by=stopped_by,
             checkpoint=self.checkpoints.last_committed if self.checkpoints else self.resume.path,
             already_finished=self.already_finished,
         )
 
-    def _step(self, step: int) -> tuple[StepResult, dict[str, bool]]:
-        """The step phase (and evaluation when due), then the log phase; returns the step and
-        the ranks' agreed flags."""
+    def _step(self, step: int) -> tuple[StepResult, bool, bool]:
+        """Step `step` (from state step - 1 to state step), its evaluation when due, and its
+        record. Returns the step and the ranks' agreed flags: whether a stop was requested
+        before the run's end, and whether a time-based save is due."""
         config, runtime = self.config, self.runtime
+        index = step - 1  # the batch, learning rate and data position of the step
         start = time.perf_counter()
         if runtime.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(runtime.device)
-        rows = self.feed.get(step)
+        rows = self.feed.get(index)
         self.tokens_seen.add(
-            self.dataset.tokens_per_source(step, config.data.global_batch_size, config.train.seed)
+            self.dataset.tokens_per_source(index, config.data.global_batch_size, config.train.seed)
         )
-        lr = lr_at(step, config.optim, config.train.max_steps)
+        lr = lr_at(index, config.optim, config.train.max_steps)
         result = self.runner.train_on(self.runner.as_micro_batches(rows), lr)
         self.losses.append(result.stats.lm_loss)
         if not result.applied:
@@ -365,9 +367,7 @@ class Trainer:
             torch.cuda.synchronize(runtime.device)
         step_time = time.perf_counter() - start
         peak_mem = peak_memory_bytes(runtime.device)
-        eval_loss = None
-        if self.evaluator is not None and self.evaluator.due(step + 1):
-            eval_loss = self.evaluator.evaluate()
+        eval_loss = self.evaluator.evaluate() if self.cadence.evaluates(step) else None
         time_due = runtime.is_main and self.checkpoints.due_by_time()
         step_time, data_wait, peak_mem, stop, time_due = runtime.max_over_world(
             [
@@ -378,10 +378,12 @@ class Trainer:
                 float(time_due),
             ]
         )
-        self._log(step, lr, result, (step_time, data_wait), int(peak_mem), eval_loss)
-        return result, {"stop": stop > 0, "time_due": time_due > 0}
+        stop = stop > 0 and step < self.end_step
+        record = self._record(step, lr, result, (step_time, data_wait), int(peak_mem), eval_loss)
+        self._report(record, final=stop or step == self.end_step)
+        return result, stop, time_due > 0
 
-    def _log(
+    def _record(
         self,
         step: int,
         lr: float,
@@ -389,46 +391,57 @@ class Trainer:
         times: tuple[float, float],
         peak: int,
         eval_loss: float | None,
-    ) -> None:
-        """Write the step's metrics row (`times`: step time and data wait, in seconds)."""
-        stats, train_cfg = result.stats, self.config.train
+    ) -> StepRecord:
+        """The record of step `step` (`times`: step time and data wait, in seconds)."""
+        stats = result.stats
         step_time, data_wait = times
-        logged = step % train_cfg.log_interval == 0 or step == train_cfg.max_steps - 1
-        if self.expert_load is not None and logged and stats.routing is not None:
-            self.expert_load.write(step, stats.routing)
-        record = {
-            "step": step,
-            "loss": _finite_or_none(stats.lm_loss),
-            "lb_loss": _finite_or_none(stats.lb_loss),
-            "z_loss": _finite_or_none(stats.z_loss),
-            "lr": lr,
-            "grad_norm": _finite_or_none(result.grad_norm),
-            "tokens_per_s": self.tokens_per_step / step_time,
-            "mfu": self.step_flops / step_time / (self.peak * self.runtime.layout.world_size),
-            "expert_load_max_over_mean": stats.load_max_over_mean,
-            "hidden_imbalance_layers": self.expert_load.flagged_layers if self.expert_load else 0,
-            "dropped_token_frac": stats.dropped_fraction,
-            "peak_mem_bytes": peak,
-            "step_time_s": step_time,
-            "data_wait_s": data_wait,
-            "skipped_steps": self.skipped_steps,
-            "tokens_seen": (step + 1) * self.tokens_per_step,
-            "tokens_per_source": self.tokens_seen.for_metrics(),
-            "time": time.time(),
-        }
-        if eval_loss is not None:
-            record["eval_loss"] = _finite_or_none(eval_loss)
-        if self.metrics is not None and (logged or not result.applied or eval_loss is not None):
-            self.metrics.write(record)
+        return StepRecord(
+            step=step,
+            loss=stats.lm_loss,
+            lb_loss=stats.lb_loss,
+            z_loss=stats.z_loss,
+            lr=lr,
+            grad_norm=result.grad_norm,
+            tokens_per_s=self.tokens_per_step / step_time,
+            mfu=self.step_flops / step_time / (self.peak * self.runtime.layout.world_size),
+            expert_load_max_over_mean=stats.load_max_over_mean,
+            hidden_imbalance_layers=0,
+            dropped_token_frac=stats.dropped_fraction,
+            peak_mem_bytes=peak,
+            step_time_s=step_time,
+            data_wait_s=data_wait,
+            skipped_steps=self.skipped_steps,
+            tokens_seen=step * self.tokens_per_step,
+            tokens_per_source=self.tokens_seen.for_metrics(),
+            time=time.time(),
+            eval_loss=eval_loss,
+            tokens=self.tokens_per_step,
+            applied=result.applied,
+            routing=stats.routing,
+        )
+
+    def _report(self, record: StepRecord, *, final: bool) -> None:
+        """The log phase: the routing row and the metrics row of a logged step (and of a
+        skipped or evaluated one), the trackers, and the console."""
+        logged = self.cadence.logs(record.step, final=final)
+        if self.expert_load is not None:
+            if logged and record.routing is not None:
+                self.expert_load.write(record.step, record.routing)
+            # The balance check's verdict so far, read back into the metrics row.
+            record = replace(record, hidden_imbalance_layers=self.expert_load.flagged_layers)
+        evaluated = record.eval_loss is not None
+        if self.metrics is not None and (logged or not record.applied or evaluated):
+            row = record.row()
+            self.metrics.write(row)
             if self.trackers is not None:
-                self.trackers.log(record)
-        if not result.applied:
+                self.trackers.log(row)
+        if not record.applied:
             self.console.message(
-                f"step {step} skipped: loss {stats.lm_loss}, grad_norm {result.grad_norm} "
+                f"step {record.step} skipped: loss {record.loss}, grad_norm {record.grad_norm} "
                 f"({self.bad_streak + 1} in a row, train.max_skipped_steps="
-                f"{train_cfg.max_skipped_steps})"
+                f"{self.config.train.max_skipped_steps})"
             )
-        self.console.step(record)
+        self.console.step(record, logged=logged)
 
     def _check_bad_streak(self, step: int, result: StepResult) -> None:
         """Stop when more than train.max_skipped_steps steps in a row were skipped."""
@@ -447,22 +460,16 @@ class Trainer:
 
     # ---- save --------------------------------------------------------------------------
 
-    def _save(self, next_step: int, *, time_due: bool, stop: bool) -> None:
+    def _save(self, step: int, *, final: bool, time_due: bool) -> None:
         """The save phase: by steps, by time, after the last step, and before a stop."""
         checkpoints = self.checkpoints
         if not checkpoints.enabled:
             return
-        last = next_step == self.end_step
-        if last or stop or time_due or checkpoints.due_by_steps(next_step):
+        if self.cadence.saves(step, final=final) or time_due:
             loop_state = {
                 "skipped_steps": self.skipped_steps,
                 "tokens_per_source": self.tokens_seen.for_checkpoint(),
             }
             if self.manifest is not None:
-                loop_state["manifest"] = manifest_at(self.manifest, next_step)
-            checkpoints.save(next_step, loop_state)
-
-
-def _finite_or_none(value: float) -> float | None:
-    """JSON has no NaN or infinity: a non-finite figure is written as null."""
-    return value if math.isfinite(value) else None
+                loop_state["manifest"] = manifest_at(self.manifest, step)
+            checkpoints.save(step, loop_state)

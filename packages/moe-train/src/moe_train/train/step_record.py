@@ -1,0 +1,78 @@
+"""What one training step reports: made once by the loop, read by the console, the metrics
+file, the trackers and the routing log."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from moe_train.train.routing import StepRouting
+
+_NOT_IN_ROW = {"not_in_row": True}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """The figures of step `step` (the state after that many optimizer steps).
+
+    Every field but those marked otherwise is a key of its metrics.jsonl row, where a
+    figure that is not finite (the loss of a skipped step) is written as null.
+    """
+
+    step: int
+    """Optimizer steps done, this one included."""
+    loss: float
+    """LM loss, mean over the step's micro-batches."""
+    lb_loss: float
+    """Unweighted load-balancing loss, mean over micro-batches and MoE layers."""
+    z_loss: float
+    """Unweighted router z-loss, mean over micro-batches and MoE layers."""
+    lr: float
+    """Learning rate the step used."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    tokens_per_s: float
+    """Tokens of the step over its time, all ranks together."""
+    mfu: float
+    """Model FLOPs of the step over its time and the devices' peak."""
+    expert_load_max_over_mean: float
+    """Largest over MoE layers of (copies of the busiest expert / mean copies per expert)."""
+    hidden_imbalance_layers: int
+    """MoE layers the balance-versus-load check flags at this step."""
+    dropped_token_frac: float
+    """Token copies dropped by the capacity limit over copies routed, all layers."""
+    peak_mem_bytes: int
+    """Peak memory of the busiest rank."""
+    step_time_s: float
+    """Wall time of the step on the slowest rank."""
+    data_wait_s: float
+    """Time the slowest rank waited for its data."""
+    skipped_steps: int
+    """Steps skipped (not finite) since the run began, resumed launches included."""
+    tokens_seen: int
+    """Tokens of every step so far."""
+    tokens_per_source: dict[str, int]
+    """Target tokens trained on so far, per data source."""
+    time: float
+    """Unix time at the end of the step."""
+    eval_loss: float | None = None
+    """Held-out loss after the step; not in the row of a step that did not evaluate."""
+    tokens: int = field(default=0, metadata=_NOT_IN_ROW)
+    """Tokens of this step, all ranks together."""
+    applied: bool = field(default=True, metadata=_NOT_IN_ROW)
+    """Whether the update was applied (False: a skipped step)."""
+    routing: StepRouting | None = field(default=None, metadata=_NOT_IN_ROW)
+    """Per-layer routing counts, for the routing log; None without MoE layers."""
+
+    def row(self) -> dict[str, Any]:
+        """The metrics.jsonl object of this step."""
+        row = {f.name: _json_safe(getattr(self, f.name)) for f in fields(self) if not f.metadata}
+        if self.eval_loss is None:
+            del row["eval_loss"]
+        return row
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no NaN or infinity: a non-finite figure is written as null."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
