@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from moe_checkpoint import CheckpointError, read_trainer_state, resolve_checkpoint
-from moe_train.config import Config, config_from_dict, parse_overrides, saved_config_from_dict
+from moe_train.config import Config, config_from_dict, parse_overrides
 from moe_train.errors import ConfigError, DataError, MoeTrainError
 from moe_train.train.manifest import check_data_files
 
@@ -112,7 +112,7 @@ def replay_config(
                 f"{override}: verify replays A's config and takes only the layout "
                 "(--parallel.key=value)"
             )
-    config = saved_config_from_dict(state_a["config"])
+    config = config_from_dict(state_a["config"])
     if layout:
         data = config.to_dict()
         data["parallel"].update(parse_overrides(layout)["parallel"])
