@@ -5,8 +5,8 @@ how that is reported: every resume decision of the trainer, in one place.
   checkpoint.resume asks for (`auto`: the newest in the run's checkpoint directory), else the
   model tensors of checkpoint.init_from, else nothing; and in which run directory (a resumed
   run continues in its own; with resume=auto also a run stopped before its first checkpoint).
-  It refuses a config change the saved run does not allow (below).
-- `check_no_newer_checkpoints` (rank 0) refuses to save over checkpoints after the start.
+  It refuses a config change the saved run does not allow (below), and a start whose saves
+  would write over committed checkpoints of later steps.
 - `load_start` (every rank) loads what the start point holds and returns the line that
   reports it.
 
@@ -107,7 +107,8 @@ class StartPoint:
 
 
 def find_start(config: Config) -> StartPoint:
-    """The start point of `config`'s run, its changes checked, its run directory made (rank 0).
+    """The start point of `config`'s run, its changes checked, its run directory made, and
+    its saves checked not to meet later checkpoints (rank 0).
 
     A relaunch that finds this run's checkpoint continues the run: checkpoint.init_from is
     then moot (and reported as ignored by `load_start`)."""
@@ -116,11 +117,15 @@ def find_start(config: Config) -> StartPoint:
     if config.checkpoint.init_from and resume is None:
         init_from = _find_init_checkpoint(config)
     run_dir = _open_run_dir(config, resume)
-    finished = resume is not None and resume.step >= config.train.max_steps
-    return StartPoint(run_dir, resume, init_from, finished)
+    if resume is not None and resume.step >= config.train.max_steps:
+        return StartPoint(run_dir, resume, init_from, already_finished=True)
+    start = StartPoint(run_dir, resume, init_from)
+    if config.checkpoint.enabled:
+        _check_no_newer_checkpoints(checkpoint_root(config, run_dir), start.step)
+    return start
 
 
-def check_no_newer_checkpoints(root: Path, start_step: int) -> None:
+def _check_no_newer_checkpoints(root: Path, start_step: int) -> None:
     """Refuse to run on from `start_step` when saving would meet committed later steps."""
     newer = [p for p in list_checkpoints(root) if _checkpoint_step(p) > start_step]
     if newer:

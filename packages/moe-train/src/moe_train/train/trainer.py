@@ -30,13 +30,7 @@ from moe_train.train.host_memory import keep_freed_host_memory
 from moe_train.train.manifest import manifest_at, start_manifest, write_manifest
 from moe_train.train.metrics import MetricsLog
 from moe_train.train.peak import peak_flops
-from moe_train.train.resume import (
-    ResumePoint,
-    StartPoint,
-    check_no_newer_checkpoints,
-    find_start,
-    load_start,
-)
+from moe_train.train.resume import ResumePoint, StartPoint, find_start, load_start
 from moe_train.train.run_dir import truncate_metrics
 from moe_train.train.runtime import Runtime, lost_rank_error, start_runtime
 from moe_train.train.schedule import lr_at
@@ -181,8 +175,6 @@ class Trainer:
         )
         if self.resume is not None:
             self.checkpoints.last_committed = self.resume.path
-        if config.checkpoint.enabled:
-            runtime.on_main(lambda: check_no_newer_checkpoints(root, self.start_step))
         self.manifest = None
         if runtime.is_main:
             dump_config(config, self.run_dir / "config.yaml")
