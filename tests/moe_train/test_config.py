@@ -4,8 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from moe_train.config import Config, config_from_dict, dump_config, load_config, parse_overrides
-from moe_train.errors import ConfigError
+from moe_train.config import (
+    Config,
+    DataConfig,
+    config_from_dict,
+    dump_config,
+    load_config,
+    parse_overrides,
+)
+from moe_train.errors import ConfigError, DataError
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
@@ -81,6 +88,11 @@ def test_resolved_config_round_trips(tmp_path):
             {"model": {"moe": {"capacity_factor": -1}}},
             "model.moe.capacity_factor=-1.0 must be positive",
         ),
+        (
+            {"model": {"tie_embeddings": True}, "parallel": {"pp": 2}},
+            "model.tie_embeddings=true cannot be split over pipeline stages (the embedding is on "
+            "the first, the head on the last); set it to false or parallel.pp=1",
+        ),
     ],
 )
 def test_bad_values_name_the_key_and_constraint(data, message):
@@ -104,3 +116,16 @@ def test_missing_and_malformed_config_files(tmp_path):
     bad.write_text("model: [1, 2\n")
     with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML at line"):
         load_config(bad)
+
+
+def test_document_masking_needs_data_that_declares_its_end_of_document_id():
+    data = DataConfig(paths=["a.npy", "b"], document_masking=True)
+    data.validate_end_of_document(256)
+    with pytest.raises(DataError) as info:
+        data.validate_end_of_document(None)
+    assert str(info.value) == (
+        "data.document_masking=true needs documents that end at an end-of-document id, but "
+        "data.paths a.npy, b declare none; prepare the data with moe-train prepare-data (it "
+        "records the id) or set data.document_masking=false"
+    )
+    DataConfig(paths=["a.npy"]).validate_end_of_document(None)

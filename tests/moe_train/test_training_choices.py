@@ -18,7 +18,6 @@ from moe_train.config import (
     MoEConfig,
     PrecisionConfig,
     config_from_dict,
-    saved_config_from_dict,
 )
 from moe_train.errors import ConfigError
 from moe_train.model import Transformer, apply_compile, apply_expert_gemm, apply_recompute
@@ -184,36 +183,11 @@ def test_mxfp8_needs_bfloat16_compute_dtype():
     PrecisionConfig(expert_gemm="mxfp8", compute_dtype="bfloat16").validate("precision")
 
 
-def test_expert_gemm_is_validated_and_replaces_the_old_keys():
+def test_expert_gemm_is_validated():
     assert config_from_dict(_config_data(expert_gemm="auto")).precision.expert_gemm == "auto"
     assert config_from_dict({}).precision.expert_gemm == "torch"
     with pytest.raises(ConfigError, match=r"^precision\.expert_gemm='cuda' must be one of "):
         config_from_dict(_config_data(expert_gemm="cuda"))
-    with pytest.raises(ConfigError) as error:
-        config_from_dict({"model": {"moe": {"grouped_mm_backend": "auto"}}})
-    assert str(error.value) == (
-        "config key model.moe.grouped_mm_backend was replaced by precision.expert_gemm "
-        "(torch, triton or auto)"
-    )
-    with pytest.raises(ConfigError, match=r"^config key precision\.mxfp8 was replaced by "):
-        config_from_dict(_config_data(mxfp8=True))
-
-
-@pytest.mark.parametrize(
-    ("saved", "expert_gemm"),
-    [
-        ({"model": {"moe": {"grouped_mm_backend": "triton"}}}, "triton"),
-        (
-            {"model": {"moe": {"grouped_mm_backend": "torch"}}, "precision": {"mxfp8": True}},
-            "mxfp8",
-        ),
-        ({"precision": {"expert_gemm": "auto"}}, "auto"),
-    ],
-)
-def test_a_config_saved_with_the_old_keys_still_loads(saved, expert_gemm):
-    before = copy.deepcopy(saved)
-    assert saved_config_from_dict(saved).precision.expert_gemm == expert_gemm
-    assert saved == before, "reading a saved config changed it"
 
 
 def test_training_choices_are_set_on_the_built_model():

@@ -2,9 +2,9 @@
 
 Each tensor's byte range is cut into chunks of ``chunk_bytes`` counted from the tensor's first
 byte (the last chunk may be shorter); index.json keeps the CRC32 of each chunk, so a rank that
-reads a slice of a tensor checks exactly the chunks it reads. CRC32 (``zlib.crc32``) was chosen
-by measurement: it releases the GIL on large buffers, as the sha256 and blake2b of hashlib do,
-and runs several times faster than either, fast enough to check reads as they arrive from disk
+reads a slice of a tensor checks exactly the chunks it reads. CRC32 (``zlib.crc32``) releases
+the GIL on large buffers, as the sha256 and blake2b of hashlib do, and runs several times
+faster than either, fast enough to check reads as they arrive from disk
 (``benchmarks/checkpoint.py`` reports verified loads against raw reads). It guards against
 damage (flipped bits, torn or zeroed pages), not against deliberate tampering; the sha256 of
 every file and of index.json serve audits (`verify_checkpoint`, ``sha256sum``).

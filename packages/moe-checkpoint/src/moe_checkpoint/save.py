@@ -8,8 +8,7 @@ second pass is not spread over the ranks by default. Here the layout of each fil
 function of the tensors' names, shapes and dtypes, so rank 0 writes the headers and sizes the
 files, and then all ranks ``pwrite`` their owned flat ranges at their final offsets, in
 parallel: each byte is written once, into the final file, by the rank that owns it.
-``benchmarks/checkpoint.py --dcp`` measures both: 0.5 GiB from 2 gloo ranks on our 2-core
-machines took 1.35 s here (hashes included) against 3.97 s with DCP's consolidating writer.
+``benchmarks/checkpoint.py --dcp`` times both writers on the same state.
 
 A save, on every rank (``world_size == 1`` is just the degenerate case):
 

@@ -69,7 +69,7 @@ def _zero_padding_rows_(out_TN: Tensor, offsets_E: Tensor) -> None:
     """Zero rows at or past ``offsets[-1]``, in place.
 
     On the CPU reading the offset costs nothing, and zeroing just those rows saves a pass
-    over the whole tensor (measured: 27 ms of a 340 ms bf16 MoE layer step); elsewhere a
+    over the whole tensor; elsewhere a
     mask computed on the device keeps the call free of host syncs.
     """
     if out_TN.device.type == "cpu":

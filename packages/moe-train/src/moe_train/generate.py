@@ -28,7 +28,7 @@ from torch import Tensor
 from moe_checkpoint import CheckpointError, load_into, read_trainer_state, resolve_checkpoint
 from moe_dispatch import make_dispatcher
 from moe_parallel import single_process_layout
-from moe_train.config import Config, ModelConfig, saved_config_from_dict
+from moe_train.config import Config, ModelConfig, config_from_dict
 from moe_train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from moe_train.errors import MoeTrainError
 from moe_train.model import Transformer
@@ -72,7 +72,7 @@ def load_checkpoint_model(
 
     try:
         ckpt = resolve_checkpoint(checkpoint)
-        config = saved_config_from_dict(read_trainer_state(ckpt)["config"])
+        config = config_from_dict(read_trainer_state(ckpt)["config"])
         model = generation_model(config.model, config.data.seq_len, config.train.seed)
         load_into(ckpt, model_slices(model, single_process_layout(), owned_only=False))
     except CheckpointError as e:

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import hashlib
 import math
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -24,9 +23,10 @@ import torch
 from safetensors import safe_open
 
 from moe_checkpoint import CheckpointError, read_trainer_state, resolve_checkpoint
-from moe_train.config import Config, config_from_dict, parse_overrides, saved_config_from_dict
+from moe_train.config import Config, config_from_dict, parse_overrides
 from moe_train.errors import ConfigError, DataError, MoeTrainError
 from moe_train.train.manifest import check_data_files
+from moe_train.train.runtime import launch_id, launched_rank
 
 OTHER_LAYOUT_RTOL = 1e-3
 """Relative tolerance (of each tensor's largest magnitude) when the replay runs on another
@@ -112,7 +112,7 @@ def replay_config(
                 f"{override}: verify replays A's config and takes only the layout "
                 "(--parallel.key=value)"
             )
-    config = saved_config_from_dict(state_a["config"])
+    config = config_from_dict(state_a["config"])
     if layout:
         data = config.to_dict()
         data["parallel"].update(parse_overrides(layout)["parallel"])
@@ -158,7 +158,7 @@ def verify(
     if problems:
         raise DataError(f"the data no longer matches {a}'s manifest: {problems[0]}")
     scratch = work_dir or _default_scratch(a, b)
-    main = os.environ.get("RANK", "0") == "0"
+    main = launched_rank() == 0
     if main:
         shutil.rmtree(scratch, ignore_errors=True)  # a crashed earlier replay's
         scratch.mkdir(parents=True)
@@ -180,8 +180,7 @@ def verify(
 
 
 def _default_scratch(a: Path, b: Path) -> Path:
-    launch = [os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")]
-    key = "|".join([str(a.resolve()), str(b.resolve()), *launch])
+    key = "|".join([str(a.resolve()), str(b.resolve()), launch_id()])
     return (
         Path(tempfile.gettempdir()) / f"moe-verify-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     )

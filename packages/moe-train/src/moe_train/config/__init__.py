@@ -8,12 +8,10 @@ from YAML and overrides and writes it back; `checks` holds the field checks they
 
 from moe_train.config.data import DataConfig, MixtureSourceConfig
 from moe_train.config.loading import (
-    REPLACED_KEYS,
     config_from_dict,
     dump_config,
     load_config,
     parse_overrides,
-    saved_config_from_dict,
 )
 from moe_train.config.model import ModelConfig, MoEConfig
 from moe_train.config.root import Config
@@ -21,7 +19,6 @@ from moe_train.config.runtime import CheckpointConfig, EvalConfig, ParallelConfi
 from moe_train.config.training import OptimConfig, RoutingCheckConfig, TrainConfig
 
 __all__ = [
-    "REPLACED_KEYS",
     "CheckpointConfig",
     "Config",
     "DataConfig",
@@ -38,5 +35,4 @@ __all__ = [
     "dump_config",
     "load_config",
     "parse_overrides",
-    "saved_config_from_dict",
 ]

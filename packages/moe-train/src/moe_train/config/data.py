@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from moe_train.config.checks import _positive
 from moe_train.data.token_files import split_dtype_suffix
-from moe_train.errors import ConfigError
+from moe_train.errors import ConfigError, DataError
 
 
 @dataclass(kw_only=True)
@@ -83,6 +83,16 @@ class DataConfig:
             raise ConfigError(
                 f"{path}.micro_batch_size={self.micro_batch_size} must divide "
                 f"{path}.global_batch_size={self.global_batch_size}"
+            )
+
+    def validate_end_of_document(self, eos_id: int | None, path: str = "data") -> None:
+        """The rules that need the opened data: `eos_id` is its end-of-document id, if any."""
+        if self.document_masking and eos_id is None:
+            raise DataError(
+                f"{path}.document_masking=true needs documents that end at an end-of-document "
+                f"id, but {path}.paths {', '.join(self.paths)} declare none; prepare the data "
+                f"with moe-train prepare-data (it records the id) or set "
+                f"{path}.document_masking=false"
             )
 
     def _validate_mixture(self, path: str) -> None:

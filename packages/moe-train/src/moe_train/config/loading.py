@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import types
@@ -79,13 +78,6 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}={value!r} must be {_type_name(tp)}")
 
 
-REPLACED_KEYS = {
-    "model.moe.grouped_mm_backend": "precision.expert_gemm (torch, triton or auto)",
-    "precision.mxfp8": "precision.expert_gemm=mxfp8",
-}
-"""Keys of earlier versions, and what replaced them."""
-
-
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'} must be a mapping of keys, got {data!r}")
@@ -95,8 +87,6 @@ def _build(cls: type, data: Any, path: str) -> Any:
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in names:
-            if full in REPLACED_KEYS:
-                raise ConfigError(f"config key {full} was replaced by {REPLACED_KEYS[full]}")
             raise ConfigError(_unknown_key_message(full, str(key), names, path))
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
@@ -119,20 +109,6 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     config = _build(Config, data, "")
     config.validate()
     return config
-
-
-def saved_config_from_dict(data: dict[str, Any]) -> Config:
-    """A Config from one saved by any version (a checkpoint's trainer state): the keys of
-    `REPLACED_KEYS` become the key that replaced them."""
-    data = copy.deepcopy(data)
-    moe = data.get("model", {}).get("moe", {})
-    precision = data.setdefault("precision", {})
-    backend = moe.pop("grouped_mm_backend", None)
-    if precision.pop("mxfp8", False):
-        precision["expert_gemm"] = "mxfp8"
-    elif backend is not None:
-        precision.setdefault("expert_gemm", backend)
-    return config_from_dict(data)
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

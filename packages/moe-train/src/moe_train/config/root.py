@@ -40,6 +40,11 @@ class Config:
                 f"data.document_masking=true does not work with parallel.pp={self.parallel.pp} "
                 "yet; set parallel.pp=1 or data.document_masking=false"
             )
+        if self.model.tie_embeddings and self.parallel.pp > 1:
+            raise ConfigError(
+                "model.tie_embeddings=true cannot be split over pipeline stages (the embedding is "
+                "on the first, the head on the last); set it to false or parallel.pp=1"
+            )
         optim, max_steps = self.optim, self.train.max_steps
         wsd_steps = optim.warmup_steps + (optim.decay_steps or 0)
         if optim.schedule == "wsd" and wsd_steps > max_steps:

@@ -27,7 +27,7 @@ from moe_checkpoint import (
     read_trainer_state,
     resolve_checkpoint,
 )
-from moe_train.config import Config, saved_config_from_dict
+from moe_train.config import Config, config_from_dict
 from moe_train.errors import MoeTrainError
 from moe_train.hf.architectures import Architecture, ExportError, HFTensor, choose_architecture
 from moe_train.hf.model_card import model_card
@@ -85,7 +85,7 @@ def export_checkpoint(
     try:
         ckpt = resolve_checkpoint(checkpoint)
         trainer_state = read_trainer_state(ckpt)
-        config = saved_config_from_dict(trainer_state["config"])
+        config = config_from_dict(trainer_state["config"])
         stored = {
             name: tuple(t["shape"])
             for name, t in checkpoint_summary(ckpt, verify=False)["tensors"].items()

@@ -133,11 +133,6 @@ class Transformer(nn.Module):
         self.config = config
         factory = dispatcher_factory or local_dispatcher_factory(config)
         layers = range(config.n_layers) if layers is None else sorted(layers)
-        if config.tie_embeddings and with_embedding != with_head:
-            raise ValueError(
-                "model.tie_embeddings=true needs the embedding and the head in the same "
-                "module (pipeline stages split them); set model.tie_embeddings=false"
-            )
         self.embed = nn.Embedding(config.vocab_size, config.d_model) if with_embedding else None
         # A dict keyed by the global layer index keeps parameter names stable when a pipeline
         # stage holds only some of the layers.

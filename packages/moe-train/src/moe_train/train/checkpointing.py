@@ -1,9 +1,10 @@
-"""The trainer's checkpoints: where they live, when they are written, and what resume loads.
+"""The trainer's checkpoints: where they live, when they are written, and loading them.
 
-Everything the loop does with checkpoints goes through `Checkpoints`: `read_state` and `load`
-on resume, `due_by_time` after each step, `save`, and `finish` at the end (which steps are
-saved by count is the cadence's). The tensors themselves
-(which rank writes and reads which piece) are `state_slices`' business.
+Everything the loop does with checkpoints goes through `Checkpoints`: `load` or `load_model`
+at the start (which checkpoint, and whether it may be loaded, is `resume`'s business),
+`due_by_time` after each step, `save`, and `finish` at the end (which steps are saved by count
+is the cadence's). The tensors themselves (which rank writes and reads which piece) are
+`state_slices`' business.
 """
 
 from __future__ import annotations
@@ -18,19 +19,14 @@ from moe_checkpoint import (
     CheckpointError,
     OwnedSlice,
     SaveHandle,
-    latest_checkpoint,
-    list_checkpoints,
     prune_checkpoints,
-    read_trainer_state,
-    resolve_checkpoint,
     save_checkpoint,
 )
 from moe_parallel import TrainingOptimizer
 from moe_train.config import Config
 from moe_train.data import TokenDataset
-from moe_train.errors import ConfigError, MoeTrainError, TrainingDiverged
+from moe_train.errors import MoeTrainError, TrainingDiverged
 from moe_train.model import Transformer
-from moe_train.train.config_changes import config_changes
 from moe_train.train.runtime import Runtime
 from moe_train.train.state_slices import (
     category_of,
@@ -45,71 +41,6 @@ from moe_train.train.state_slices import (
 def checkpoint_root(config: Config, run_dir: Path | str) -> Path:
     """Where checkpoints go: checkpoint.dir, or RUN_DIR/checkpoints."""
     return Path(config.checkpoint.dir) if config.checkpoint.dir else Path(run_dir) / "checkpoints"
-
-
-def find_resume_checkpoint(config: Config) -> Path | None:
-    """The committed checkpoint that checkpoint.resume asks for, or None to start afresh."""
-    resume = config.checkpoint.resume
-    if resume == "never":
-        return None
-    if resume == "auto":
-        return latest_checkpoint(checkpoint_root(config, config.train.run_dir))
-    try:
-        return resolve_checkpoint(resume)
-    except CheckpointError as e:
-        raise ConfigError(
-            f"checkpoint.resume={resume} is not a committed checkpoint (no COMMITTED marker) "
-            f"nor a directory holding one; use auto, never or a checkpoint path"
-        ) from e
-
-
-def find_init_checkpoint(config: Config) -> Path:
-    """The committed checkpoint checkpoint.init_from names, after checking that its model
-    config is this run's unless checkpoint.allow_config_change."""
-    source = config.checkpoint.init_from
-    try:
-        path = resolve_checkpoint(source)
-    except CheckpointError as e:
-        raise ConfigError(
-            f"checkpoint.init_from={source} is not a committed checkpoint (no COMMITTED marker) "
-            f"nor a directory holding one"
-        ) from e
-    saved = read_resume_state(path).get("config")
-    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-        raise MoeTrainError(f"{path}/trainer_state.json holds no model config")
-    changes = config_changes({"model": saved["model"]}, {"model": config.to_dict()["model"]})
-    differing = [c for c in changes if c.key.startswith("model.")]
-    if differing and not config.checkpoint.allow_config_change:
-        first = differing[0]
-        raise ConfigError(
-            f"{first.key}={first.now!r} differs from {first.saved!r} in checkpoint.init_from="
-            f"{path}: its weights fit only the model they were saved with; set "
-            f"{first.key}={first.saved!r}, or checkpoint.allow_config_change=true"
-        )
-    return path
-
-
-def check_no_newer_checkpoints(root: Path, start_step: int) -> None:
-    """Refuse to run on from `start_step` when saving would meet committed later steps."""
-    newer = [p for p in list_checkpoints(root) if _checkpoint_step(p) > start_step]
-    if newer:
-        raise ConfigError(
-            f"{root} already holds checkpoints after step {start_step} ({newer[-1].name}); "
-            f"resuming from step {start_step} would save over that history: set checkpoint.dir "
-            f"to another directory, or resume from {newer[-1]}"
-        )
-
-
-def _checkpoint_step(path: Path) -> int:
-    return int(path.name.removeprefix("step_"))
-
-
-def read_resume_state(path: Path) -> dict[str, Any]:
-    """trainer_state.json of a checkpoint to resume from (errors as MoeTrainError)."""
-    try:
-        return read_trainer_state(path)
-    except CheckpointError as e:
-        raise MoeTrainError(str(e)) from e
 
 
 class Checkpoints:

@@ -36,12 +36,7 @@ def open_dataset(config: Config) -> TokenDataset | MixedDataset:
             f"model.vocab_size={config.model.vocab_size}; set model.vocab_size >= "
             f"{dataset.vocab_size}"
         )
-    if data.document_masking and dataset.eos_id is None:
-        raise DataError(
-            f"data.document_masking=true needs documents that end at an end-of-document id, "
-            f"but data.paths {', '.join(data.paths)} declare none; prepare the data with "
-            "moe-train prepare-data (it records the id) or set data.document_masking=false"
-        )
+    data.validate_end_of_document(dataset.eos_id)
     return dataset
 
 

@@ -2,8 +2,8 @@
 
 glibc serves large allocations (activations, gradients, GEMM outputs) with fresh mmap
 pages and unmaps them when freed, so every training step pays page faults that zero tens of
-megabytes per tensor. On our 2-core CPU machines that made bf16 grouped GEMMs 2.7x slower
-(measured: 550 vs 1500 GFLOP/s at 8192 x 512 x 2048, 16 experts). PyTorch's CPU performance
+megabytes per tensor, which slows large CPU GEMMs markedly (the CPU benchmarks call
+`keep_freed_host_memory` too, so their figures include it). PyTorch's CPU performance
 guides suggest preloading jemalloc or tcmalloc for the same reason; adjusting glibc's own
 policy needs no extra library and no environment variable.
 """

@@ -71,11 +71,6 @@ def check_pipeline(config: Config, dp: int) -> None:
             f"model.n_layers={model.n_layers} must be a multiple of the number of pipeline "
             f"stages parallel.pp * parallel.virtual_stages = {num_stages}"
         )
-    if model.tie_embeddings:
-        raise ConfigError(
-            "model.tie_embeddings=true cannot be split over pipeline stages (the embedding is "
-            "on the first, the head on the last); set it to false or parallel.pp=1"
-        )
     micro_batches = config.data.global_batch_size // config.data.micro_batch_size // dp
     needed = 1 if parallel.pp_schedule == "gpipe" else pp
     if micro_batches < needed or (interleaved and micro_batches % pp):

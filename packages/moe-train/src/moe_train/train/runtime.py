@@ -1,7 +1,9 @@
 """Where the trainer runs: one process, or one rank of a torchrun launch.
 
-torchrun tells each process its place through the WORLD_SIZE, RANK and LOCAL_RANK
-environment variables; they are the launcher's contract, read here and nowhere else.
+torchrun (or a cluster launcher) tells each process its place through the WORLD_SIZE, RANK
+and LOCAL_RANK environment variables, and the job through MASTER_ADDR, MASTER_PORT and
+TORCHELASTIC_RUN_ID; they are the launcher's contract, read here (`launched_*`) and nowhere
+else.
 """
 
 from __future__ import annotations
@@ -137,13 +139,36 @@ def lost_rank_error(error: BaseException, timeout_s: float) -> RankLost | None:
 
 
 def launched_world_size() -> int:
-    """Processes in the job: the initialised process group's, torchrun's, or 1."""
+    """Processes in the job: the initialised process group's, the launcher's, or 1."""
     if dist.is_initialized():
         return dist.get_world_size()
+    return _launcher_number("WORLD_SIZE", 1)
+
+
+def launched_rank() -> int:
+    """This process's rank: the initialised process group's, the launcher's, or 0."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return _launcher_number("RANK", 0)
+
+
+def launched_local_rank() -> int:
+    """This process's rank on its node (its GPU): the launcher's, or 0."""
+    return _launcher_number("LOCAL_RANK", 0)
+
+
+def launch_id() -> str:
+    """What tells this launch from another on the same machine (the rendezvous address,
+    port and run id; empty outside a launch)."""
+    keys = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    return "|".join(os.environ.get(key, "") for key in keys)
+
+
+def _launcher_number(name: str, default: int) -> int:
     try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        return int(os.environ.get(name, str(default)))
     except ValueError as e:
-        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number") from e
+        raise ConfigError(f"{name}={os.environ[name]!r} is not a number") from e
 
 
 def check_topology(config: Config, world_size: int) -> None:
@@ -180,7 +205,7 @@ def start_runtime(config: Config, device: torch.device | None = None) -> Runtime
     check_topology(config, world_size)
     owns_process_group = world_size > 1 and not dist.is_initialized()
     if owns_process_group:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = launched_local_rank()
         if device is None and torch.cuda.is_available():
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)

@@ -307,12 +307,8 @@ class StepRunner:
         self.grad_clip = grad_clip if grad_clip is not None else float("inf")
         self.document_eos_id: int | None = None
         """The id documents end at when attention stays inside them (data.document_masking)."""
+        data.validate_end_of_document(eos_id)
         if data.document_masking:
-            if eos_id is None:
-                raise ConfigError(
-                    "data.document_masking=true needs the data's end-of-document id; the data "
-                    "declares none (directories written by prepare-data do)"
-                )
             self.document_eos_id = eos_id
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -21,12 +21,7 @@ from moe_train.errors import TrainingDiverged
 from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.signals import StopRequests
 from moe_train.train.cadence import Cadence
-from moe_train.train.checkpointing import (
-    Checkpoints,
-    check_no_newer_checkpoints,
-    checkpoint_root,
-    find_init_checkpoint,
-)
+from moe_train.train.checkpointing import Checkpoints, checkpoint_root
 from moe_train.train.console import Console
 from moe_train.train.data_feed import BatchFeed, TokenCounts, describe_sources, open_dataset
 from moe_train.train.evaluate import Evaluator
@@ -35,7 +30,7 @@ from moe_train.train.host_memory import keep_freed_host_memory
 from moe_train.train.manifest import manifest_at, start_manifest, write_manifest
 from moe_train.train.metrics import MetricsLog
 from moe_train.train.peak import peak_flops
-from moe_train.train.resume_point import ResumePoint, find_resume_point, open_run_dir
+from moe_train.train.resume import ResumePoint, StartPoint, find_start, load_start
 from moe_train.train.run_dir import truncate_metrics
 from moe_train.train.runtime import Runtime, lost_rank_error, start_runtime
 from moe_train.train.schedule import lr_at
@@ -125,21 +120,17 @@ class Trainer:
         self.checkpoints: Checkpoints | None = None
         self.trackers: Trackers | None = None
         self._setup()
-        self.start_step = self.resume.step if self.resume else 0
-        self.skipped_steps = int(self.resume.state.get("skipped_steps", 0)) if self.resume else 0
+        self.start_step = self.start.step
+        self.skipped_steps = int(self.start.saved("skipped_steps", 0))
         self.bad_streak = 0
         self.losses: list[float] = []
-        saved_counts = self.resume.state.get("tokens_per_source") if self.resume else None
+        saved_counts = self.start.saved("tokens_per_source")
         self.tokens_seen = TokenCounts.before(self.dataset, config, self.start_step, saved_counts)
         """Target tokens trained on from each data source so far (rank 0's count is saved)."""
         if self.already_finished:
             return
         self._open_files()
-        if self.resume is not None:
-            self._resume()
-        elif self.init_from is not None:
-            self.checkpoints.load_model(self.init_from)
-            self.console.message(f"started from the model tensors of {self.init_from}")
+        self._resume()
         # Last, so that a setup that fails leaves no tracker run open.
         runtime.on_main(self._open_trackers)
 
@@ -172,13 +163,11 @@ class Trainer:
             prefetch=config.data.prefetch,
             pin_memory=runtime.device.type == "cuda",
         )
-        self.resume: ResumePoint | None = runtime.on_main(lambda: find_resume_point(config))
-        self.already_finished = bool(self.resume and self.resume.step >= config.train.max_steps)
-        # A relaunch (resume found this run's checkpoint) continues the run: init_from is moot.
-        self.init_from: Path | None = None
-        if config.checkpoint.init_from and self.resume is None:
-            self.init_from = runtime.on_main(lambda: find_init_checkpoint(config))
-        self.run_dir: Path = runtime.on_main(lambda: open_run_dir(config, self.resume))
+        self.start: StartPoint = runtime.on_main(lambda: find_start(config))
+        self.resume: ResumePoint | None = self.start.resume
+        self.init_from: Path | None = self.start.init_from
+        self.run_dir: Path = self.start.run_dir
+        self.already_finished = self.start.already_finished
 
     def _open_files(self) -> None:
         config, runtime = self.config, self.runtime
@@ -188,13 +177,11 @@ class Trainer:
         )
         if self.resume is not None:
             self.checkpoints.last_committed = self.resume.path
-        if config.checkpoint.enabled:
-            runtime.on_main(lambda: check_no_newer_checkpoints(root, self.start_step))
         self.manifest = None
         if runtime.is_main:
             dump_config(config, self.run_dir / "config.yaml")
             truncate_metrics(self.run_dir / "metrics.jsonl", self.start_step)
-            previous = self.resume.state.get("manifest") if self.resume else None
+            previous = self.start.saved("manifest")
             topology = runtime.layout.describe()
             self.manifest = start_manifest(
                 config, topology, runtime.device, self.start_step, previous
@@ -223,12 +210,7 @@ class Trainer:
         config, layout = self.config, self.runtime.layout
         model, moe, data, ckpt = config.model, config.model.moe, config.data, config.checkpoint
         params = count_params(model)
-        if self.init_from is not None:
-            start = f"a new run from the weights of {self.init_from}"
-        elif self.resume is None:
-            start = "a new run"
-        else:
-            start = f"resumed from {self.resume.path} at step {self.resume.step}"
+        start = self.start.describe()
         saves = []
         if ckpt.interval:
             saves.append(f"every {ckpt.interval} steps")
@@ -285,19 +267,11 @@ class Trainer:
     # ---- resume ------------------------------------------------------------------------
 
     def _resume(self) -> None:
-        assert self.resume is not None and self.checkpoints is not None
-        self.checkpoints.load(self.resume.path, self.resume.state)
-        changes = ", ".join(c.describe() for c in self.resume.changes)
-        saved_layout = self.resume.state.get("topology")
-        layout = self.runtime.layout.describe()
-        moved = f"; layout {saved_layout} -> {layout}" if saved_layout not in (None, layout) else ""
-        ignored = self.config.checkpoint.init_from
-        self.console.message(
-            f"resumed from {self.resume.path} at step {self.start_step}"
-            + (f"; changed: {changes}" if changes else "")
-            + moved
-            + (f"; checkpoint.init_from={ignored} ignored (resuming)" if ignored else "")
-        )
+        """Load what the run starts from (every rank) and report it."""
+        assert self.checkpoints is not None
+        report = load_start(self.start, self.checkpoints)
+        if report is not None:
+            self.console.message(report)
 
     # ---- the loop ----------------------------------------------------------------------
 

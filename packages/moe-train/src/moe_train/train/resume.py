@@ -1,0 +1,296 @@
+"""Where a run starts, whether it may go on with the config it has now, what it loads, and
+how that is reported: every resume decision of the trainer, in one place.
+
+- `find_start` (rank 0) decides where the run starts: the committed checkpoint that
+  checkpoint.resume asks for (`auto`: the newest in the run's checkpoint directory), else the
+  model tensors of checkpoint.init_from, else nothing; and in which run directory (a resumed
+  run continues in its own; with resume=auto also a run stopped before its first checkpoint).
+  It refuses a config change the saved run does not allow (below), and a start whose saves
+  would write over committed checkpoints of later steps.
+- `load_start` (every rank) loads what the start point holds and returns the line that
+  reports it.
+
+A resumed run must see the same model and the same samples: changes under `model.` and to
+the data keys that decide which tokens a step sees are refused unless
+checkpoint.allow_config_change=true; every other change (steps, layout, optimizer, precision,
+checkpointing, logging) is allowed and reported. checkpoint.init_from needs the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moe_checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    read_trainer_state,
+    resolve_checkpoint,
+)
+from moe_train.config import Config
+from moe_train.errors import ConfigError, MoeTrainError
+from moe_train.train.checkpointing import Checkpoints, checkpoint_root
+from moe_train.train.run_dir import prepare_run_dir
+
+SAMPLE_KEYS = (
+    "data.paths",
+    "data.mixture",
+    "data.seq_len",
+    "data.global_batch_size",
+    "train.seed",
+)
+"""Keys that decide which samples a step sees."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """A config key whose value differs from the saved run's."""
+
+    key: str
+    saved: Any
+    now: Any
+
+    def describe(self) -> str:
+        return f"{self.key} {self.saved!r} -> {self.now!r}"
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A committed checkpoint to continue from, read and checked on rank 0."""
+
+    path: Path
+    state: dict[str, Any]
+    """Its trainer_state.json."""
+    changes: list[Change]
+    """Config keys that differ from the checkpoint's (all allowed)."""
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    """Where a run starts: its run directory, and the checkpoint it resumes from or the one
+    whose model tensors it starts from (at most one of the two)."""
+
+    run_dir: Path
+    resume: ResumePoint | None = None
+    init_from: Path | None = None
+    already_finished: bool = False
+    """The resumed checkpoint is already at train.max_steps: nothing is left to run."""
+
+    @property
+    def step(self) -> int:
+        """The step the run starts at: the resumed checkpoint's, or 0."""
+        return self.resume.step if self.resume else 0
+
+    def saved(self, key: str, default: Any = None) -> Any:
+        """`key` of the resumed checkpoint's trainer state (a counter of the loop), else
+        `default`."""
+        return self.resume.state.get(key, default) if self.resume else default
+
+    def describe(self) -> str:
+        """How the run starts, for the start banner."""
+        if self.init_from is not None:
+            return f"a new run from the weights of {self.init_from}"
+        if self.resume is None:
+            return "a new run"
+        return f"resumed from {self.resume.path} at step {self.resume.step}"
+
+
+# ---- where the run starts (rank 0) ------------------------------------------------------
+
+
+def find_start(config: Config) -> StartPoint:
+    """The start point of `config`'s run, its changes checked, its run directory made, and
+    its saves checked not to meet later checkpoints (rank 0).
+
+    A relaunch that finds this run's checkpoint continues the run: checkpoint.init_from is
+    then moot (and reported as ignored by `load_start`)."""
+    resume = _find_resume_point(config)
+    init_from = None
+    if config.checkpoint.init_from and resume is None:
+        init_from = _find_init_checkpoint(config)
+    run_dir = _open_run_dir(config, resume)
+    if resume is not None and resume.step >= config.train.max_steps:
+        return StartPoint(run_dir, resume, init_from, already_finished=True)
+    start = StartPoint(run_dir, resume, init_from)
+    if config.checkpoint.enabled:
+        _check_no_newer_checkpoints(checkpoint_root(config, run_dir), start.step)
+    return start
+
+
+def _check_no_newer_checkpoints(root: Path, start_step: int) -> None:
+    """Refuse to run on from `start_step` when saving would meet committed later steps."""
+    newer = [p for p in list_checkpoints(root) if _checkpoint_step(p) > start_step]
+    if newer:
+        raise ConfigError(
+            f"{root} already holds checkpoints after step {start_step} ({newer[-1].name}); "
+            f"resuming from step {start_step} would save over that history: set checkpoint.dir "
+            f"to another directory, or resume from {newer[-1]}"
+        )
+
+
+def _find_resume_point(config: Config) -> ResumePoint | None:
+    """The checkpoint to continue from, with the config changes it allows."""
+    path = _find_resume_checkpoint(config)
+    if path is None:
+        return None
+    state = _read_state(path)
+    if not isinstance(state.get("config"), dict) or "step" not in state:
+        raise MoeTrainError(f"{path}/trainer_state.json holds no step or config to resume")
+    changes = _check_resume_config(
+        state["config"], config.to_dict(), path, config.checkpoint.allow_config_change
+    )
+    return ResumePoint(path, state, changes)
+
+
+def _find_resume_checkpoint(config: Config) -> Path | None:
+    """The committed checkpoint that checkpoint.resume asks for, or None to start afresh."""
+    resume = config.checkpoint.resume
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(checkpoint_root(config, config.train.run_dir))
+    try:
+        return resolve_checkpoint(resume)
+    except CheckpointError as e:
+        raise ConfigError(
+            f"checkpoint.resume={resume} is not a committed checkpoint (no COMMITTED marker) "
+            f"nor a directory holding one; use auto, never or a checkpoint path"
+        ) from e
+
+
+def _find_init_checkpoint(config: Config) -> Path:
+    """The committed checkpoint checkpoint.init_from names, after checking that its model
+    config is this run's unless checkpoint.allow_config_change."""
+    source = config.checkpoint.init_from
+    try:
+        path = resolve_checkpoint(source)
+    except CheckpointError as e:
+        raise ConfigError(
+            f"checkpoint.init_from={source} is not a committed checkpoint (no COMMITTED marker) "
+            f"nor a directory holding one"
+        ) from e
+    saved = _read_state(path).get("config")
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise MoeTrainError(f"{path}/trainer_state.json holds no model config")
+    changes = _config_changes({"model": saved["model"]}, {"model": config.to_dict()["model"]})
+    differing = [c for c in changes if c.key.startswith("model.")]
+    if differing and not config.checkpoint.allow_config_change:
+        first = differing[0]
+        raise ConfigError(
+            f"{first.key}={first.now!r} differs from {first.saved!r} in checkpoint.init_from="
+            f"{path}: its weights fit only the model they were saved with; set "
+            f"{first.key}={first.saved!r}, or checkpoint.allow_config_change=true"
+        )
+    return path
+
+
+def _open_run_dir(config: Config, resume: ResumePoint | None) -> Path:
+    """The run directory. With resume=auto it is train.run_dir itself, also when a job was
+    stopped before its first checkpoint, as long as it holds the same run."""
+    auto = config.checkpoint.resume == "auto"
+    saved_config = Path(config.train.run_dir) / "config.yaml"
+    if auto and resume is None and saved_config.is_file():
+        try:
+            saved = yaml.safe_load(saved_config.read_text())
+        except yaml.YAMLError as e:
+            raise MoeTrainError(f"{saved_config} is not valid YAML; move it away") from e
+        if isinstance(saved, dict):
+            _check_resume_config(
+                saved, config.to_dict(), saved_config, config.checkpoint.allow_config_change
+            )
+    return prepare_run_dir(config.train.run_dir, reuse=auto or resume is not None)
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    """trainer_state.json of a checkpoint to start from (errors as MoeTrainError)."""
+    try:
+        return read_trainer_state(path)
+    except CheckpointError as e:
+        raise MoeTrainError(str(e)) from e
+
+
+def _checkpoint_step(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+# ---- which config changes a resumed run accepts ------------------------------------------
+
+
+def _check_resume_config(
+    saved: dict[str, Any], now: dict[str, Any], source: Path, allow: bool
+) -> list[Change]:
+    """The changes from the config saved in `source` (a checkpoint, or a run directory's
+    config.yaml) that a resumed run may go on with; raises ConfigError on a refused one unless
+    `allow`. Returns every change (refused ones too when allowed), for the report."""
+    changes = _config_changes(saved, now)
+    refused = [c for c in changes if _is_refused(c.key)]
+    if refused and not allow:
+        first = refused[0]
+        what = "the model" if first.key.startswith("model.") else "which samples a step sees"
+        more = f" (also changed: {', '.join(c.key for c in refused[1:])})" if refused[1:] else ""
+        raise ConfigError(
+            f"{first.key}={first.now!r} differs from {first.saved!r} in {source}: it "
+            f"changes {what}{more}; restore it, or set checkpoint.allow_config_change=true"
+        )
+    return changes
+
+
+def _is_refused(key: str) -> bool:
+    """Whether changing `key` changes the model or which samples a step sees."""
+    return key.startswith("model.") or key in SAMPLE_KEYS
+
+
+def _config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[Change]:
+    """Keys present in both configs whose values differ (keys added since are not changes)."""
+    old, new = _flatten(saved), _flatten(now)
+    return [Change(key, old[key], new[key]) for key in new if key in old and old[key] != new[key]]
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+# ---- what is loaded, and how it is reported (every rank) ---------------------------------
+
+
+def load_start(start: StartPoint, checkpoints: Checkpoints) -> str | None:
+    """Fill this rank's model (with the optimizer and RNG when resuming) from where the run
+    starts; the line that reports it, or None for a new run."""
+    if start.resume is not None:
+        checkpoints.load(start.resume.path, start.resume.state)
+        return _resume_report(start.resume, checkpoints)
+    if start.init_from is not None:
+        checkpoints.load_model(start.init_from)
+        return f"started from the model tensors of {start.init_from}"
+    return None
+
+
+def _resume_report(resume: ResumePoint, checkpoints: Checkpoints) -> str:
+    """The checkpoint and step, the config keys changed, a new layout, an ignored init_from."""
+    changes = ", ".join(c.describe() for c in resume.changes)
+    saved_layout = resume.state.get("topology")
+    layout = checkpoints.runtime.layout.describe()
+    moved = f"; layout {saved_layout} -> {layout}" if saved_layout not in (None, layout) else ""
+    ignored = checkpoints.config.checkpoint.init_from
+    return (
+        f"resumed from {resume.path} at step {resume.step}"
+        + (f"; changed: {changes}" if changes else "")
+        + moved
+        + (f"; checkpoint.init_from={ignored} ignored (resuming)" if ignored else "")
+    )
