@@ -6,13 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from launch import run_cli, run_torchrun
 from moe_checkpoint import read_trainer_state
 from moe_train.config import config_from_dict
 from moe_train.errors import DataError, MoeTrainError
@@ -128,16 +128,13 @@ def test_verify_refuses_pairs_of_different_runs_in_one_line(tmp_path, token_file
 def test_verify_command_on_another_layout_and_the_model_card(tmp_path, token_file):
     root = _run(tmp_path, token_file, "run")
     a, b = root / "step_00000003", root / "step_00000006"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
-    command += ["-m", "moe_train.cli", "verify", str(a), str(b)]
     layout = ["--parallel.ep=2", "--parallel.dispatcher=all_to_all"]
-    done = subprocess.run([*command, *layout], capture_output=True, text=True, timeout=300)
+    done = run_torchrun(2, "verify", str(a), str(b), *layout)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "another layout than B" in done.stdout and "verified: B follows from A" in done.stdout
 
     out = tmp_path / "export"
-    export = [sys.executable, "-m", "moe_train.cli", "export", str(b), "--out", str(out)]
-    done = subprocess.run(export, capture_output=True, text=True, timeout=300)
+    done = run_cli("export", str(b), "--out", str(out))
     assert done.returncode == 0, done.stderr
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlicense:")

@@ -1,13 +1,12 @@
 """Data-parallel and expert-parallel training reproduce the single-process losses."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from distributed import free_port, run_distributed
+from distributed import run_distributed
+from launch import run_torchrun
 from moe_train.config import config_from_dict, load_config
 from moe_train.train import read_metrics, train
 from training import assert_losses_match, small_config_data, train_cases
@@ -47,16 +46,10 @@ def test_data_parallel_matches_single_process(token_file, tmp_path, reference_lo
     assert (tmp_path / "dp2" / "metrics.jsonl").is_file()
 
 
-def _torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    command += ["--master-port", str(free_port()), "-m", "moe_train.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
-
-
 def test_torchrun_end_to_end_matches_single_process(token_file, tmp_path, reference_losses):
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(_config_data(token_file, tmp_path / "torchrun")))
-    result = _torchrun(["train", str(config_path)])
+    result = run_torchrun(2, "train", str(config_path))
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("done:") == 1, "only rank 0 reports"
     records = read_metrics(tmp_path / "torchrun" / "metrics.jsonl")
@@ -66,8 +59,8 @@ def test_torchrun_end_to_end_matches_single_process(token_file, tmp_path, refere
 def test_torchrun_bad_layout_is_one_line_on_every_rank(token_file, tmp_path):
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(_config_data(token_file, tmp_path / "bad")))
-    result = _torchrun(
-        ["train", str(config_path), "--parallel.ep=3", "--parallel.dispatcher=all_to_all"]
+    result = run_torchrun(
+        2, "train", str(config_path), "--parallel.ep=3", "--parallel.dispatcher=all_to_all"
     )
     assert result.returncode != 0
     message = (
@@ -80,7 +73,9 @@ def test_torchrun_bad_layout_is_one_line_on_every_rank(token_file, tmp_path):
 def test_torchrun_bad_pipeline_is_one_line_on_every_rank(token_file, tmp_path):
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(_config_data(token_file, tmp_path / "bad")))
-    result = _torchrun(["train", str(config_path), "--parallel.pp=2", "--data.micro_batch_size=8"])
+    result = run_torchrun(
+        2, "train", str(config_path), "--parallel.pp=2", "--data.micro_batch_size=8"
+    )
     assert result.returncode != 0
     message = (
         "error: parallel.pp_schedule=1f1b needs micro-batches per pipeline "
@@ -147,12 +142,12 @@ def test_torchrun_tiny_config_expert_parallel(tmp_path, tiny_reference, dispatch
     """The quickstart config, 20 fp32 steps, under torchrun with ep=2: single-process losses."""
     run_dir = tmp_path / "run"
     name, _, transport = dispatcher.partition("/")
-    args = ["train", str(TINY), *TINY_FP32, f"--train.run_dir={run_dir}"]
+    args = [str(TINY), *TINY_FP32, f"--train.run_dir={run_dir}"]
     args += ["--parallel.ep=2", f"--parallel.dispatcher={name}"]
     if name == "rowwise":
         args.append("--model.moe.capacity_factor=4.0")  # more than any expert can receive
         args.append(f"--parallel.rowwise_transport={transport}")
-    result = _torchrun(args, nproc=nproc)
+    result = run_torchrun(nproc, "train", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run_dir / "metrics.jsonl")
     _assert_losses_match([r["loss"] for r in records], tiny_reference)

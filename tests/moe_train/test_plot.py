@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from launch import run_cli
 from moe_train.cli import main
 from moe_train.config import config_from_dict
 from moe_train.train import train
@@ -48,12 +48,7 @@ def _image(path: Path) -> np.ndarray:
 @pytest.mark.slow
 def test_plot_writes_every_figure_of_a_run(two_runs, tmp_path):
     out = tmp_path / "plots"
-    result = subprocess.run(
-        [sys.executable, "-m", "moe_train.cli", "plot", str(two_runs[0]), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_cli("plot", str(two_runs[0]), "--out", str(out), timeout=120)
     assert result.returncode == 0, result.stderr
     names = ["loss", "lr", "throughput", *ROUTING_FIGURES]
     assert sorted(p.name for p in out.iterdir()) == sorted(f"{n}.png" for n in names)
