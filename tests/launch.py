@@ -20,10 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from distributed import free_port
-from training import small_config_data
+from training import save_config, small_config_data
 
 TESTS = Path(__file__).parent
 CLI = ("-m", "moe_train.cli")
@@ -32,8 +30,7 @@ CLI = ("-m", "moe_train.cli")
 
 def write_config(path: Path, run_dir: Path, token_file: Path, **sections: dict) -> Path:
     """The small test config (tests/training.py) as a YAML file."""
-    path.write_text(yaml.safe_dump(small_config_data(run_dir, token_file, **sections)))
-    return path
+    return save_config(path, small_config_data(run_dir, token_file, **sections))
 
 
 def _env(**extra: str) -> dict[str, str]:

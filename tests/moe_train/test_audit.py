@@ -18,9 +18,7 @@ from moe_train.config import config_from_dict
 from moe_train.errors import DataError, MoeTrainError
 from moe_train.train import train
 from moe_train.verify import verify
-from training import small_config_data
-
-ROOT = Path(__file__).resolve().parents[2]
+from training import ROOT, save_byte_tokens, small_config_data
 
 
 def _sha256(path: Path) -> str:
@@ -89,8 +87,7 @@ def test_verify_passes_a_genuine_pair_bitwise(tmp_path, token_file):
 def test_verify_finds_a_checkpoint_trained_on_changed_data(tmp_path, token_file):
     # 8 windows of 32 tokens: every step reads all of them, the changed one included.
     token_file = tmp_path / "small.npy"
-    text = b"one document. another document. " * 9
-    np.save(token_file, np.frombuffer(text[: 8 * 32 + 1], dtype=np.uint8).astype(np.uint16))
+    save_byte_tokens(token_file, "one document. another document. " * 9, limit=8 * 32 + 1)
     root = _run(tmp_path, token_file, "run", stop_at=3)
     original = token_file.read_bytes()
     # Resume from step 3 on data with one document changed, then put the data back.

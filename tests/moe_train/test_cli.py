@@ -1,13 +1,10 @@
 """The moe-train command line: bad input gives one line on stderr and exit 2, no traceback."""
 
-from pathlib import Path
-
 import pytest
 
 from launch import run_cli
 from moe_train.cli import main
-
-CONFIGS = Path(__file__).parents[2] / "configs"
+from training import CONFIGS
 
 
 def _error_line(capsys) -> str:

@@ -1,13 +1,10 @@
 """Config loading, overrides and validation errors that name the key and the constraint."""
 
-from pathlib import Path
-
 import pytest
 
 from moe_train.config import Config, config_from_dict, dump_config, load_config, parse_overrides
 from moe_train.errors import ConfigError
-
-CONFIGS = Path(__file__).parents[2] / "configs"
+from training import CONFIGS
 
 
 @pytest.mark.parametrize(

@@ -1,15 +1,12 @@
 """Data-parallel and expert-parallel training reproduce the single-process losses."""
 
-from pathlib import Path
-
 import pytest
-import yaml
 
 from distributed import run_distributed
 from launch import run_torchrun
 from moe_train.config import config_from_dict, load_config
 from moe_train.train import read_metrics, train
-from training import assert_losses_match, small_config_data, train_cases
+from training import CONFIGS, assert_losses_match, save_config, small_config_data, train_cases
 
 STEPS = 4
 
@@ -48,7 +45,7 @@ def test_data_parallel_matches_single_process(token_file, tmp_path, reference_lo
 
 def test_torchrun_end_to_end_matches_single_process(token_file, tmp_path, reference_losses):
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(_config_data(token_file, tmp_path / "torchrun")))
+    save_config(config_path, _config_data(token_file, tmp_path / "torchrun"))
     result = run_torchrun(2, "train", str(config_path))
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("done:") == 1, "only rank 0 reports"
@@ -58,7 +55,7 @@ def test_torchrun_end_to_end_matches_single_process(token_file, tmp_path, refere
 
 def test_torchrun_bad_layout_is_one_line_on_every_rank(token_file, tmp_path):
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(_config_data(token_file, tmp_path / "bad")))
+    save_config(config_path, _config_data(token_file, tmp_path / "bad"))
     result = run_torchrun(
         2, "train", str(config_path), "--parallel.ep=3", "--parallel.dispatcher=all_to_all"
     )
@@ -72,7 +69,7 @@ def test_torchrun_bad_layout_is_one_line_on_every_rank(token_file, tmp_path):
 
 def test_torchrun_bad_pipeline_is_one_line_on_every_rank(token_file, tmp_path):
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(_config_data(token_file, tmp_path / "bad")))
+    save_config(config_path, _config_data(token_file, tmp_path / "bad"))
     result = run_torchrun(
         2, "train", str(config_path), "--parallel.pp=2", "--data.micro_batch_size=8"
     )
@@ -116,7 +113,7 @@ def test_expert_parallel_matches_single_process(token_file, tmp_path, reference_
         _assert_losses_match(per_rank[0][name], reference_losses)
 
 
-TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
+TINY = CONFIGS / "tiny.yaml"
 # Micro-batches of 4 sequences give the 4 micro-batches per step that dp=4 shares out.
 TINY_FP32 = [
     "--precision.compute_dtype=float32",

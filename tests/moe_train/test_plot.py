@@ -12,7 +12,7 @@ from launch import run_cli
 from moe_train.cli import main
 from moe_train.config import config_from_dict
 from moe_train.train import train
-from training import small_config_data
+from training import CODE_TEXT, save_byte_tokens, small_config_data
 
 ROUTING_FIGURES = ("expert_load", "rank_load", "balance")
 
@@ -21,9 +21,7 @@ ROUTING_FIGURES = ("expert_load", "rank_load", "balance")
 def two_runs(tmp_path_factory) -> list[Path]:
     """Two short real runs (with evaluation), each in a directory called `run`."""
     root = tmp_path_factory.mktemp("runs")
-    tokens = root / "tokens.npy"
-    text = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 400).encode()
-    np.save(tokens, np.frombuffer(text, dtype=np.uint8).astype(np.uint16))
+    tokens = save_byte_tokens(root / "tokens.npy", CODE_TEXT * 400)
     runs = []
     for name, lr in (("a", 3e-3), ("b", 1e-3)):
         data = small_config_data(

@@ -10,15 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from launch import Outcome, run_torchrun
 from moe_train.config import RoutingCheckConfig
 from moe_train.train import read_metrics
-from training import small_config_data
+from training import CONFIGS, save_config, small_config_data
 
 HERE = Path(__file__).parent
-CONFIGS = HERE.parents[1] / "configs"
 NO_CHECKPOINTS = {"interval": 0, "interval_minutes": 0}
 
 
@@ -69,7 +67,7 @@ def test_counts_are_over_the_global_batch_with_pipeline_expert_and_data_parallel
         checkpoint=NO_CHECKPOINTS,
     )
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(data))
+    save_config(config_path, data)
     _train(4, str(config_path), entry=[str(HERE / "count_routing.py"), str(counted)])
 
     per_rank = [json.loads((counted / f"rank{r}.json").read_text()) for r in range(4)]
@@ -130,7 +128,7 @@ def test_check_fires_when_the_balancing_loss_hides_a_rank_imbalance(tmp_path):
         checkpoint=NO_CHECKPOINTS,
     )
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(data))
+    save_config(config_path, data)
     result = _train(2, str(config_path))
 
     rows = _rows(run_dir)
