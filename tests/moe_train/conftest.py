@@ -14,6 +14,15 @@ def token_file(tmp_path: Path) -> Path:
     return save_byte_tokens(tmp_path / "tokens.npy", CODE_TEXT * 800, limit=20000)
 
 
+@pytest.fixture(scope="session")
+def shared_token_file(tmp_path_factory) -> Path:
+    """The tokens of `token_file` in one file for the whole session, for fixtures that outlive
+    a test (a module's reference run); never to be changed."""
+    return save_byte_tokens(
+        tmp_path_factory.mktemp("corpus") / "tokens.npy", CODE_TEXT * 800, 20000
+    )
+
+
 @pytest.fixture
 def make_config(token_file: Path):
     """Builds a small config: make_config(run_root, **sections) updates defaults per section."""
