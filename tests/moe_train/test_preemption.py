@@ -16,7 +16,7 @@ from launch import (
 )
 from moe_train.train import PREEMPTED_EXIT, read_metrics
 
-STEPS = 300
+STEPS = 100
 """Long enough (seconds) that a signal sent after the first records lands mid-run."""
 
 
