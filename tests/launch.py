@@ -1,10 +1,13 @@
-"""Start real training processes as users do: under torchrun, or one process per rank with
-RANK / WORLD_SIZE / MASTER_ADDR set by hand (as SLURM's srun and other cluster launchers do).
+"""Start real `moe-train` processes as users do: one process, under torchrun, or one process
+per rank with RANK / WORLD_SIZE / MASTER_ADDR set by hand (as SLURM's srun and other cluster
+launchers do). Every test that runs the command line in another process starts it here.
 
+    outcome = run_cli("inspect", str(checkpoint))        # (returncode, stdout, stderr, seconds)
+    outcome = run_torchrun(2, "train", str(config_path), "--parallel.ep=2")
     procs = start_ranks(config_path, world_size=2)       # [rank 0, rank 1]
     wait_for_records(run_dir / "metrics.jsonl", 3, procs)
     procs[1].send_signal(signal.SIGKILL)
-    outcome = finish(procs[0], timeout=60)                # (returncode, stdout, stderr, seconds)
+    outcome = finish(procs[0], timeout=60)
 """
 
 from __future__ import annotations
@@ -13,21 +16,21 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from distributed import free_port
-from training import small_config_data
+from training import save_config, small_config_data
 
 TESTS = Path(__file__).parent
+CLI = ("-m", "moe_train.cli")
+"""The command line's entry: `python -m moe_train.cli`, as the `moe-train` script runs it."""
 
 
 def write_config(path: Path, run_dir: Path, token_file: Path, **sections: dict) -> Path:
     """The small test config (tests/training.py) as a YAML file."""
-    path.write_text(yaml.safe_dump(small_config_data(run_dir, token_file, **sections)))
-    return path
+    return save_config(path, small_config_data(run_dir, token_file, **sections))
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -44,45 +47,55 @@ def start_ranks(
     """`moe-train train CONFIG` once per rank, each told its place through the environment
     (no torchrun); `script` replaces the moe_train.cli module (a test wrapper around it)."""
     port = str(free_port())
-    entry = [str(script)] if script else ["-m", "moe_train.cli"]
+    entry = [str(script)] if script else CLI
     return [
-        subprocess.Popen(
-            [sys.executable, *entry, "train", str(config), *overrides],
-            env=_env(
-                RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                LOCAL_RANK=str(rank),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        _popen(
+            *entry,
+            "train",
+            str(config),
+            *overrides,
+            env={
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
         )
         for rank in range(world_size)
     ]
 
 
-def start_torchrun(config: Path, nproc: int, *overrides: str) -> subprocess.Popen:
-    """torchrun --standalone --nproc-per-node NPROC -m moe_train.cli train CONFIG ..."""
+def start_torchrun(nproc: int, *args: str, entry: Sequence[str] = CLI) -> subprocess.Popen:
+    """torchrun --standalone --nproc-per-node NPROC -m moe_train.cli ARGS...; `entry` replaces
+    `-m moe_train.cli` (a test wrapper script around it, with its own arguments)."""
+    return _popen(
+        "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry, *args
+    )
+
+
+def run_torchrun(
+    nproc: int, *args: str, entry: Sequence[str] = CLI, timeout: float = 300
+) -> Outcome:
+    """`start_torchrun`, waited for."""
+    return finish(start_torchrun(nproc, *args, entry=entry), timeout)
+
+
+def run_cli(*args: str, timeout: float = 300, **popen) -> Outcome:
+    """`moe-train ARGS...` in one fresh process, waited for; `popen` goes to subprocess.Popen
+    (cwd, env entries through `env=`)."""
+    return finish(_popen(*CLI, *args, **popen), timeout)
+
+
+def _popen(*args: str, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+    """`python ARGS...` with pipes for its output, in the test environment (`_env`)."""
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            "-m",
-            "moe_train.cli",
-            "train",
-            str(config),
-            *overrides,
-        ],
-        env=_env(),
+        [sys.executable, *args],
+        env=_env(**(env or {})),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        **popen,
     )
 
 

@@ -1,12 +1,36 @@
-"""Helpers for tests that compare training runs across layouts."""
+"""Helpers for tests that train: the shared corpus, small configs, comparing runs' losses."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
-from moe_train.config import ModelConfig, MoEConfig, config_from_dict
+import numpy as np
+import yaml
+
+from moe_train.config import Config, ModelConfig, MoEConfig, config_from_dict
 from moe_train.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository."""
+CONFIGS = ROOT / "configs"
+"""The shipped configs."""
+
+CODE_TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n"
+"""A few lines of code; repeated, the tests' training text: short, repetitive, learnable."""
+
+
+def save_byte_tokens(path: Path, text: str, limit: int | None = None) -> Path:
+    """`text` as a .npy file of byte token ids (uint16), its first `limit` bytes if given."""
+    np.save(path, np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint16)[:limit])
+    return path
+
+
+def save_config(path: Path, config: dict | Config) -> Path:
+    """A config (plain data or a Config) as the YAML file `moe-train` reads."""
+    data = config.to_dict() if isinstance(config, Config) else config
+    path.write_text(yaml.safe_dump(data))
+    return path
 
 
 def small_model_config(n_layers: int = 2, **moe_kwargs) -> ModelConfig:

@@ -2,20 +2,25 @@
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from moe_train.config import Config, config_from_dict
-from training import small_config_data
+from training import CODE_TEXT, save_byte_tokens, small_config_data
 
 
 @pytest.fixture
 def token_file(tmp_path: Path) -> Path:
     """A .npy file of 20k tokens of repetitive, learnable byte text."""
-    text = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 800).encode()
-    path = tmp_path / "tokens.npy"
-    np.save(path, np.frombuffer(text, dtype=np.uint8).astype(np.uint16)[:20000])
-    return path
+    return save_byte_tokens(tmp_path / "tokens.npy", CODE_TEXT * 800, limit=20000)
+
+
+@pytest.fixture(scope="session")
+def shared_token_file(tmp_path_factory) -> Path:
+    """The tokens of `token_file` in one file for the whole session, for fixtures that outlive
+    a test (a module's reference run); never to be changed."""
+    return save_byte_tokens(
+        tmp_path_factory.mktemp("corpus") / "tokens.npy", CODE_TEXT * 800, 20000
+    )
 
 
 @pytest.fixture

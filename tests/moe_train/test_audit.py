@@ -6,21 +6,19 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from launch import run_cli, run_torchrun
 from moe_checkpoint import read_trainer_state
 from moe_train.config import config_from_dict
 from moe_train.errors import DataError, MoeTrainError
 from moe_train.train import train
 from moe_train.verify import verify
-from training import small_config_data
-
-ROOT = Path(__file__).resolve().parents[2]
+from training import ROOT, save_byte_tokens, small_config_data
 
 
 def _sha256(path: Path) -> str:
@@ -89,8 +87,7 @@ def test_verify_passes_a_genuine_pair_bitwise(tmp_path, token_file):
 def test_verify_finds_a_checkpoint_trained_on_changed_data(tmp_path, token_file):
     # 8 windows of 32 tokens: every step reads all of them, the changed one included.
     token_file = tmp_path / "small.npy"
-    text = b"one document. another document. " * 9
-    np.save(token_file, np.frombuffer(text[: 8 * 32 + 1], dtype=np.uint8).astype(np.uint16))
+    save_byte_tokens(token_file, "one document. another document. " * 9, limit=8 * 32 + 1)
     root = _run(tmp_path, token_file, "run", stop_at=3)
     original = token_file.read_bytes()
     # Resume from step 3 on data with one document changed, then put the data back.
@@ -128,16 +125,13 @@ def test_verify_refuses_pairs_of_different_runs_in_one_line(tmp_path, token_file
 def test_verify_command_on_another_layout_and_the_model_card(tmp_path, token_file):
     root = _run(tmp_path, token_file, "run")
     a, b = root / "step_00000003", root / "step_00000006"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
-    command += ["-m", "moe_train.cli", "verify", str(a), str(b)]
     layout = ["--parallel.ep=2", "--parallel.dispatcher=all_to_all"]
-    done = subprocess.run([*command, *layout], capture_output=True, text=True, timeout=300)
+    done = run_torchrun(2, "verify", str(a), str(b), *layout)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "another layout than B" in done.stdout and "verified: B follows from A" in done.stdout
 
     out = tmp_path / "export"
-    export = [sys.executable, "-m", "moe_train.cli", "export", str(b), "--out", str(out)]
-    done = subprocess.run(export, capture_output=True, text=True, timeout=300)
+    done = run_cli("export", str(b), "--out", str(out))
     assert done.returncode == 0, done.stderr
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlicense:")

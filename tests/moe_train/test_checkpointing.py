@@ -10,6 +10,7 @@ from moe_train.cli import main
 from moe_train.config import config_from_dict
 from moe_train.errors import ConfigError, MoeTrainError
 from moe_train.train import read_metrics, train
+from training import save_config
 
 
 def test_resume_continues_bitwise(tmp_path, make_config):
@@ -147,14 +148,12 @@ def test_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, mak
     import subprocess
     import sys
 
-    import yaml
-
     config = make_config(
         tmp_path, train={"max_steps": 5}, checkpoint={"interval": 1, "resume": "auto"}
     )
     uninterrupted = train(make_config(tmp_path / "reference", train={"max_steps": 5})).losses
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config.to_dict()))
+    save_config(config_path, config)
     killed = subprocess.run(
         [sys.executable, "-c", KILLER, phase, "train", str(config_path)],
         capture_output=True,

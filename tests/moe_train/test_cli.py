@@ -1,14 +1,10 @@
 """The moe-train command line: bad input gives one line on stderr and exit 2, no traceback."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from launch import run_cli
 from moe_train.cli import main
-
-CONFIGS = Path(__file__).parents[2] / "configs"
+from training import CONFIGS
 
 
 def _error_line(capsys) -> str:
@@ -75,19 +71,7 @@ def test_prepare_then_train_through_the_cli(tmp_path, capsys):
 
 
 def test_entry_point_exit_code_in_a_real_process(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_train.cli",
-            "train",
-            str(CONFIGS / "tiny.yaml"),
-            "--model.moe.top_k=999",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_cli("train", str(CONFIGS / "tiny.yaml"), "--model.moe.top_k=999", timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: model.moe.top_k=999 must be between 1 and model.moe.num_experts=8"

@@ -1,8 +1,9 @@
 """Config loading, overrides and validation errors that name the key and the constraint."""
 
-from pathlib import Path
+import dataclasses
 
 import pytest
+import yaml
 
 from moe_train.config import (
     Config,
@@ -13,8 +14,7 @@ from moe_train.config import (
     parse_overrides,
 )
 from moe_train.errors import ConfigError, DataError
-
-CONFIGS = Path(__file__).parents[2] / "configs"
+from training import CONFIGS
 
 
 @pytest.mark.parametrize(
@@ -22,8 +22,24 @@ CONFIGS = Path(__file__).parents[2] / "configs"
     ["tiny", "medium", "olmoe-1b-7b", "moe-47b-a3b", "published-47b-a3b", "published-1t-a58b"],
 )
 def test_shipped_configs_load(name):
-    config = load_config(CONFIGS / f"{name}.yaml")
-    assert isinstance(config, Config)
+    """Every key the file sets holds the file's value; every other key its default."""
+    path = CONFIGS / f"{name}.yaml"
+    _assert_holds(load_config(path), Config(), yaml.safe_load(path.read_text()), "")
+
+
+def _assert_holds(loaded, default, data: dict, path: str) -> None:
+    """Each field of the dataclass `loaded` equals its entry in `data` or, without one, the
+    same field of `default`."""
+    names = [field.name for field in dataclasses.fields(loaded)]
+    assert set(data) <= set(names), f"{path}: keys {sorted(set(data) - set(names))} not loaded"
+    for name in names:
+        value, key = getattr(loaded, name), f"{path}{name}"
+        if dataclasses.is_dataclass(value):
+            _assert_holds(value, getattr(default, name), data.get(name) or {}, f"{key}.")
+        else:
+            expected = data.get(name, getattr(default, name))
+            assert value == expected, f"{key}: loaded {value!r}, expected {expected!r}"
+            assert type(value) is type(expected) or isinstance(value, float), key
 
 
 def test_overrides_reach_nested_keys_and_parse_types():

@@ -16,8 +16,7 @@ from moe_train.cli import main
 from moe_train.config import load_config
 from moe_train.data import TokenDataset, prepare_data
 from moe_train.errors import ConfigError, DataError
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+from training import CONFIGS
 
 
 def counting_ids(count: int, vocab: int = 257, seed: int = 0) -> np.ndarray:

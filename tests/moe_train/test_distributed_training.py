@@ -1,16 +1,12 @@
 """Data-parallel and expert-parallel training reproduce the single-process losses."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-import yaml
 
-from distributed import free_port, run_distributed
+from distributed import run_distributed
+from launch import run_torchrun
 from moe_train.config import config_from_dict, load_config
 from moe_train.train import read_metrics, train
-from training import assert_losses_match, small_config_data, train_cases
+from training import CONFIGS, assert_losses_match, save_config, small_config_data, train_cases
 
 STEPS = 4
 
@@ -26,37 +22,20 @@ def _config_data(token_file, run_dir, **parallel) -> dict:
     )
 
 
-def _train_rank(rank: int, world_size: int, data: dict) -> list[float]:
-    return train(config_from_dict(data)).losses
-
-
-@pytest.fixture
-def reference_losses(token_file, tmp_path):
-    return train(config_from_dict(_config_data(token_file, tmp_path / "single"))).losses
+@pytest.fixture(scope="module")
+def reference_losses(shared_token_file, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    return train(config_from_dict(_config_data(shared_token_file, run_dir))).losses
 
 
 def _assert_losses_match(losses, reference):
     assert_losses_match("run", losses, reference)
 
 
-def test_data_parallel_matches_single_process(token_file, tmp_path, reference_losses):
-    data = _config_data(token_file, tmp_path / "dp2")
-    per_rank = run_distributed(_train_rank, world_size=2, args=(data,))
-    assert per_rank[0] == per_rank[1]
-    _assert_losses_match(per_rank[0], reference_losses)
-    assert (tmp_path / "dp2" / "metrics.jsonl").is_file()
-
-
-def _torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    command += ["--master-port", str(free_port()), "-m", "moe_train.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
-
-
 def test_torchrun_end_to_end_matches_single_process(token_file, tmp_path, reference_losses):
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(_config_data(token_file, tmp_path / "torchrun")))
-    result = _torchrun(["train", str(config_path)])
+    save_config(config_path, _config_data(token_file, tmp_path / "torchrun"))
+    result = run_torchrun(2, "train", str(config_path))
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("done:") == 1, "only rank 0 reports"
     records = read_metrics(tmp_path / "torchrun" / "metrics.jsonl")
@@ -65,9 +44,9 @@ def test_torchrun_end_to_end_matches_single_process(token_file, tmp_path, refere
 
 def test_torchrun_bad_layout_is_one_line_on_every_rank(token_file, tmp_path):
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(_config_data(token_file, tmp_path / "bad")))
-    result = _torchrun(
-        ["train", str(config_path), "--parallel.ep=3", "--parallel.dispatcher=all_to_all"]
+    save_config(config_path, _config_data(token_file, tmp_path / "bad"))
+    result = run_torchrun(
+        2, "train", str(config_path), "--parallel.ep=3", "--parallel.dispatcher=all_to_all"
     )
     assert result.returncode != 0
     message = (
@@ -79,8 +58,10 @@ def test_torchrun_bad_layout_is_one_line_on_every_rank(token_file, tmp_path):
 
 def test_torchrun_bad_pipeline_is_one_line_on_every_rank(token_file, tmp_path):
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(_config_data(token_file, tmp_path / "bad")))
-    result = _torchrun(["train", str(config_path), "--parallel.pp=2", "--data.micro_batch_size=8"])
+    save_config(config_path, _config_data(token_file, tmp_path / "bad"))
+    result = run_torchrun(
+        2, "train", str(config_path), "--parallel.pp=2", "--data.micro_batch_size=8"
+    )
     assert result.returncode != 0
     message = (
         "error: parallel.pp_schedule=1f1b needs micro-batches per pipeline "
@@ -94,7 +75,8 @@ def test_torchrun_bad_pipeline_is_one_line_on_every_rank(token_file, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-EXPERT_PARALLEL_RUNS = {
+PARALLEL_RUNS = {
+    "dp": {},
     "auto": {"ep": 2},  # the default dispatcher: all_to_all with ep > 1
     "all_to_all": {"ep": 2, "dispatcher": "all_to_all"},
     "rowwise": {"ep": 2, "dispatcher": "rowwise"},
@@ -106,22 +88,26 @@ EXPERT_PARALLEL_RUNS = {
 }
 
 
-@pytest.mark.parametrize("world_size", [2, 4], ids=["ep2_dp2", "ep2_dp4"])
-def test_expert_parallel_matches_single_process(token_file, tmp_path, reference_losses, world_size):
+@pytest.mark.parametrize("world_size", [2, 4], ids=["dp2", "dp4"])
+def test_data_and_expert_parallel_match_single_process(
+    shared_token_file, tmp_path, reference_losses, world_size
+):
+    """Data parallel alone and with ep=2 over each dispatcher, trained in one spawn."""
     configs = {}
-    for name, parallel in EXPERT_PARALLEL_RUNS.items():
-        data = _config_data(token_file, tmp_path / name, **parallel)
+    for name, parallel in PARALLEL_RUNS.items():
+        data = _config_data(shared_token_file, tmp_path / name, **parallel)
         # Rowwise buffers: capacity 4 x the even share is more than any expert can receive.
         rowwise = parallel.get("dispatcher") == "rowwise"
         data["model"]["moe"]["capacity_factor"] = 4.0 if rowwise else None
         configs[name] = data
-    per_rank = run_distributed(train_cases, world_size=world_size, args=(configs,))
+    per_rank = run_distributed(train_cases, world_size=world_size, args=(configs,), timeout=600)
     for name in configs:
         assert all(r[name] == per_rank[0][name] for r in per_rank), f"{name}: ranks disagree"
         _assert_losses_match(per_rank[0][name], reference_losses)
+        assert len(read_metrics(tmp_path / name / "metrics.jsonl")) == STEPS
 
 
-TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
+TINY = CONFIGS / "tiny.yaml"
 # Micro-batches of 4 sequences give the 4 micro-batches per step that dp=4 shares out.
 TINY_FP32 = [
     "--precision.compute_dtype=float32",
@@ -138,21 +124,28 @@ def tiny_reference(tmp_path_factory):
     return train(config).losses
 
 
+def _train_tiny(rank: int, world_size: int, run_root: str) -> dict[str, list[float]]:
+    """Body for `run_distributed`: the quickstart config at ep=2 over each dispatcher."""
+    losses = {}
+    for dispatcher in ("all_to_all", "rowwise/all_to_all", "rowwise/symmetric_memory"):
+        name, _, transport = dispatcher.partition("/")
+        overrides = [*TINY_FP32, f"--train.run_dir={run_root}/{name}-{transport}"]
+        overrides += ["--train.progress=false", "--parallel.ep=2", f"--parallel.dispatcher={name}"]
+        if name == "rowwise":
+            overrides.append("--model.moe.capacity_factor=4.0")  # more than any expert receives
+            overrides.append(f"--parallel.rowwise_transport={transport}")
+        losses[dispatcher] = train(load_config(TINY, overrides)).losses
+    return losses
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 4], ids=["ep2_dp2", "ep2_dp4"])
-@pytest.mark.parametrize(
-    "dispatcher", ["all_to_all", "rowwise/all_to_all", "rowwise/symmetric_memory"]
-)
-def test_torchrun_tiny_config_expert_parallel(tmp_path, tiny_reference, dispatcher, nproc):
-    """The quickstart config, 20 fp32 steps, under torchrun with ep=2: single-process losses."""
-    run_dir = tmp_path / "run"
-    name, _, transport = dispatcher.partition("/")
-    args = ["train", str(TINY), *TINY_FP32, f"--train.run_dir={run_dir}"]
-    args += ["--parallel.ep=2", f"--parallel.dispatcher={name}"]
-    if name == "rowwise":
-        args.append("--model.moe.capacity_factor=4.0")  # more than any expert can receive
-        args.append(f"--parallel.rowwise_transport={transport}")
-    result = _torchrun(args, nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = read_metrics(run_dir / "metrics.jsonl")
-    _assert_losses_match([r["loss"] for r in records], tiny_reference)
+@pytest.mark.parametrize("world_size", [2, 4], ids=["ep2_dp2", "ep2_dp4"])
+def test_tiny_config_expert_parallel(tmp_path, tiny_reference, world_size):
+    """The quickstart config, 20 fp32 steps with ep=2 over each dispatcher (all trained in one
+    spawn): single-process losses."""
+    per_rank = run_distributed(
+        _train_tiny, world_size=world_size, args=(str(tmp_path),), timeout=900
+    )
+    for dispatcher, losses in per_rank[0].items():
+        assert all(r[dispatcher] == losses for r in per_rank), f"{dispatcher}: ranks disagree"
+        assert_losses_match(dispatcher, losses, tiny_reference)

@@ -164,24 +164,7 @@ def _config_error_of_training(dispatcher: str, run_dir: str) -> str:
     return "no error"
 
 
-def _deepep_without_library(rank: int, world_size: int, run_dir: str) -> str:
-    return _config_error_of_training("deepep", run_dir)
-
-
-def test_deepep_without_deepep_is_one_clear_error_on_every_rank(tmp_path):
-    try:
-        import deep_ep  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("DeepEP is installed here")
-    messages = run_distributed(_deepep_without_library, world_size=2, args=(str(tmp_path / "run"),))
-    assert messages[0] == messages[1]
-    assert not (tmp_path / "run").exists()
-    assert "DeepEP" in messages[0] and "all_to_all or rowwise" in messages[0]
-
-
-def _symmetric_memory_across_hosts(rank: int, world_size: int, run_dir: str) -> str:
+def _symmetric_memory_across_hosts(run_dir: str) -> str:
     """Each rank sees only its own shared-memory folder, as ranks on two hosts would."""
     import tempfile
     from pathlib import Path
@@ -194,11 +177,44 @@ def _symmetric_memory_across_hosts(rank: int, world_size: int, run_dir: str) -> 
         return _config_error_of_training("rowwise/symmetric_memory", run_dir)
 
 
-def test_symmetric_memory_across_hosts_is_one_clear_error_on_every_rank(tmp_path):
-    run_dir = str(tmp_path / "run")
-    messages = run_distributed(_symmetric_memory_across_hosts, world_size=2, args=(run_dir,))
+def _deepep_installed() -> bool:
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _errors_of_training(rank: int, world_size: int, run_root: str) -> dict[str, str]:
+    """Body for `run_distributed`: the errors of the layouts these two ranks cannot run."""
+    errors = {"symmetric_memory": _symmetric_memory_across_hosts(f"{run_root}/symmetric_memory")}
+    if not _deepep_installed():
+        errors["deepep"] = _config_error_of_training("deepep", f"{run_root}/deepep")
+    return errors
+
+
+@pytest.fixture(scope="module")
+def errors_on_two_ranks(tmp_path_factory) -> tuple:
+    """Run directories root and each rank's errors, from one spawn."""
+    root = tmp_path_factory.mktemp("errors")
+    return root, run_distributed(_errors_of_training, world_size=2, args=(str(root),))
+
+
+def test_deepep_without_deepep_is_one_clear_error_on_every_rank(errors_on_two_ranks):
+    if _deepep_installed():
+        pytest.skip("DeepEP is installed here")
+    root, errors = errors_on_two_ranks
+    messages = [e["deepep"] for e in errors]
+    assert messages[0] == messages[1]
+    assert not (root / "deepep").exists()
+    assert "DeepEP" in messages[0] and "all_to_all or rowwise" in messages[0]
+
+
+def test_symmetric_memory_across_hosts_is_one_clear_error_on_every_rank(errors_on_two_ranks):
+    root, errors = errors_on_two_ranks
+    messages = [e["symmetric_memory"] for e in errors]
     assert messages[0] == messages[1]
     assert "\n" not in messages[0]
     for words in ("parallel.rowwise_transport", "share one host", "use the all_to_all transport"):
         assert words in messages[0], messages[0]
-    assert not (tmp_path / "run").exists()
+    assert not (root / "symmetric_memory").exists()

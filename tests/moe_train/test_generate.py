@@ -4,7 +4,6 @@ generate the same tokens; sampling is seeded and top-k bounded; errors are one l
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,9 +17,9 @@ from moe_train.generate import generate, generate_ids, next_token
 from moe_train.model import Transformer
 from moe_train.train import train
 from tokenizer_files import bpe_tokenizer_file
-from training import small_config_data, small_model_config
+from training import CODE_TEXT, save_byte_tokens, small_config_data, small_model_config
 
-TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 100
+TEXT = CODE_TEXT * 100
 
 
 def _assert_close(ours: torch.Tensor, reference: torch.Tensor, atol: float, what: str) -> None:
@@ -129,8 +128,7 @@ def id_runs(tmp_path_factory) -> dict[str, Path]:
     """Checkpoints of one run on pre-tokenized ids (no tokenizer known), saved by one process
     and by two expert-parallel ranks."""
     root = tmp_path_factory.mktemp("id_runs")
-    token_file = root / "tokens.npy"
-    np.save(token_file, np.frombuffer(TEXT.encode(), dtype=np.uint8).astype(np.uint16))
+    token_file = save_byte_tokens(root / "tokens.npy", TEXT)
     runs = {}
     for name, parallel in {"single": {}, "ep2": {"ep": 2, "dispatcher": "all_to_all"}}.items():
         data = small_config_data(root / name, token_file, train={"max_steps": 3}, parallel=parallel)

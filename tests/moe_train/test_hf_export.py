@@ -9,6 +9,7 @@ import torch
 from moe_train.cli import main
 from moe_train.train import train
 from tokenizer_files import bpe_tokenizer_file
+from training import CODE_TEXT
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -171,7 +172,7 @@ def test_export_refuses_a_non_empty_out_directory(make_config, tmp_path, capsys)
 def test_export_writes_the_tokenizer_the_data_was_prepared_with(make_config, tmp_path, capsys):
     from moe_train.data import prepare_data
 
-    text = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 400
+    text = CODE_TEXT * 400
     (tmp_path / "train.txt").write_text(text)
     tokenizer_file = bpe_tokenizer_file(tmp_path, text)
     meta = prepare_data([tmp_path / "train.txt"], tmp_path / "data", tokenizer=str(tokenizer_file))
@@ -205,7 +206,7 @@ def test_byte_tokenizer_exports_as_a_tokenizer_json_giving_utf8_bytes(
 ):
     from moe_train.data import ByteTokenizer, prepare_data
 
-    (tmp_path / "train.txt").write_text("def add(a, b):\n    return a + b\n" * 400)
+    (tmp_path / "train.txt").write_text(CODE_TEXT * 400)
     prepare_data([tmp_path / "train.txt"], tmp_path / "data")
     data = {"paths": [str(tmp_path / "data")]}
     model = {"qk_norm": True, "vocab_size": 320}

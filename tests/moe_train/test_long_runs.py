@@ -16,6 +16,7 @@ from moe_train.config import Config, config_from_dict
 from moe_train.errors import ConfigError, MoeTrainError, TrainingDiverged
 from moe_train.train import read_metrics, train
 from moe_train.train.step import StepRunner
+from training import save_config
 
 NO_SAVES = {"interval": 0, "interval_minutes": 0}
 
@@ -114,7 +115,7 @@ def test_a_signal_saves_and_stops_and_auto_resume_continues_in_the_same_run_dir(
 def test_relaunch_of_a_finished_run_says_so_and_exits_0(tmp_path, make_config, capsys):
     config = make_config(tmp_path, train={"max_steps": 2}, checkpoint={"resume": "auto"})
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config.to_dict()))
+    save_config(config_path, config)
     assert main(["train", str(config_path)]) == 0
     metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()
     capsys.readouterr()
@@ -230,7 +231,7 @@ def test_too_many_bad_steps_stop_with_the_last_good_checkpoint_intact(
         checkpoint={"interval": 2, "keep_last": 9},
     )
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config.to_dict()))
+    save_config(config_path, config)
     assert main(["train", str(config_path)]) == TrainingDiverged.exit_code
     lines = capsys.readouterr().err.strip().splitlines()
     err = [line for line in lines if line.startswith("error: ")]

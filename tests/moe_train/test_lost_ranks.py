@@ -101,7 +101,7 @@ def test_a_rank_that_fails_alone_does_not_leave_the_other_waiting(tmp_path, toke
 @pytest.mark.slow
 def test_a_worker_killed_under_torchrun_ends_the_job(tmp_path, token_file, capsys):
     timeout_s = 20
-    launcher = start_torchrun(_job(tmp_path, token_file, timeout_s), 2)
+    launcher = start_torchrun(2, "train", str(_job(tmp_path, token_file, timeout_s)))
     wait_for_records(tmp_path / "job" / "metrics.jsonl", 10, [launcher])
     workers = children(launcher.pid)
     assert len(workers) == 2, workers

@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-import yaml
 
 from moe_train.cli import main
 from moe_train.config import config_from_dict
@@ -13,7 +12,7 @@ from moe_train.data.mixture import positions_in_order, samples_before
 from moe_train.errors import ConfigError
 from moe_train.train import read_metrics, train
 from moe_train.train.data_feed import TokenCounts
-from training import small_config_data
+from training import save_config, small_config_data
 
 # Each source holds ids from its own range, so a row's tokens tell which source it came from.
 RANGES = {"web": (0, 60), "code": (60, 120), "books": (120, 180)}
@@ -74,7 +73,7 @@ def test_a_mixture_run_takes_each_source_s_share_of_tokens(tmp_path, sources, ca
         train={"max_steps": 10, "log_interval": 5},
     )
     config_file = tmp_path / "mix.yaml"
-    config_file.write_text(yaml.safe_dump(data))
+    save_config(config_file, data)
     assert main(["train", str(config_file)]) == 0, capsys.readouterr().err
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     config = config_from_dict(data)
@@ -164,7 +163,7 @@ def test_bad_mixtures_are_one_line(tmp_path, sources, change, message):
 def test_paths_and_a_mixture_together_are_refused_through_the_cli(tmp_path, sources, capsys):
     data = mixture_config(tmp_path, sources, "r")
     config_file = tmp_path / "mix.yaml"
-    config_file.write_text(yaml.safe_dump(data))
+    save_config(config_file, data)
     assert main(["train", str(config_file), f"--data.paths=[{sources['web']}]"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: data.paths=") and "are both set" in err

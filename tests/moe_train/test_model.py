@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from assertions import assert_close_report
 from moe_train.model import Transformer, count_params, lm_loss
 from training import small_model_config
 
@@ -18,11 +19,104 @@ def test_parameter_count_matches_the_module(tie):
     assert count_params(config).total == sum(p.numel() for p in model.parameters())
 
 
-def test_logits_shape():
-    torch.manual_seed(0)
-    model = Transformer(small_model_config(), max_seq_len=16)
-    logits = model(torch.randint(0, 64, (3, 16)))
-    assert logits.shape == (3, 16, 64)
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return x / (x.square().mean(-1, keepdim=True) + eps).sqrt() * weight
+
+
+def _swiglu(x: Tensor, w_gate_up_OD: Tensor, w_down_DH: Tensor) -> Tensor:
+    gate, up = (x @ w_gate_up_OD.T).chunk(2, dim=-1)
+    return (gate * torch.sigmoid(gate) * up) @ w_down_DH.T
+
+
+def _reference_logits(config, weights: dict[str, Tensor], tokens_BS: Tensor) -> Tensor:
+    """The model's logits written out from its definition, in float64, from its weights by
+    name: pre-norm blocks of causal grouped-query attention (RoPE on the two halves of each
+    head, optional per-head RMSNorm of queries and keys) and a dense SwiGLU or a routed
+    mixture (top-k by score plus bias, combine weights the scores renormalised over the
+    chosen) plus shared experts, each token one at a time."""
+    w = {name: t.double() for name, t in weights.items()}
+    eps, heads, kv_heads = config.norm_eps, config.n_heads, config.n_kv_heads
+    batch, seq = tokens_BS.shape
+    width = config.d_model
+    head_dim = width // heads
+    angle_SF = torch.arange(seq, dtype=torch.float64)[:, None] * config.rope_theta ** (
+        -torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    )
+
+    def rope(x_BHSD: Tensor) -> Tensor:
+        first, second = x_BHSD.chunk(2, dim=-1)
+        cos, sin = angle_SF.cos(), angle_SF.sin()
+        return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+    x = w["embed.weight"][tokens_BS]
+    causal_SS = torch.ones(seq, seq, dtype=torch.bool).tril()
+    for layer in range(config.n_layers):
+        p = f"blocks.{layer}."
+        h = _rms_norm(x, w[p + "attn_norm.weight"], eps)
+        q, k, v = (h @ w[p + "attn.qkv.weight"].T).split(
+            [width, kv_heads * head_dim, kv_heads * head_dim], dim=-1
+        )
+        q = q.view(batch, seq, heads, head_dim).transpose(1, 2)
+        k = k.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+        v = v.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+        if config.qk_norm:
+            q = _rms_norm(q, w[p + "attn.q_norm.weight"], eps)
+            k = _rms_norm(k, w[p + "attn.k_norm.weight"], eps)
+        q, k = rope(q), rope(k)
+        # Query head i reads key/value head i // (heads / kv_heads).
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(head_dim)
+        attended = scores.masked_fill(~causal_SS, -math.inf).softmax(dim=-1) @ v
+        x = x + attended.transpose(1, 2).reshape(batch, seq, width) @ w[p + "attn.out.weight"].T
+        h = _rms_norm(x, w[p + "ffn_norm.weight"], eps)
+        if layer < config.dense_layers:
+            x = x + _swiglu(h, w[p + "ffn.gate_up.weight"], w[p + "ffn.down.weight"])
+            continue
+        moe, out = config.moe, torch.zeros_like(h)
+        for b in range(batch):
+            for s in range(seq):
+                logits_E = w[p + "ffn.router.gate.weight"] @ h[b, s]
+                scores_E = logits_E.softmax(0) if moe.router == "softmax" else logits_E.sigmoid()
+                chosen = (scores_E + w[p + "ffn.router.expert_bias"]).topk(moe.top_k).indices
+                weights_K = scores_E[chosen]
+                if moe.normalize_topk:
+                    weights_K = weights_K / weights_K.sum()
+                for e, weight in zip(chosen.tolist(), weights_K, strict=True):
+                    w_gate_up_DO = w[p + "ffn.experts.w_gate_up_EDO"][e]
+                    w_down_HD = w[p + "ffn.experts.w_down_EHD"][e]
+                    out[b, s] += weight * _swiglu(h[b, s], w_gate_up_DO.T, w_down_HD.T)
+        if moe.shared_experts:
+            out += _swiglu(h, w[p + "ffn.shared.gate_up.weight"], w[p + "ffn.shared.down.weight"])
+        x = x + out
+    return _rms_norm(x, w["norm.weight"], eps) @ w["head.weight"].T
+
+
+@pytest.mark.parametrize(
+    ("router", "qk_norm"), [("softmax", True), ("sigmoid", False)], ids=["softmax", "sigmoid"]
+)
+def test_logits_match_a_float64_reference_forward(router, qk_norm):
+    """One dense and two MoE layers (a shared expert each), grouped-query attention, on
+    weights drawn away from their initial values (norm scales and expert biases included)."""
+    config = small_model_config(n_layers=3, router=router)
+    config.qk_norm = qk_norm
+    model = Transformer(config, max_seq_len=16)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            noise = torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+            if name.endswith("norm.weight"):
+                tensor.copy_(1 + 0.3 * noise)
+            elif name.endswith("expert_bias"):
+                tensor.copy_(0.05 * noise)
+            elif tensor.is_floating_point():
+                tensor.add_(0.02 * noise)
+    tokens_BS = torch.randint(0, config.vocab_size, (2, 16), generator=generator)
+    with torch.no_grad():
+        logits = model(tokens_BS)
+    reference = _reference_logits(config, model.state_dict(), tokens_BS)
+    scale = reference.abs().max().item()
+    assert_close_report(logits, reference, rtol=1e-5, atol=1e-5 * scale, name="logits")
 
 
 def _aux_losses_reference(x_TD: Tensor, weight_ED: Tensor, router: str, top_k: int):
@@ -141,8 +235,10 @@ def test_bf16_autocast_forward_is_close_to_fp32():
     tokens = torch.randint(0, 64, (2, 16))
     reference = model(tokens)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = model(tokens).float()
-    assert (low - reference).abs().max() < 0.05 * reference.abs().max()
+        low = model(tokens)
+    assert low.dtype == torch.bfloat16, "the head ran in fp32 under bf16 autocast"
+    difference = (low.float() - reference).abs().max()
+    assert 0 < difference < 0.05 * reference.abs().max(), f"largest difference {difference}"
 
 
 def test_group_alignment_does_not_change_the_model():

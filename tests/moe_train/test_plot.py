@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from launch import run_cli
 from moe_train.cli import main
 from moe_train.config import config_from_dict
 from moe_train.train import train
-from training import small_config_data
+from training import CODE_TEXT, save_byte_tokens, small_config_data
 
 ROUTING_FIGURES = ("expert_load", "rank_load", "balance")
 
@@ -21,9 +21,7 @@ ROUTING_FIGURES = ("expert_load", "rank_load", "balance")
 def two_runs(tmp_path_factory) -> list[Path]:
     """Two short real runs (with evaluation), each in a directory called `run`."""
     root = tmp_path_factory.mktemp("runs")
-    tokens = root / "tokens.npy"
-    text = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 400).encode()
-    np.save(tokens, np.frombuffer(text, dtype=np.uint8).astype(np.uint16))
+    tokens = save_byte_tokens(root / "tokens.npy", CODE_TEXT * 400)
     runs = []
     for name, lr in (("a", 3e-3), ("b", 1e-3)):
         data = small_config_data(
@@ -48,12 +46,7 @@ def _image(path: Path) -> np.ndarray:
 @pytest.mark.slow
 def test_plot_writes_every_figure_of_a_run(two_runs, tmp_path):
     out = tmp_path / "plots"
-    result = subprocess.run(
-        [sys.executable, "-m", "moe_train.cli", "plot", str(two_runs[0]), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_cli("plot", str(two_runs[0]), "--out", str(out), timeout=120)
     assert result.returncode == 0, result.stderr
     names = ["loss", "lr", "throughput", *ROUTING_FIGURES]
     assert sorted(p.name for p in out.iterdir()) == sorted(f"{n}.png" for n in names)

@@ -6,10 +6,17 @@ import signal
 
 import pytest
 
-from launch import finish, start_ranks, start_torchrun, wait_for_records, write_config
+from launch import (
+    finish,
+    run_torchrun,
+    start_ranks,
+    start_torchrun,
+    wait_for_records,
+    write_config,
+)
 from moe_train.train import PREEMPTED_EXIT, read_metrics
 
-STEPS = 300
+STEPS = 100
 """Long enough (seconds) that a signal sent after the first records lands mid-run."""
 
 
@@ -32,7 +39,7 @@ def test_sigterm_to_torchrun_saves_and_the_same_command_continues_bitwise(tmp_pa
         "checkpoint": {"resume": "auto", "interval": 1000},
     }
     job = write_config(tmp_path / "job.yaml", tmp_path / "job", token_file, **sections)
-    launcher = start_torchrun(job, 2)
+    launcher = start_torchrun(2, "train", str(job))
     wait_for_records(tmp_path / "job" / "metrics.jsonl", 3, [launcher])
     launcher.send_signal(signal.SIGTERM)
     stopped = finish(launcher, timeout=120)
@@ -42,12 +49,12 @@ def test_sigterm_to_torchrun_saves_and_the_same_command_continues_bitwise(tmp_pa
     assert committed(tmp_path / "job") == [f"step_{step:08d}"]
     assert "Traceback" not in stopped.stdout
 
-    resumed = finish(start_torchrun(job, 2), timeout=300)
+    resumed = run_torchrun(2, "train", str(job))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"done: {STEPS - step} steps" in resumed.stdout
 
     reference = write_config(tmp_path / "ref.yaml", tmp_path / "ref", token_file, **sections)
-    uninterrupted = finish(start_torchrun(reference, 2), timeout=300)
+    uninterrupted = run_torchrun(2, "train", str(reference))
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     records = read_metrics(tmp_path / "job" / "metrics.jsonl")
     expected = read_metrics(tmp_path / "ref" / "metrics.jsonl")

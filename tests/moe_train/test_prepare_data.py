@@ -130,16 +130,6 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "moe_train.cli", "prepare-data", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        **kwargs,
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Formats
 

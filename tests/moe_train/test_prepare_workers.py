@@ -20,7 +20,6 @@ import pytest
 from test_prepare_data import (
     EOS,
     assert_streams_equal,
-    cli,
     directory_bytes,
     jsonl_bytes,
     random_documents,
@@ -28,6 +27,7 @@ from test_prepare_data import (
     write_corpus,
 )
 
+from launch import CLI, run_cli
 from moe_train.data import prepare_data
 from moe_train.errors import DataError
 from tokenizer_files import bpe_tokenizer_file
@@ -41,8 +41,8 @@ def test_one_and_four_workers_write_the_same_shards(tmp_path):
     reference = tokenizers.Tokenizer.from_file(str(tokenizer_file))
     eos = reference.token_to_id("<|endoftext|>")
 
-    result = cli(str(tmp_path / "corpus"), "--out", str(tmp_path / "out4"), "--workers", "4",
-                 "--tokenizer", str(tokenizer_file), "--shard-size", "64K")  # fmt: skip
+    result = run_cli("prepare-data", str(tmp_path / "corpus"), "--out", str(tmp_path / "out4"),
+                     "--workers", "4", "--tokenizer", str(tokenizer_file), "--shard-size", "64K")  # fmt: skip
     prepare_data(
         [tmp_path / "corpus"], tmp_path / "out1", str(tokenizer_file), workers=1, shard_size="64K"
     )
@@ -97,9 +97,9 @@ def test_interrupted_preparation_resumes_to_the_same_result(tmp_path):
     shards = len(json.loads((reference / "meta.json").read_text())["shards"])
     assert shards > 40
     out, partial = tmp_path / "out", tmp_path / ".out.partial"
-    command = [sys.executable, "-m", "moe_train.cli", "prepare-data", str(tmp_path / "corpus"),
-               "--tokenizer", str(tokenizer_file), "--shard-size", "64K", "--out", str(out),
-               "--workers", "2"]  # fmt: skip
+    args = ["prepare-data", str(tmp_path / "corpus"), "--tokenizer", str(tokenizer_file),
+            "--shard-size", "64K", "--out", str(out), "--workers", "2"]  # fmt: skip
+    command = [sys.executable, *CLI, *args]
 
     kept: dict[str, tuple[int, int]] = {}  # shard file: (inode, mtime) when first seen finished
     for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
@@ -134,7 +134,7 @@ def test_interrupted_preparation_resumes_to_the_same_result(tmp_path):
                 stat.st_ino, stat.st_mtime_ns
             ), f"{name} was written again"  # fmt: skip
 
-    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    rerun = run_cli(*args)
 
     assert rerun.returncode == 0, rerun.stderr
     assert f"{len(kept)} shards finished earlier are kept" in rerun.stderr
@@ -150,7 +150,7 @@ def test_progress_bar_on_a_terminal(tmp_path):
     controller, terminal = pty.openpty()
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "moe_train.cli", "prepare-data", str(tmp_path / "a.jsonl"),
+            [sys.executable, *CLI, "prepare-data", str(tmp_path / "a.jsonl"),
              "--out", str(tmp_path / "out"), "--workers", "1"],
             stderr=terminal, stdout=subprocess.DEVNULL,
         )  # fmt: skip

@@ -152,8 +152,19 @@ def test_random_routing_picks_distinct_experts_uniformly():
 
 
 def test_router_logits_are_fp32_under_autocast():
-    router = _router()
+    """Under bf16 autocast the router still multiplies in fp32: its z-loss is that of a
+    float64 product of the same bf16 tokens and fp32 weights (a bf16 product is ~1e-3 off)."""
+    generator = torch.Generator().manual_seed(0)
+    router = Router(d_model=64, config=MoEConfig(num_experts=8, top_k=2))
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.randn(8, 64, generator=generator))
+    x_TD = torch.randn(32, 64, generator=generator).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = router(TOKENS.bfloat16())
+        out = router(x_TD)
     assert out.topk_weight_TK.dtype == torch.float32
     assert out.z_loss.dtype == torch.float32
+    logits_TE = x_TD.double() @ router.gate.weight.double().T
+    expected = torch.logsumexp(logits_TE, dim=-1).square().mean().item()
+    assert out.z_loss.item() == pytest.approx(expected, rel=1e-6), (
+        f"{out.z_loss.item()} vs {expected}"
+    )

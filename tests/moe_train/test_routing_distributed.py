@@ -6,32 +6,23 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
-from distributed import free_port
+from launch import Outcome, run_torchrun
 from moe_train.config import RoutingCheckConfig
 from moe_train.train import read_metrics
-from training import small_config_data
+from training import CONFIGS, save_config, small_config_data
 
 HERE = Path(__file__).parent
-CONFIGS = HERE.parents[1] / "configs"
 NO_CHECKPOINTS = {"interval": 0, "interval_minutes": 0}
 
 
-def _torchrun(nproc: int, entry: list[str], args: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    command += ["--master-port", str(free_port()), *entry, *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+def _train(nproc: int, *args: str, **entry) -> Outcome:
+    """`moe-train train ARGS...` under torchrun, which must succeed."""
+    result = run_torchrun(nproc, "train", *args, **entry)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -76,8 +67,8 @@ def test_counts_are_over_the_global_batch_with_pipeline_expert_and_data_parallel
         checkpoint=NO_CHECKPOINTS,
     )
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(data))
-    _torchrun(4, [str(HERE / "count_routing.py"), str(counted)], ["train", str(config_path)])
+    save_config(config_path, data)
+    _train(4, str(config_path), entry=[str(HERE / "count_routing.py"), str(counted)])
 
     per_rank = [json.loads((counted / f"rank{r}.json").read_text()) for r in range(4)]
     rows = _rows(run_dir)
@@ -137,8 +128,8 @@ def test_check_fires_when_the_balancing_loss_hides_a_rank_imbalance(tmp_path):
         checkpoint=NO_CHECKPOINTS,
     )
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(data))
-    result = _torchrun(2, ["-m", "moe_train.cli"], ["train", str(config_path)])
+    save_config(config_path, data)
+    result = _train(2, str(config_path))
 
     rows = _rows(run_dir)
     for row in rows:  # every copy of the step on one expert, so on one of the two ranks
@@ -176,9 +167,7 @@ def test_check_stays_quiet_on_the_builtin_data(tmp_path):
         "--checkpoint.interval=0",
         "--checkpoint.interval_minutes=0",
     ]
-    result = _torchrun(
-        2, ["-m", "moe_train.cli"], ["train", str(CONFIGS / "tiny.yaml"), *overrides]
-    )
+    result = _train(2, str(CONFIGS / "tiny.yaml"), *overrides)
     assert "warning:" not in result.stderr, result.stderr
     rows = _rows(run_dir)
     assert len(rows) == 30 and all(r["hidden_imbalance"] == [0, 0, 0, 0] for r in rows)

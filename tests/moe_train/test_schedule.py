@@ -2,7 +2,6 @@
 or constant, against hand-worked values and a reference written from the documentation."""
 
 import math
-from pathlib import Path
 
 import pytest
 
@@ -10,6 +9,7 @@ from moe_train.cli import main
 from moe_train.config import OptimConfig, config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.train.schedule import lr_at
+from training import CONFIGS
 
 
 def _expected_lr(step: int, lr: float, warmup: int, min_ratio: float, max_steps: int) -> float:
@@ -344,8 +344,14 @@ def test_valid_schedules_load(optim, max_steps):
 
 
 def test_bad_schedule_on_the_command_line_is_one_line(capsys, tmp_path):
-    tiny = Path(__file__).parents[2] / "configs" / "tiny.yaml"
-    code = main(["train", str(tiny), f"--train.run_dir={tmp_path / 'r'}", "--optim.schedule=step"])
+    code = main(
+        [
+            "train",
+            str(CONFIGS / "tiny.yaml"),
+            f"--train.run_dir={tmp_path / 'r'}",
+            "--optim.schedule=step",
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2, f"exit code {code}, stderr {err!r}"
     assert err == (

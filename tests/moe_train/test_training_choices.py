@@ -27,24 +27,11 @@ from moe_train.model.moe import MoEFeedForward
 from moe_train.train import train
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread while the test runs.
-
-    The tiny matmuls of these tests are latency bound; on a loaded 2-core machine two
-    OpenMP threads made them ~500x slower than one (a 50-step run: 52 s against 3 s).
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _mean_last(losses: list[float], n: int) -> float:
     return sum(losses[-n:]) / n
 
 
-def test_mxfp8_training_tracks_bf16_loss(make_config, tmp_path, one_thread):
+def test_mxfp8_training_tracks_bf16_loss(make_config, tmp_path):
     """50 steps with MXFP8 expert GEMMs end within 3% of the bf16 run with the same seed."""
     runs = {}
     for mxfp8 in (False, True):
@@ -92,7 +79,7 @@ def _output_and_expert_grads(
     return y_BSD.detach(), experts.w_gate_up_EDO.grad, experts.w_down_EHD.grad
 
 
-def test_mxfp8_moe_layer_is_close_to_float64_and_grads_reach_both_expert_weights(one_thread):
+def test_mxfp8_moe_layer_is_close_to_float64_and_grads_reach_both_expert_weights():
     """Output and expert weight gradients of the MXFP8 layer against a float64 reference.
 
     e4m3 keeps 3 mantissa bits, so each quantized operand is within 2^-4 relative of its
