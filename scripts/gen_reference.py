@@ -39,6 +39,14 @@ class ConfigKey:
     doc: str
 
 
+@dataclasses.dataclass(frozen=True)
+class ConfigSection:
+    name: str
+    """Dotted name: model, model.moe, data.mixture[] (each item of a list of sections)."""
+    doc: str
+    keys: list[ConfigKey]
+
+
 def field_docstrings(cls: type) -> dict[str, str]:
     """The string literal after each annotated field of `cls`, read from its source."""
     (node,) = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
@@ -46,13 +54,9 @@ def field_docstrings(cls: type) -> dict[str, str]:
     for field, after in zip(node.body, [*node.body[1:], None], strict=True):
         if not (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)):
             continue
-        text = after.value.value if isinstance(after, ast.Expr) else None
-        if (
-            isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(text, str)
-        ):
-            docs[field.target.id] = " ".join(inspect.cleandoc(text).split())
+        literal = after.value if isinstance(after, ast.Expr) else None
+        if isinstance(literal, ast.Constant) and isinstance(literal.value, str):
+            docs[field.target.id] = " ".join(inspect.cleandoc(literal.value).split())
     return docs
 
 
@@ -68,8 +72,6 @@ def type_name(hint: Any) -> str:
         return f"list of {type_name(args[0])}" if args else "list"
     if origin is dict:
         return f"mapping of {type_name(args[0])} to {type_name(args[1])}"
-    if dataclasses.is_dataclass(hint):
-        return "section"
     return getattr(hint, "__name__", str(hint))
 
 
@@ -81,14 +83,6 @@ def default_text(field: dataclasses.Field) -> str:
     else:
         return "required"
     return value if isinstance(value, str) and value else json.dumps(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class ConfigSection:
-    name: str
-    """Dotted name: model, model.moe, data.mixture[] (each item of a list of sections)."""
-    doc: str
-    keys: list[ConfigKey]
 
 
 def config_sections(root: type = Config) -> list[ConfigSection]:
