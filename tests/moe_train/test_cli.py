@@ -95,3 +95,33 @@ def test_compile_without_a_cpp_compiler_is_one_line(capsys, tmp_path):
     line = _error_line(capsys)
     assert "train.compile=true needs a C++ compiler" in line and "no-such-cxx" in line
     assert not run_dir.exists()
+
+
+def test_commands_that_take_no_overrides_refuse_unknown_arguments(capsys, tmp_path):
+    """Only train, plan and verify hand `--section.key=value` on; the others stop with the
+    parser's usage line and exit 2 before they touch anything."""
+    from moe_train.cli import COMMANDS
+
+    assert [c.name for c in COMMANDS if c.takes_overrides] == ["train", "plan", "verify"]
+    with pytest.raises(SystemExit) as stop:
+        main(["inspect", str(tmp_path / "ckpt"), "--model.d_model=64"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "usage: moe-train [-h] COMMAND ...",
+        "moe-train: error: unrecognized arguments: --model.d_model=64",
+    ]
+
+
+def test_help_lists_every_command_with_its_line(capsys):
+    from moe_train.cli import COMMANDS
+
+    names = ["train", "prepare-data", "inspect", "export", "import-hf", "generate", "plot",
+             "plan", "verify"]  # fmt: skip
+    assert [c.name for c in COMMANDS] == names
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # help lines wrap with the terminal
+    positions = [out.index(f" {c.name} {c.help}") for c in COMMANDS]
+    assert positions == sorted(positions)

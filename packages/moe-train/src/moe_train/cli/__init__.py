@@ -1,0 +1,81 @@
+"""The `moe-train` command line: train, prepare-data, inspect, export, import-hf, generate,
+plot, plan, verify. Each command is one module (its arguments and its handler) listed in
+COMMANDS; `run` parses a command line and calls the chosen command's handler."""
+
+import argparse
+import os
+import sys
+
+from moe_train.cli.command import Command
+from moe_train.cli.export import EXPORT
+from moe_train.cli.generate import GENERATE
+from moe_train.cli.import_hf import IMPORT_HF
+from moe_train.cli.inspect_checkpoint import INSPECT
+from moe_train.cli.plan import PLAN
+from moe_train.cli.plot import PLOT
+from moe_train.cli.prepare_data import PREPARE_DATA
+from moe_train.cli.train import TRAIN
+from moe_train.cli.verify import VERIFY
+from moe_train.errors import MoeTrainError
+
+COMMANDS: tuple[Command, ...] = (
+    TRAIN,
+    PREPARE_DATA,
+    INSPECT,
+    EXPORT,
+    IMPORT_HF,
+    GENERATE,
+    PLOT,
+    PLAN,
+    VERIFY,
+)
+"""Every subcommand, in the order `moe-train --help` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `moe-train` parser with one subparser per entry of COMMANDS."""
+    parser = argparse.ArgumentParser(
+        prog="moe-train", description="Train Mixture-of-Experts language models."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_arguments(
+            subparsers.add_parser(command.name, help=command.help, description=command.description)
+        )
+    return parser
+
+
+def run(argv: list[str]) -> int:
+    """Parse `argv` (without the program name) and run the chosen command."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    command = next(c for c in COMMANDS if c.name == args.command)
+    if extra and not command.takes_overrides:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
+    return command.handle(args)
+
+
+def _error_line(message: str) -> None:
+    # One write call: lines of several ranks sharing a pipe do not interleave.
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: user errors print one line `error: ...` and exit with the error's code
+    (2 for bad input; see moe_train.errors)."""
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except MoeTrainError as e:
+        _error_line(str(e))
+        return e.exit_code
+    except BrokenPipeError:  # output piped into a pager or head that closed early
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = ["COMMANDS", "Command", "build_parser", "main", "run"]

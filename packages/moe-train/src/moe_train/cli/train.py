@@ -1,0 +1,61 @@
+"""`moe-train train CONFIG.yaml [--section.key=value ...]`."""
+
+import argparse
+from pathlib import Path
+
+from moe_train.cli.command import Command
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", type=Path, help="YAML config file")
+
+
+def _handle(args: argparse.Namespace) -> int:
+    """Train; exit 0 when the run reached train.max_steps (now or before), PREEMPTED_EXIT
+    when a signal stopped it early."""
+    from moe_train.config import load_config
+    from moe_train.signals import PREEMPTED_EXIT, StopRequests
+
+    # Listening first: a launcher's SIGTERM during start-up (torchrun sends one to every rank
+    # when another exits) then lets this rank finish what it is doing and report its own error.
+    with StopRequests(announce=False) as stops:
+        config = load_config(args.config, args.overrides)
+        from moe_train.train import train
+
+        result = train(config, stops=stops)
+    if not result.is_main:
+        return PREEMPTED_EXIT if result.stopped_by else 0
+    steps = config.train.max_steps
+    if result.already_finished:
+        print(
+            f"{result.run_dir} already finished: {result.checkpoint} is at step "
+            f"{result.start_step} (train.max_steps={steps}); nothing to do"
+        )
+        return 0
+    if result.stopped_by:
+        saved = (
+            f"saved {result.checkpoint}"
+            if result.checkpoint
+            else "nothing saved (checkpointing is off)"
+        )
+        print(
+            f"stopped by {result.stopped_by} after step {result.end_step} of {steps}; {saved}; "
+            f"relaunch with --checkpoint.resume=auto to continue"
+        )
+        return PREEMPTED_EXIT
+    final = f", final loss {result.losses[-1]:.4f}" if result.losses else ""
+    print(
+        f"done: {result.end_step - result.start_step} steps{final}, "
+        f"metrics in {result.run_dir / 'metrics.jsonl'}"
+    )
+    return 0
+
+
+TRAIN = Command(
+    name="train",
+    help="train a model from a YAML config",
+    description="Train from CONFIG.yaml; override any key with --section.key=value.",
+    add_arguments=_add_arguments,
+    handle=_handle,
+    takes_overrides=True,
+)
