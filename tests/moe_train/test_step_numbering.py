@@ -61,7 +61,8 @@ def test_console_metrics_trackers_and_checkpoints_count_steps_alike(
         assert row["tokens_seen"] == step * config.data.global_batch_size * config.data.seq_len
 
     console = {
-        int(m[1]): float(m[2]) for m in re.finditer(rf"^step (\d+)/{STEPS} \| loss (\S+)", err, re.M)
+        int(m[1]): float(m[2])
+        for m in re.finditer(rf"^step (\d+)/{STEPS} \| loss (\S+)", err, re.M)
     }
     assert sorted(console) == sorted(metrics), err
     for step, loss in console.items():

@@ -21,7 +21,7 @@ class OptimConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on norms or biases)."""
     warmup_steps: int = 10
-    """Steps of linear warmup up to lr (warmup step s, 0-based, runs at lr * (s + 1) / warmup_steps)."""
+    """Steps of linear warmup up to lr: step N <= warmup_steps runs at lr * N / warmup_steps."""
     schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     """Learning rate after the warmup: cosine or linear decay from lr to lr * min_lr_ratio over
     decay_steps steps, then flat at that floor; wsd (warmup-stable-decay) holds lr until the
@@ -124,7 +124,7 @@ class TrainConfig:
     rotation of queries and keys) with torch.compile, at the first step (needs a C++
     compiler on a CPU, Triton on a GPU). Faster per step on every model measured, but its
     compilation at the start (seconds with a warm cache, more cold) outweighs that on small,
-    short runs, so it is off here and on in configs/medium.yaml (see the README)."""
+    short runs, so it is off here and on in configs/medium.yaml (see docs/training.md)."""
     max_skipped_steps: int = 5
     """A step whose loss or gradient norm is not finite is skipped (no update); after this
     many such steps in a row the run stops, its last good checkpoint intact. 0 stops at the

@@ -1,15 +1,17 @@
 """Learning-rate schedules: linear warmup, then cosine, linear, warmup-stable-decay or constant.
 
-Every schedule starts with the same warmup: step s (0-based) of optim.warmup_steps runs at
-lr * (s + 1) / warmup_steps, so the first step already moves and the last warmup step is at the
-peak lr. A decay phase of D steps starting at step `start` then runs step start + i at
+The schedule is a function of s, the number of updates before the one it sets: step N of a run
+(the update that makes the state after N optimizer steps) runs at lr_at(N - 1). Every schedule
+starts with the same warmup: step N <= optim.warmup_steps runs at lr * N / warmup_steps, so
+the first step already moves and the last warmup step is at the peak lr. A decay phase of D
+updates starting at s = `start` then runs s = start + i at
 
     progress = min(1, i / max(1, D - 1))
     cosine:  floor + (lr - floor) * (1 + cos(pi * progress)) / 2
     linear:  floor + (lr - floor) * (1 - progress)
 
-with floor = lr * min_lr_ratio: its first step is at the peak, its last (start + D - 1) at the
-floor, and every later step stays at the floor.
+with floor = lr * min_lr_ratio: its first update is at the peak, its last (s = start + D - 1) at
+the floor, and every later one stays at the floor.
 
 - cosine, linear: the decay starts after the warmup. D is optim.decay_steps, or, when that is
   null, train.max_steps - warmup_steps (the decay ends on the run's last step, so the schedule
@@ -25,8 +27,9 @@ from moe_train.config import OptimConfig
 
 
 def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based) of a run of `max_steps` steps, for an
-    `optim` that passed `OptimConfig.validate`."""
+    """Learning rate of the update from the state after `step` optimizer steps (so of step
+    `step + 1`) in a run of `max_steps` steps, for an `optim` that passed
+    `OptimConfig.validate`."""
     warmup = optim.warmup_steps
     if step < warmup:
         return optim.lr * (step + 1) / warmup
