@@ -77,7 +77,7 @@ from gpu_check_support import (
 from grouped_mm_backends import bench_shape
 from moe_dispatch import make_dispatcher, make_row_transport
 from moe_train.config import Config, load_config
-from moe_train.model import count_params
+from moe_train.model import count_params, layer_dispatchers
 from moe_train.train import peak_flops, read_metrics, train
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
@@ -218,21 +218,12 @@ def config_overrides(sizes: Sizes) -> tuple[str, ...]:
 
 def use_rowwise(runner: StepRunner, config: Config, device: torch.device) -> None:
     """Put a RowwiseDispatcher over the runtime's EP group into every MoE layer, sharing one
-    transport, as the trainer's dispatcher factory does at ep > 1."""
-    moe, data = config.model.moe, config.data
-    group = runner.runtime.layout.ep_group
-    transport = make_row_transport(config.parallel.rowwise_transport, group)
-    transport.connect(device)
-    for layer in runner.model.moe_layers().values():
-        layer.dispatcher = make_dispatcher(
-            "rowwise",
-            num_experts=moe.num_experts,
-            capacity_factor=moe.capacity_factor,
-            group=group,
-            group_alignment=moe.group_alignment,
-            max_tokens_per_rank=data.micro_batch_size * data.seq_len,
-            row_transport=transport,
-        )
+    transport (the trainer's own dispatchers, with the backend named even at ep = 1)."""
+    dispatchers = layer_dispatchers(
+        config, runner.runtime.layout.ep_group, device, backend="rowwise"
+    )
+    for index, layer in runner.model.moe_layers().items():
+        layer.dispatcher = dispatchers(index)
 
 
 def checked_step(runner: StepRunner, batch: Tensor, lr: float, device: torch.device) -> float:

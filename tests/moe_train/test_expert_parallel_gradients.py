@@ -6,9 +6,8 @@ import torch
 from distributed import run_distributed
 from moe_parallel import GradientReducer, is_expert_parameter
 from moe_train.config import config_from_dict
-from moe_train.model import Transformer, apply_recompute, lm_loss
+from moe_train.model import Transformer, apply_recompute, layer_dispatchers, lm_loss
 from moe_train.train.runtime import start_runtime
-from moe_train.train.step import dispatcher_factory
 
 NUM_MICRO, MICRO, SEQ = 8, 2, 16
 
@@ -67,7 +66,12 @@ def _expert_parallel_step(
     config = _config(ep, dispatcher)
     runtime = start_runtime(config)
     layout = runtime.layout
-    model = Transformer(config.model, SEQ, dispatcher_factory(config, runtime), seed=3)
+    model = Transformer(
+        config.model,
+        SEQ,
+        layer_dispatchers(config, runtime.layout.ep_group, runtime.device),
+        seed=3,
+    )
     apply_recompute(model, recompute)
     reducer = GradientReducer(model, layout.dp_group, layout.edp_group)
     per_rank = NUM_MICRO // layout.dp

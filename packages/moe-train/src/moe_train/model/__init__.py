@@ -2,6 +2,12 @@
 
 from moe_train.model.accounting import ParamCounts, count_params, flops_per_token
 from moe_train.model.attention import document_ids, document_mask
+from moe_train.model.dispatchers import (
+    DispatcherFactory,
+    choose_dispatcher,
+    layer_dispatchers,
+    local_dispatcher,
+)
 from moe_train.model.loss import head_lm_loss, lm_loss
 from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput
 from moe_train.model.training_choices import (
@@ -11,7 +17,7 @@ from moe_train.model.training_choices import (
     apply_param_dtype,
     apply_recompute,
 )
-from moe_train.model.transformer import DispatcherFactory, Transformer
+from moe_train.model.transformer import Transformer
 
 __all__ = [
     "EXPERT_GEMMS",
@@ -26,10 +32,13 @@ __all__ = [
     "apply_expert_gemm",
     "apply_param_dtype",
     "apply_recompute",
+    "choose_dispatcher",
     "count_params",
     "document_ids",
     "document_mask",
     "flops_per_token",
     "head_lm_loss",
+    "layer_dispatchers",
     "lm_loss",
+    "local_dispatcher",
 ]

@@ -5,12 +5,11 @@ B batch, S positions of this call, V vocabulary, D model width.
 
 import math
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from moe_dispatch import Dispatcher, make_dispatcher
 from moe_train.config import ModelConfig
 from moe_train.model.attention import (
     Attention,
@@ -19,23 +18,10 @@ from moe_train.model.attention import (
     document_mask,
     rope_tables,
 )
+from moe_train.model.dispatchers import DispatcherFactory, local_dispatcher
 from moe_train.model.loss import head_lm_loss
 from moe_train.model.moe import Experts, MoEFeedForward, SwiGLU
 from moe_train.model.recompute import RecomputeMode, run_with_recompute
-
-DispatcherFactory = Callable[[int], Dispatcher]
-"""Builds the dispatcher of the MoE block at a given layer index."""
-
-
-def local_dispatcher_factory(config: ModelConfig) -> DispatcherFactory:
-    """Every MoE layer dispatches within the process (no expert parallelism)."""
-    moe = config.moe
-    return lambda layer: make_dispatcher(
-        "local",
-        num_experts=moe.num_experts,
-        capacity_factor=moe.capacity_factor,
-        group_alignment=moe.group_alignment,
-    )
 
 
 class KVCache:
@@ -131,7 +117,7 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        factory = dispatcher_factory or local_dispatcher_factory(config)
+        factory = dispatcher_factory or (lambda layer: local_dispatcher(config.moe))
         layers = range(config.n_layers) if layers is None else sorted(layers)
         if config.tie_embeddings and with_embedding != with_head:
             raise ValueError(

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher, make_row_transport
 from moe_parallel import (
     DistributedAdamW,
     Layout,
@@ -31,13 +30,13 @@ from moe_parallel import (
 from moe_train.config import Config
 from moe_train.errors import ConfigError
 from moe_train.model import (
-    DispatcherFactory,
     Transformer,
     apply_compile,
     apply_expert_gemm,
     apply_param_dtype,
     apply_recompute,
     document_ids,
+    layer_dispatchers,
 )
 from moe_train.train.pipeline import PipelineRunner, plan_stages
 from moe_train.train.routing import StepRouting, max_over_mean
@@ -64,43 +63,6 @@ def build_optimizer(model: nn.Module, config: Config, layout: Layout) -> Trainin
         weight_decay=optim.weight_decay,
         decays=decay_matrices,
     )
-
-
-def dispatcher_factory(config: Config, runtime: Runtime) -> DispatcherFactory:
-    """The token dispatcher of every MoE layer, for this rank's expert-parallel group.
-
-    Without expert parallelism (ep = 1) every backend reduces to `local`. The rowwise layers
-    share one transport (one set of receive buffers).
-    """
-    moe, parallel = config.model.moe, config.parallel
-    name, kwargs = "local", {}
-    if parallel.ep > 1:
-        name = "all_to_all" if parallel.dispatcher == "auto" else parallel.dispatcher
-        kwargs = {
-            "group": runtime.layout.ep_group,
-            "max_tokens_per_rank": config.data.micro_batch_size * config.data.seq_len,
-        }
-        if name == "rowwise":
-            transport = make_row_transport(parallel.rowwise_transport, runtime.layout.ep_group)
-            try:
-                transport.connect(runtime.device)
-            except RuntimeError as e:
-                raise ConfigError(f"parallel.rowwise_transport: {e}") from e
-            kwargs["row_transport"] = transport
-
-    def build(layer: int) -> Dispatcher:
-        try:
-            return make_dispatcher(
-                name,
-                num_experts=moe.num_experts,
-                capacity_factor=moe.capacity_factor,
-                group_alignment=moe.group_alignment,
-                **kwargs,
-            )
-        except BackendUnavailable as e:
-            raise ConfigError(str(e)) from e
-
-    return build
 
 
 def _lower_precision_params(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -272,7 +234,7 @@ class StepRunner:
         self.model = Transformer(
             config.model,
             data.seq_len,
-            dispatcher_factory(config, runtime),
+            layer_dispatchers(config, layout.ep_group, device),
             seed=config.train.seed,
             layers=plan.layers if plan else None,
             with_embedding=plan.has_first if plan else True,
