@@ -216,16 +216,6 @@ def config_overrides(sizes: Sizes) -> tuple[str, ...]:
 # ---- sync-free step ---------------------------------------------------------------------
 
 
-def use_rowwise(runner: StepRunner, config: Config, device: torch.device) -> None:
-    """Put a RowwiseDispatcher over the runtime's EP group into every MoE layer, sharing one
-    transport (the trainer's own dispatchers, with the backend named even at ep = 1)."""
-    dispatchers = layer_dispatchers(
-        config, runner.runtime.layout.ep_group, device, backend="rowwise"
-    )
-    for index, layer in runner.model.moe_layers().items():
-        layer.dispatcher = dispatchers(index)
-
-
 def checked_step(runner: StepRunner, batch: Tensor, lr: float, device: torch.device) -> float:
     """``StepRunner.train_step`` in its phases, the device work with host syncs forbidden;
     returns the step's seconds."""
@@ -251,9 +241,15 @@ def step_row(check: str, config: Config, sizes: Sizes, device: torch.device) -> 
     rowwise dispatcher when ``config.parallel.dispatcher`` names it)."""
     runtime = start_runtime(config, device)
     try:
-        runner = StepRunner(config, runtime)
-        if config.parallel.dispatcher == "rowwise":
-            use_rowwise(runner, config, device)
+        # The rowwise dispatcher even at ep = 1 (the trainer's choice there is local), its
+        # transport over the runtime's EP group of one.
+        rowwise = config.parallel.dispatcher == "rowwise"
+        dispatchers = (
+            layer_dispatchers(config, runtime.layout.ep_group, device, backend="rowwise")
+            if rowwise
+            else None
+        )
+        runner = StepRunner(config, runtime, dispatchers=dispatchers)
         data, lr = config.data, config.optim.lr
         generator = torch.Generator().manual_seed(0)
         batch = torch.randint(

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from moe_parallel import decay_matrices
 from moe_train.config import Config, config_from_dict
 from moe_train.data import TokenDataset
-from moe_train.model import Transformer, apply_expert_gemm, layer_dispatchers
+from moe_train.model import Transformer, apply_expert_gemm
 from moe_train.train.host_memory import allocated_host_bytes, keep_freed_host_memory
 from moe_train.train.runtime import Runtime, start_runtime
 from moe_train.train.schedule import lr_at
@@ -149,12 +149,8 @@ class FsdpRunner:
         self.num_micro = data.global_batch_size // data.micro_batch_size
         self.my_micro = self.num_micro // layout.dp
         self.first_micro = layout.dp_rank * self.my_micro
-        model = Transformer(
-            config.model,
-            data.seq_len,
-            layer_dispatchers(config, layout.ep_group, runtime.device),
-            seed=config.train.seed,
-        ).to(runtime.device)
+        # ep = 1: every layer's dispatcher is local, the single-process model's.
+        model = Transformer(config.model, data.seq_len, seed=config.train.seed).to(runtime.device)
         apply_expert_gemm(model, config.precision.expert_gemm)
         model.set_aux_loss_scale(1.0 / self.num_micro)
         mesh = init_device_mesh(runtime.device.type, (layout.dp,))

@@ -10,6 +10,7 @@ from moe_train.model.dispatchers import (
 )
 from moe_train.model.loss import head_lm_loss, lm_loss
 from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput
+from moe_train.model.parallelize import apply_expert_parallel, apply_pipeline_split, materialize
 from moe_train.model.training_choices import (
     EXPERT_GEMMS,
     apply_compile,
@@ -30,7 +31,9 @@ __all__ = [
     "Transformer",
     "apply_compile",
     "apply_expert_gemm",
+    "apply_expert_parallel",
     "apply_param_dtype",
+    "apply_pipeline_split",
     "apply_recompute",
     "choose_dispatcher",
     "count_params",
@@ -41,4 +44,5 @@ __all__ = [
     "layer_dispatchers",
     "lm_loss",
     "local_dispatcher",
+    "materialize",
 ]

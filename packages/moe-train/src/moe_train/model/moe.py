@@ -16,6 +16,7 @@ from moe_dispatch import Dispatcher
 from moe_kernels import grouped_mm, mxfp8_grouped_mm
 from moe_parallel import mark_expert_parameter
 from moe_train.config import MoEConfig
+from moe_train.model.dispatchers import local_dispatcher
 from moe_train.model.fused import swiglu
 from moe_train.model.recompute import recording_side_effects
 
@@ -138,6 +139,26 @@ class Experts(nn.Module):
             nn.Parameter(torch.empty(num_experts, hidden, d_model))
         )
 
+    @property
+    def num_experts(self) -> int:
+        """Experts this module holds."""
+        return self.w_down_EHD.shape[0]
+
+    def keep_experts(self, first_expert: int, num_experts: int) -> None:
+        """Hold only the global experts [first_expert, first_expert + num_experts), a block of
+        those held now. On the meta device nothing is allocated (apply before materialising:
+        see `apply_expert_parallel`)."""
+        start = first_expert - self.first_expert
+        if start < 0 or start + num_experts > self.num_experts:
+            raise ValueError(
+                f"experts [{first_expert}, {first_expert + num_experts}) are not among the "
+                f"[{self.first_expert}, {self.first_expert + self.num_experts}) held"
+            )
+        for name in ("w_gate_up_EDO", "w_down_EHD"):
+            kept = getattr(self, name).detach()[start : start + num_experts].clone()
+            setattr(self, name, mark_expert_parameter(nn.Parameter(kept)))
+        self.first_expert = first_expert
+
     def forward(
         self, x_PD: Tensor, tokens_per_expert: Tensor, group_ends: Tensor | None = None
     ) -> Tensor:
@@ -236,17 +257,17 @@ class MoEFeedForward(nn.Module):
     clears once per optimizer step (`take_stats`).
     """
 
-    def __init__(self, d_model: int, config: MoEConfig, dispatcher: Dispatcher) -> None:
+    def __init__(
+        self, d_model: int, config: MoEConfig, dispatcher: Dispatcher | None = None
+    ) -> None:
+        """`dispatcher`: a local one with the config's capacity by default; set another (with
+        expert parallelism) by `use_dispatcher`."""
         super().__init__()
         self.config = config
         self.router = Router(d_model, config)
-        self.dispatcher = dispatcher
-        self.experts = Experts(
-            dispatcher.num_local_experts,
-            d_model,
-            config.expert_hidden,
-            first_expert=dispatcher.first_local_expert,
-        )
+        self.experts = Experts(config.num_experts, d_model, config.expert_hidden)
+        self.dispatcher: Dispatcher = local_dispatcher(config)
+        self.use_dispatcher(dispatcher or self.dispatcher)
         self.shared = (
             SwiGLU(d_model, config.shared_experts * config.expert_hidden)
             if config.shared_experts
@@ -265,6 +286,20 @@ class MoEFeedForward(nn.Module):
             self.register_buffer(name, torch.zeros(shape, dtype=dtype), persistent=False)
         self.last_lb_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
+
+    def use_dispatcher(self, dispatcher: Dispatcher) -> None:
+        """Dispatch with `dispatcher`, holding only its rank's experts (`Experts.keep_experts`)."""
+        if dispatcher.num_experts != self.config.num_experts:
+            raise ValueError(
+                f"the dispatcher routes over {dispatcher.num_experts} experts, the layer has "
+                f"{self.config.num_experts}"
+            )
+        self.dispatcher = dispatcher
+        if (dispatcher.first_local_expert, dispatcher.num_local_experts) != (
+            self.experts.first_expert,
+            self.experts.num_experts,
+        ):
+            self.experts.keep_experts(dispatcher.first_local_expert, dispatcher.num_local_experts)
 
     def forward(self, x_BSD: Tensor) -> Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
@@ -299,6 +334,12 @@ class MoEFeedForward(nn.Module):
                 self.step_lb_loss += routed.lb_loss.detach().double()
                 self.step_z_loss += routed.z_loss.detach().double()
         return y_TD.view_as(x_BSD)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Zero balancing bias and routing statistics."""
+        self.router.expert_bias.zero_()
+        self.take_stats()
 
     @torch.no_grad()
     def take_stats(self) -> RoutingStats:

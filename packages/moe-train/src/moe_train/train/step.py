@@ -1,7 +1,7 @@
 """One rank's share of a training step: model, optimizer, gradient path, and the step itself.
 
-`StepRunner` builds what a rank holds for the layout (its pipeline stages, its experts, the
-plain or sharded optimizer) and runs a step: forward and backward of the rank's
+`StepRunner` builds what a rank holds for the layout (its part of the model, from
+`build_rank_model`, and the plain or sharded optimizer) and runs a step: forward and backward of the rank's
 micro-batches (gradient accumulation, or the pipeline schedule), gradient reduction, global
 clipping and the update. The training loop (`trainer.py`) adds data, checkpoints and metrics;
 benchmarks drive the same steps.
@@ -30,15 +30,19 @@ from moe_parallel import (
 from moe_train.config import Config
 from moe_train.errors import ConfigError
 from moe_train.model import (
+    DispatcherFactory,
     Transformer,
     apply_compile,
     apply_expert_gemm,
+    apply_expert_parallel,
     apply_param_dtype,
+    apply_pipeline_split,
     apply_recompute,
     document_ids,
     layer_dispatchers,
+    materialize,
 )
-from moe_train.train.pipeline import PipelineRunner, plan_stages
+from moe_train.train.pipeline import PipelineRunner, StagePlan, plan_stages
 from moe_train.train.routing import StepRouting, max_over_mean
 from moe_train.train.runtime import Runtime
 
@@ -63,6 +67,25 @@ def build_optimizer(model: nn.Module, config: Config, layout: Layout) -> Trainin
         weight_decay=optim.weight_decay,
         decays=decay_matrices,
     )
+
+
+def build_rank_model(
+    config: Config,
+    dispatchers: DispatcherFactory,
+    plan: StagePlan | None,
+    device: torch.device,
+) -> Transformer:
+    """This rank's part of the model on `device`: the single-process model built on the meta
+    device, given its experts (those of `dispatchers`) and its pipeline stages (`plan`, None
+    without pipeline parallelism), then materialised and initialised as the single-process
+    model is (see `moe_train.model.parallelize`)."""
+    with torch.device("meta"):
+        model = Transformer(config.model, config.data.seq_len)
+    apply_expert_parallel(model, dispatchers)
+    if plan is not None:
+        apply_pipeline_split(model, plan.layers, first=plan.has_first, last=plan.has_last)
+    materialize(model, device, config.train.seed)
+    return model
 
 
 def _lower_precision_params(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -213,8 +236,16 @@ class StepRunner:
     after `start_runtime` checked the layout (pipeline settings included) on every rank.
     """
 
-    def __init__(self, config: Config, runtime: Runtime, eos_id: int | None = None) -> None:
-        """`eos_id`: the data's end-of-document id, which data.document_masking needs."""
+    def __init__(
+        self,
+        config: Config,
+        runtime: Runtime,
+        eos_id: int | None = None,
+        *,
+        dispatchers: DispatcherFactory | None = None,
+    ) -> None:
+        """`eos_id`: the data's end-of-document id, which data.document_masking needs.
+        `dispatchers`: the MoE layers' (default: `layer_dispatchers` for the layout)."""
         layout, device = runtime.layout, runtime.device
         data = config.data
         self.config, self.runtime = config, runtime
@@ -231,15 +262,9 @@ class StepRunner:
             if layout.pp > 1
             else None
         )
-        self.model = Transformer(
-            config.model,
-            data.seq_len,
-            layer_dispatchers(config, layout.ep_group, device),
-            seed=config.train.seed,
-            layers=plan.layers if plan else None,
-            with_embedding=plan.has_first if plan else True,
-            with_head=plan.has_last if plan else True,
-        ).to(device)
+        self.model = build_rank_model(
+            config, dispatchers or layer_dispatchers(config, layout.ep_group, device), plan, device
+        )
         apply_recompute(self.model, config.parallel.recompute)
         apply_expert_gemm(self.model, config.precision.expert_gemm)
         if config.train.compile:
