@@ -11,6 +11,7 @@ from moe_train.model.dispatchers import (
 from moe_train.model.loss import head_lm_loss, lm_loss
 from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput
 from moe_train.model.parallelize import apply_expert_parallel, apply_pipeline_split, materialize
+from moe_train.model.routing_stats import RoutingStats
 from moe_train.model.training_choices import (
     EXPERT_GEMMS,
     apply_compile,
@@ -28,6 +29,7 @@ __all__ = [
     "ParamCounts",
     "Router",
     "RouterOutput",
+    "RoutingStats",
     "Transformer",
     "apply_compile",
     "apply_expert_gemm",

@@ -6,7 +6,7 @@ F token copies (T x K), P rows of the experts' input, H expert hidden width, O 2
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,7 @@ from moe_train.config import MoEConfig
 from moe_train.model.dispatchers import local_dispatcher
 from moe_train.model.fused import swiglu
 from moe_train.model.recompute import recording_side_effects
+from moe_train.model.routing_stats import RoutingStats
 
 ExpertGemm = Literal["torch", "triton", "auto", "mxfp8"]
 """How the experts' grouped GEMMs run: a `moe_kernels.grouped_mm` backend in the compute
@@ -179,27 +180,6 @@ class Experts(nn.Module):
         return grouped_mm(x_TK, w_EKN, offsets_E, backend=self.gemm)
 
 
-@runtime_checkable
-class CapacityBounded(Protocol):
-    """A dispatcher that may drop copies: each source sends each expert at most `capacity`
-    of its copies (the first in token order), and drops the rest."""
-
-    def capacity(self, num_tokens: int, top_k: int) -> int | None:
-        """Copies one source may send each expert; None when dropless."""
-        ...
-
-
-def kept_copies_per_expert(
-    dispatcher: Dispatcher, copies_per_expert: Tensor, num_tokens: int, top_k: int
-) -> Tensor:
-    """[E] int64: the copies of `copies_per_expert` (one source's) the dispatcher keeps."""
-    if isinstance(dispatcher, CapacityBounded):
-        capacity = dispatcher.capacity(num_tokens, top_k)
-        if capacity is not None:
-            return copies_per_expert.clamp(max=capacity)
-    return copies_per_expert
-
-
 class AttachAuxLoss(torch.autograd.Function):
     """Returns `y` unchanged; in backward, also sends gradient `scale` into `aux_loss`.
 
@@ -218,33 +198,6 @@ class AttachAuxLoss(torch.autograd.Function):
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
         grad_aux = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_y.device)
         return grad_y, grad_aux, None
-
-
-@dataclass(frozen=True)
-class RoutingStats:
-    """What an MoE layer observed over the training forwards since the last `take_stats`."""
-
-    copies_per_expert: Tensor
-    """[E] int64 token copies routed to each expert (before capacity drops)."""
-    kept_per_expert: Tensor
-    """[E] int64 token copies each expert kept (after capacity drops)."""
-    dropped_copies: Tensor
-    """Copies dropped by the capacity limit (float64 scalar)."""
-    routed_copies: Tensor
-    """Copies routed (float64 scalar)."""
-    lb_loss_sum: Tensor
-    """Sum of the unweighted load-balancing loss over the forwards (float64 scalar)."""
-    z_loss_sum: Tensor
-    """Sum of the unweighted router z-loss over the forwards (float64 scalar)."""
-
-    def flat(self) -> Tensor:
-        """[2E + 4] float64: copies per expert, kept per expert, dropped, routed, lb sum,
-        z sum."""
-        scalars = torch.stack(
-            [self.dropped_copies, self.routed_copies, self.lb_loss_sum, self.z_loss_sum]
-        )
-        per_expert = [self.copies_per_expert.double(), self.kept_per_expert.double()]
-        return torch.cat([*per_expert, scalars.double()])
 
 
 class MoEFeedForward(nn.Module):
@@ -326,9 +279,7 @@ class MoEFeedForward(nn.Module):
         if self.training and recording_side_effects():
             with torch.no_grad():
                 self.step_copies_per_expert += routed.copies_per_expert
-                self.step_kept_per_expert += kept_copies_per_expert(
-                    self.dispatcher, routed.copies_per_expert, x_TD.shape[0], self.config.top_k
-                )
+                self.step_kept_per_expert += handle.kept_per_expert
                 self.step_dropped_copies += handle.dropped_copies
                 self.step_routed_copies += handle.num_copies
                 self.step_lb_loss += routed.lb_loss.detach().double()

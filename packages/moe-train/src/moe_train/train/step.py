@@ -42,6 +42,7 @@ from moe_train.model import (
     layer_dispatchers,
     materialize,
 )
+from moe_train.model.routing_stats import RoutingStats
 from moe_train.train.pipeline import PipelineRunner, StagePlan, plan_stages
 from moe_train.train.routing import StepRouting, max_over_mean
 from moe_train.train.runtime import Runtime
@@ -175,36 +176,38 @@ def reduce_step_stats(
     """
     model_config = model.config
     num_experts = model_config.moe.num_experts
-    held = model.moe_layers()
     rows = torch.zeros(
-        model_config.n_layers, 2 * num_experts + 4, dtype=torch.float64, device=lm_loss_sum.device
+        model_config.n_layers,
+        RoutingStats.packed_width(num_experts),
+        dtype=torch.float64,
+        device=lm_loss_sum.device,
     )
-    for index, layer in held.items():
-        rows[index] = layer.take_stats().flat()
+    for index, layer in model.moe_layers().items():
+        rows[index] = layer.take_stats().pack()
     totals = runtime.sum_over_world(torch.cat([lm_loss_sum.reshape(1), rows.flatten()]))
     first_moe = model_config.dense_layers
-    copies_LE = totals[1:].view_as(rows)[first_moe:, :num_experts]
+    copies_LE = RoutingStats.unpack(totals[1:].view_as(rows)[first_moe:], num_experts)
     host = totals.cpu()
     lm_loss = host[0].item() / num_micro
-    rows = host[1:].view_as(rows)[first_moe:]
-    if not len(rows):
+    summed = RoutingStats.unpack(host[1:].view_as(rows)[first_moe:], num_experts)
+    num_moe_layers = len(summed.routed_copies)
+    if not num_moe_layers:
         return StepStats(lm_loss, 0.0, 0.0, 1.0, 0.0)
-    dropped, routed, lb_sum, z_sum = rows[:, 2 * num_experts :].sum(dim=0).tolist()
-    # Counts are sums of integers below 2^53: exact in float64.
+    dropped, routed = summed.dropped_copies.sum().item(), summed.routed_copies.sum().item()
     routing = StepRouting(
         layers=tuple(range(first_moe, model_config.n_layers)),
-        load_LE=rows[:, :num_experts].round().long(),
-        kept_LE=rows[:, num_experts : 2 * num_experts].round().long(),
-        lb_loss_L=rows[:, 2 * num_experts + 2] / num_micro,
+        load_LE=summed.copies_per_expert.round().long(),
+        kept_LE=summed.kept_per_expert.round().long(),
+        lb_loss_L=summed.lb_loss_sum / num_micro,
         ep=runtime.layout.ep,
     )
     return StepStats(
         lm_loss=lm_loss,
-        lb_loss=lb_sum / (num_micro * len(rows)),
-        z_loss=z_sum / (num_micro * len(rows)),
+        lb_loss=summed.lb_loss_sum.sum().item() / (num_micro * num_moe_layers),
+        z_loss=summed.z_loss_sum.sum().item() / (num_micro * num_moe_layers),
         load_max_over_mean=max_over_mean(routing.load_LE).max().item(),
         dropped_fraction=dropped / routed if routed else 0.0,
-        expert_copies_LE=copies_LE,
+        expert_copies_LE=copies_LE.copies_per_expert,
         routing=routing,
     )
 
