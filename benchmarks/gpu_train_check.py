@@ -78,7 +78,7 @@ from harness.output import write_json
 from harness.processes import benchmark_run_overrides
 from moe_dispatch import make_dispatcher, make_row_transport
 from moe_train.config import Config, load_config
-from moe_train.model import count_params
+from moe_train.model import count_params, layer_dispatchers
 from moe_train.train import peak_flops, read_metrics, train
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
@@ -216,25 +216,6 @@ def config_overrides(sizes: Sizes) -> tuple[str, ...]:
 # ---- sync-free step ---------------------------------------------------------------------
 
 
-def use_rowwise(runner: StepRunner, config: Config, device: torch.device) -> None:
-    """Put a RowwiseDispatcher over the runtime's EP group into every MoE layer, sharing one
-    transport, as the trainer's dispatcher factory does at ep > 1."""
-    moe, data = config.model.moe, config.data
-    group = runner.runtime.layout.ep_group
-    transport = make_row_transport(config.parallel.rowwise_transport, group)
-    transport.connect(device)
-    for layer in runner.model.moe_layers().values():
-        layer.dispatcher = make_dispatcher(
-            "rowwise",
-            num_experts=moe.num_experts,
-            capacity_factor=moe.capacity_factor,
-            group=group,
-            group_alignment=moe.group_alignment,
-            max_tokens_per_rank=data.micro_batch_size * data.seq_len,
-            row_transport=transport,
-        )
-
-
 def checked_step(runner: StepRunner, batch: Tensor, lr: float, device: torch.device) -> float:
     """``StepRunner.train_step`` in its phases, the device work with host syncs forbidden;
     returns the step's seconds."""
@@ -260,9 +241,15 @@ def step_row(check: str, config: Config, sizes: Sizes, device: torch.device) -> 
     rowwise dispatcher when ``config.parallel.dispatcher`` names it)."""
     runtime = start_runtime(config, device)
     try:
-        runner = StepRunner(config, runtime)
-        if config.parallel.dispatcher == "rowwise":
-            use_rowwise(runner, config, device)
+        # The rowwise dispatcher even at ep = 1 (the trainer's choice there is local), its
+        # transport over the runtime's EP group of one.
+        rowwise = config.parallel.dispatcher == "rowwise"
+        dispatchers = (
+            layer_dispatchers(config, runtime.layout.ep_group, device, backend="rowwise")
+            if rowwise
+            else None
+        )
+        runner = StepRunner(config, runtime, dispatchers=dispatchers)
         data, lr = config.data, config.optim.lr
         generator = torch.Generator().manual_seed(0)
         batch = torch.randint(

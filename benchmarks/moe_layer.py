@@ -2,7 +2,7 @@
 of growing the expert pool at a fixed active size.
 
 The MoE layer is moe-train's own ``MoEFeedForward`` (router, local dispatcher, grouped-GEMM
-SwiGLU experts, combine), built as the trainer builds it (``local_dispatcher_factory``, the
+SwiGLU experts, combine), built as the trainer builds it (``local_dispatcher``, the
 config's ``group_alignment``), with fp32 parameters and bf16 compute under autocast like the
 trainer (or fp32 throughout). Its limit is a dense SwiGLU of hidden ``top_k * expert_hidden``:
 the same matmul FLOPs per token. Variants run interleaved in one loop and only ratios are
@@ -38,8 +38,8 @@ from torch import Tensor, nn
 from harness.output import print_table, write_json
 from harness.timing import interleaved_medians
 from moe_train.config import ModelConfig, MoEConfig
+from moe_train.model import local_dispatcher
 from moe_train.model.moe import MoEFeedForward, SwiGLU
-from moe_train.model.transformer import local_dispatcher_factory
 from moe_train.train.host_memory import keep_freed_host_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -63,7 +63,7 @@ def build_moe(d_model: int, num_experts: int, top_k: int, expert_hidden: int) ->
         moe=MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden=expert_hidden),
     )
     config.validate("model")
-    dispatcher = local_dispatcher_factory(config)(0)
+    dispatcher = local_dispatcher(config.moe)
     moe = MoEFeedForward(config.d_model, config.moe, dispatcher)
     _init_normal(moe, seed=num_experts * 100 + top_k)
     return moe.train()

@@ -49,7 +49,6 @@ from moe_train.train.step import (
     StepResult,
     StepRunner,
     accumulate_gradients,
-    dispatcher_factory,
     reduce_step_stats,
     update_balancing_biases,
 )
@@ -150,9 +149,8 @@ class FsdpRunner:
         self.num_micro = data.global_batch_size // data.micro_batch_size
         self.my_micro = self.num_micro // layout.dp
         self.first_micro = layout.dp_rank * self.my_micro
-        model = Transformer(
-            config.model, data.seq_len, dispatcher_factory(config, runtime), seed=config.train.seed
-        ).to(runtime.device)
+        # ep = 1: every layer's dispatcher is local, the single-process model's.
+        model = Transformer(config.model, data.seq_len, seed=config.train.seed).to(runtime.device)
         apply_expert_gemm(model, config.precision.expert_gemm)
         model.set_aux_loss_scale(1.0 / self.num_micro)
         mesh = init_device_mesh(runtime.device.type, (layout.dp,))

@@ -21,7 +21,13 @@ from torch import Tensor
 
 from assertions import assert_close_report
 from distributed import run_distributed
-from moe_dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, make_dispatcher
+from moe_dispatch import (
+    AllToAllDispatcher,
+    Dispatcher,
+    DispatchHandle,
+    LocalDispatcher,
+    make_dispatcher,
+)
 from moe_kernels import grouped_mm
 
 NUM_EXPERTS = 8
@@ -107,6 +113,7 @@ def run_moe(
     topk_weight_TK = topk_weight_TK.clone().requires_grad_()
     w_experts_LDH = w_experts_LDH.clone().requires_grad_()
     expert_input, tokens_per_expert, handle = dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+    check_kept_per_expert(dispatcher, handle, topk_idx_TK)
     expert_output = grouped_mm(expert_input, w_experts_LDH, torch.cumsum(tokens_per_expert, 0))
     if poison_unused_rows:
         unused_P1 = (expert_input == 0).all(dim=1, keepdim=True)
@@ -122,6 +129,21 @@ def run_moe(
         tokens_per_expert=tokens_per_expert,
         dropped_copies=int(handle.dropped_copies),
     )
+
+
+def check_kept_per_expert(dispatcher: Dispatcher, handle: DispatchHandle, topk_idx_TK: Tensor):
+    """The handle's kept copies per expert: a token-order loop keeping each expert's first
+    `capacity` copies (all of them for a dropless backend)."""
+    num_tokens, top_k = topk_idx_TK.shape
+    capacity_of = getattr(dispatcher, "capacity", None)
+    capacity = capacity_of(num_tokens, top_k) if capacity_of else None
+    kept = [0] * dispatcher.num_experts
+    for expert in topk_idx_TK.flatten().tolist():
+        if capacity is None or kept[expert] < capacity:
+            kept[expert] += 1
+    assert handle.kept_per_expert.dtype == torch.int64
+    assert handle.kept_per_expert.tolist() == kept, (handle.kept_per_expert.tolist(), kept)
+    assert sum(kept) == handle.num_copies - int(handle.dropped_copies)
 
 
 def local_reference(problem: Problem, capacity_factor: float | None, num_ranks: int) -> Run:

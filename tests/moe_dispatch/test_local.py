@@ -124,14 +124,17 @@ def test_dispatch_expert_combine_matches_token_loop(
     assert handle.dropped_copies.dim() == 0
     assert handle.dropped_copies.dtype == torch.int64
     assert int(handle.dropped_copies) == expected_dropped
-    assert tokens_per_expert.dtype == torch.int64
-    assert tokens_per_expert.shape == (num_experts,)
-    assert tokens_per_expert.tolist() == [
+    kept_per_expert = [
         sum(
             1 for t in range(num_tokens) for k in range(top_k) if topk_idx[t, k] == e and keep[t][k]
         )
         for e in range(num_experts)
     ]
+    assert handle.kept_per_expert.dtype == torch.int64
+    assert handle.kept_per_expert.tolist() == kept_per_expert
+    assert tokens_per_expert.dtype == torch.int64
+    assert tokens_per_expert.shape == (num_experts,)
+    assert tokens_per_expert.tolist() == kept_per_expert
     assert expert_input.shape == (num_tokens * top_k, dim)
 
     x_ref = x.to(torch.float64).requires_grad_()

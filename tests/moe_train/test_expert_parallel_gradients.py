@@ -6,9 +6,15 @@ import torch
 from distributed import run_distributed
 from moe_parallel import GradientReducer, is_expert_parameter
 from moe_train.config import config_from_dict
-from moe_train.model import Transformer, apply_recompute, lm_loss
+from moe_train.model import (
+    Transformer,
+    apply_expert_parallel,
+    apply_recompute,
+    layer_dispatchers,
+    lm_loss,
+    materialize,
+)
 from moe_train.train.runtime import start_runtime
-from moe_train.train.step import dispatcher_factory
 
 NUM_MICRO, MICRO, SEQ = 8, 2, 16
 
@@ -67,7 +73,11 @@ def _expert_parallel_step(
     config = _config(ep, dispatcher)
     runtime = start_runtime(config)
     layout = runtime.layout
-    model = Transformer(config.model, SEQ, dispatcher_factory(config, runtime), seed=3)
+    dispatchers = layer_dispatchers(config, runtime.layout.ep_group, runtime.device)
+    with torch.device("meta"):
+        model = Transformer(config.model, SEQ)
+    apply_expert_parallel(model, dispatchers)
+    materialize(model, runtime.device, seed=3)
     apply_recompute(model, recompute)
     reducer = GradientReducer(model, layout.dp_group, layout.edp_group)
     per_rank = NUM_MICRO // layout.dp

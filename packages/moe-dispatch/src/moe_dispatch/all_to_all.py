@@ -141,6 +141,7 @@ class AllToAllDispatcher:
             ),
             dropped_copies=num_copies - send_counts_E.sum(),
             num_copies=num_copies,
+            kept_per_expert=send_counts_E,
             group_ends=recv_permutation.offsets,
         )
         return expert_input_PD, recv_permutation.rows_per_expert, handle

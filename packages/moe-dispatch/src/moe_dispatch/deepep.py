@@ -147,6 +147,18 @@ class _BufferSize:
         )
 
 
+def _copies_per_expert(
+    topk_idx_TK: Tensor, num_experts: int, copies_per_expert: Tensor | None
+) -> Tensor:
+    """[E] int64 histogram of `topk_idx_TK` (the caller's, if it counted it): DeepEP drops
+    nothing, so every copy is kept."""
+    if copies_per_expert is not None:
+        return copies_per_expert
+    expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx_TK.device)
+    return counts_E.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
+
+
 def _check_row_width(caller: str, what: str, width: int) -> None:
     row_bytes = width * torch.bfloat16.itemsize
     if row_bytes % _ROW_BYTES_MULTIPLE != 0:
@@ -273,6 +285,7 @@ class DeepEPDispatcher:
             state=_DeepEPState(buffer, ep_handle, permutation, recv_weight_RK, buffer_size.hidden),
             dropped_copies=torch.zeros((), dtype=torch.int64, device=x_TD.device),
             num_copies=topk_idx_TK.numel(),
+            kept_per_expert=_copies_per_expert(topk_idx_TK, self.num_experts, copies_per_expert),
             group_ends=permutation.offsets,
         )
         return expert_input_PD, permutation.rows_per_expert, handle

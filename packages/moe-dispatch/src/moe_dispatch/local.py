@@ -80,6 +80,7 @@ class LocalDispatcher:
             state=_LocalState(permutation=permutation, topk_weight_TK=topk_weight_TK),
             dropped_copies=dropped_copies,
             num_copies=num_copies,
+            kept_per_expert=permutation.tokens_per_expert,
             group_ends=permutation.offsets,
         )
         return expert_input_PD, permutation.rows_per_expert, handle

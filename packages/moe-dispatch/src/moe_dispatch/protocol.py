@@ -33,6 +33,9 @@ class DispatchHandle:
     """0-dim int64 on the device: token copies dropped for capacity in this call."""
     num_copies: int
     """T * K: token copies routed in this call (the denominator of the dropped fraction)."""
+    kept_per_expert: Tensor
+    """[num_experts] int64 on the device: this call's token copies each expert (global index)
+    kept, after any capacity drop; sums to ``num_copies - dropped_copies``."""
     group_ends: Tensor | None = None
     """[num_local_experts] int32 cumulative row counts of the expert groups of
     ``expert_input`` (the ``offsets`` of a grouped GEMM), when the backend built them; None

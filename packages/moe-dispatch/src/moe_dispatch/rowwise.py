@@ -81,6 +81,20 @@ def make_row_transport(name: str, group: dist.ProcessGroup) -> RowTransport:
     )
 
 
+def _kept_per_expert(
+    expert_of_copy_F: Tensor,
+    kept_F: Tensor,
+    num_experts: int,
+    capacity: int,
+    copies_per_expert: Tensor | None,
+) -> Tensor:
+    """[E] int64: the copies each expert keeps (the first `capacity` of its copies)."""
+    if copies_per_expert is not None:
+        return copies_per_expert.clamp(max=capacity)
+    kept_E = torch.zeros(num_experts, dtype=torch.int64, device=kept_F.device)
+    return kept_E.scatter_add_(0, expert_of_copy_F, kept_F.to(torch.int64))
+
+
 @dataclass(frozen=True)
 class _SlotPlan:
     """Where every copy goes, for one dispatch (all on the device but the sizes)."""
@@ -336,6 +350,9 @@ class RowwiseDispatcher:
             state=_RowwiseState(plan=plan, topk_weight_TK=topk_weight_TK),
             dropped_copies=num_copies - kept_F.sum(),
             num_copies=num_copies,
+            kept_per_expert=_kept_per_expert(
+                expert_of_copy_F, kept_F, num_experts, capacity, copies_per_expert
+            ),
         )
         return expert_input_PD, tokens_per_expert_L, handle
 

@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from moe_checkpoint import CheckpointError, load_into, read_trainer_state, resolve_checkpoint
-from moe_dispatch import make_dispatcher
 from moe_parallel import single_process_layout
 from moe_train.config import Config, ModelConfig, config_from_dict
 from moe_train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -54,13 +53,7 @@ def generation_model(model_config: ModelConfig, max_seq_len: int, seed: int = 0)
     default (torch) expert GEMMs (see the module docstring); in eval mode."""
     moe = dataclasses.replace(model_config.moe, capacity_factor=None)
     config = dataclasses.replace(model_config, moe=moe)
-
-    def dispatcher(layer: int):
-        return make_dispatcher(
-            "local", num_experts=moe.num_experts, group_alignment=moe.group_alignment
-        )
-
-    return Transformer(config, max_seq_len, dispatcher, seed).eval()
+    return Transformer(config, max_seq_len, seed=seed).eval()
 
 
 def load_checkpoint_model(

@@ -2,8 +2,16 @@
 
 from moe_train.model.accounting import ParamCounts, count_params, flops_per_token
 from moe_train.model.attention import document_ids, document_mask
+from moe_train.model.dispatchers import (
+    DispatcherFactory,
+    choose_dispatcher,
+    layer_dispatchers,
+    local_dispatcher,
+)
 from moe_train.model.loss import head_lm_loss, lm_loss
 from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput
+from moe_train.model.parallelize import apply_expert_parallel, apply_pipeline_split, materialize
+from moe_train.model.routing_stats import RoutingStats
 from moe_train.model.training_choices import (
     EXPERT_GEMMS,
     apply_compile,
@@ -11,7 +19,7 @@ from moe_train.model.training_choices import (
     apply_param_dtype,
     apply_recompute,
 )
-from moe_train.model.transformer import DispatcherFactory, Transformer
+from moe_train.model.transformer import Transformer
 
 __all__ = [
     "EXPERT_GEMMS",
@@ -21,15 +29,22 @@ __all__ = [
     "ParamCounts",
     "Router",
     "RouterOutput",
+    "RoutingStats",
     "Transformer",
     "apply_compile",
     "apply_expert_gemm",
+    "apply_expert_parallel",
     "apply_param_dtype",
+    "apply_pipeline_split",
     "apply_recompute",
+    "choose_dispatcher",
     "count_params",
     "document_ids",
     "document_mask",
     "flops_per_token",
     "head_lm_loss",
+    "layer_dispatchers",
     "lm_loss",
+    "local_dispatcher",
+    "materialize",
 ]

@@ -6,7 +6,7 @@ F token copies (T x K), P rows of the experts' input, H expert hidden width, O 2
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +16,10 @@ from moe_dispatch import Dispatcher
 from moe_kernels import grouped_mm, mxfp8_grouped_mm
 from moe_parallel import mark_expert_parameter
 from moe_train.config import MoEConfig
+from moe_train.model.dispatchers import local_dispatcher
 from moe_train.model.fused import swiglu
 from moe_train.model.recompute import recording_side_effects
+from moe_train.model.routing_stats import RoutingStats
 
 ExpertGemm = Literal["torch", "triton", "auto", "mxfp8"]
 """How the experts' grouped GEMMs run: a `moe_kernels.grouped_mm` backend in the compute
@@ -138,6 +140,26 @@ class Experts(nn.Module):
             nn.Parameter(torch.empty(num_experts, hidden, d_model))
         )
 
+    @property
+    def num_experts(self) -> int:
+        """Experts this module holds."""
+        return self.w_down_EHD.shape[0]
+
+    def keep_experts(self, first_expert: int, num_experts: int) -> None:
+        """Hold only the global experts [first_expert, first_expert + num_experts), a block of
+        those held now. On the meta device nothing is allocated (apply before materialising:
+        see `apply_expert_parallel`)."""
+        start = first_expert - self.first_expert
+        if start < 0 or start + num_experts > self.num_experts:
+            raise ValueError(
+                f"experts [{first_expert}, {first_expert + num_experts}) are not among the "
+                f"[{self.first_expert}, {self.first_expert + self.num_experts}) held"
+            )
+        for name in ("w_gate_up_EDO", "w_down_EHD"):
+            kept = getattr(self, name).detach()[start : start + num_experts].clone()
+            setattr(self, name, mark_expert_parameter(nn.Parameter(kept)))
+        self.first_expert = first_expert
+
     def forward(
         self, x_PD: Tensor, tokens_per_expert: Tensor, group_ends: Tensor | None = None
     ) -> Tensor:
@@ -156,27 +178,6 @@ class Experts(nn.Module):
         if self.gemm == "mxfp8":
             return mxfp8_grouped_mm(x_TK, w_EKN, offsets_E)
         return grouped_mm(x_TK, w_EKN, offsets_E, backend=self.gemm)
-
-
-@runtime_checkable
-class CapacityBounded(Protocol):
-    """A dispatcher that may drop copies: each source sends each expert at most `capacity`
-    of its copies (the first in token order), and drops the rest."""
-
-    def capacity(self, num_tokens: int, top_k: int) -> int | None:
-        """Copies one source may send each expert; None when dropless."""
-        ...
-
-
-def kept_copies_per_expert(
-    dispatcher: Dispatcher, copies_per_expert: Tensor, num_tokens: int, top_k: int
-) -> Tensor:
-    """[E] int64: the copies of `copies_per_expert` (one source's) the dispatcher keeps."""
-    if isinstance(dispatcher, CapacityBounded):
-        capacity = dispatcher.capacity(num_tokens, top_k)
-        if capacity is not None:
-            return copies_per_expert.clamp(max=capacity)
-    return copies_per_expert
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -199,33 +200,6 @@ class AttachAuxLoss(torch.autograd.Function):
         return grad_y, grad_aux, None
 
 
-@dataclass(frozen=True)
-class RoutingStats:
-    """What an MoE layer observed over the training forwards since the last `take_stats`."""
-
-    copies_per_expert: Tensor
-    """[E] int64 token copies routed to each expert (before capacity drops)."""
-    kept_per_expert: Tensor
-    """[E] int64 token copies each expert kept (after capacity drops)."""
-    dropped_copies: Tensor
-    """Copies dropped by the capacity limit (float64 scalar)."""
-    routed_copies: Tensor
-    """Copies routed (float64 scalar)."""
-    lb_loss_sum: Tensor
-    """Sum of the unweighted load-balancing loss over the forwards (float64 scalar)."""
-    z_loss_sum: Tensor
-    """Sum of the unweighted router z-loss over the forwards (float64 scalar)."""
-
-    def flat(self) -> Tensor:
-        """[2E + 4] float64: copies per expert, kept per expert, dropped, routed, lb sum,
-        z sum."""
-        scalars = torch.stack(
-            [self.dropped_copies, self.routed_copies, self.lb_loss_sum, self.z_loss_sum]
-        )
-        per_expert = [self.copies_per_expert.double(), self.kept_per_expert.double()]
-        return torch.cat([*per_expert, scalars.double()])
-
-
 class MoEFeedForward(nn.Module):
     """Routed experts (plus optional shared experts) replacing the dense feed-forward.
 
@@ -236,17 +210,17 @@ class MoEFeedForward(nn.Module):
     clears once per optimizer step (`take_stats`).
     """
 
-    def __init__(self, d_model: int, config: MoEConfig, dispatcher: Dispatcher) -> None:
+    def __init__(
+        self, d_model: int, config: MoEConfig, dispatcher: Dispatcher | None = None
+    ) -> None:
+        """`dispatcher`: a local one with the config's capacity by default; set another (with
+        expert parallelism) by `use_dispatcher`."""
         super().__init__()
         self.config = config
         self.router = Router(d_model, config)
-        self.dispatcher = dispatcher
-        self.experts = Experts(
-            dispatcher.num_local_experts,
-            d_model,
-            config.expert_hidden,
-            first_expert=dispatcher.first_local_expert,
-        )
+        self.experts = Experts(config.num_experts, d_model, config.expert_hidden)
+        self.dispatcher: Dispatcher = local_dispatcher(config)
+        self.use_dispatcher(dispatcher or self.dispatcher)
         self.shared = (
             SwiGLU(d_model, config.shared_experts * config.expert_hidden)
             if config.shared_experts
@@ -265,6 +239,20 @@ class MoEFeedForward(nn.Module):
             self.register_buffer(name, torch.zeros(shape, dtype=dtype), persistent=False)
         self.last_lb_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
+
+    def use_dispatcher(self, dispatcher: Dispatcher) -> None:
+        """Dispatch with `dispatcher`, holding only its rank's experts (`Experts.keep_experts`)."""
+        if dispatcher.num_experts != self.config.num_experts:
+            raise ValueError(
+                f"the dispatcher routes over {dispatcher.num_experts} experts, the layer has "
+                f"{self.config.num_experts}"
+            )
+        self.dispatcher = dispatcher
+        if (dispatcher.first_local_expert, dispatcher.num_local_experts) != (
+            self.experts.first_expert,
+            self.experts.num_experts,
+        ):
+            self.experts.keep_experts(dispatcher.first_local_expert, dispatcher.num_local_experts)
 
     def forward(self, x_BSD: Tensor) -> Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
@@ -291,14 +279,18 @@ class MoEFeedForward(nn.Module):
         if self.training and recording_side_effects():
             with torch.no_grad():
                 self.step_copies_per_expert += routed.copies_per_expert
-                self.step_kept_per_expert += kept_copies_per_expert(
-                    self.dispatcher, routed.copies_per_expert, x_TD.shape[0], self.config.top_k
-                )
+                self.step_kept_per_expert += handle.kept_per_expert
                 self.step_dropped_copies += handle.dropped_copies
                 self.step_routed_copies += handle.num_copies
                 self.step_lb_loss += routed.lb_loss.detach().double()
                 self.step_z_loss += routed.z_loss.detach().double()
         return y_TD.view_as(x_BSD)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Zero balancing bias and routing statistics."""
+        self.router.expert_bias.zero_()
+        self.take_stats()
 
     @torch.no_grad()
     def take_stats(self) -> RoutingStats:

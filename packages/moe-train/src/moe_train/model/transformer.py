@@ -5,12 +5,11 @@ B batch, S positions of this call, V vocabulary, D model width.
 
 import math
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from moe_dispatch import Dispatcher, make_dispatcher
 from moe_train.config import ModelConfig
 from moe_train.model.attention import (
     Attention,
@@ -22,20 +21,6 @@ from moe_train.model.attention import (
 from moe_train.model.loss import head_lm_loss
 from moe_train.model.moe import Experts, MoEFeedForward, SwiGLU
 from moe_train.model.recompute import RecomputeMode, run_with_recompute
-
-DispatcherFactory = Callable[[int], Dispatcher]
-"""Builds the dispatcher of the MoE block at a given layer index."""
-
-
-def local_dispatcher_factory(config: ModelConfig) -> DispatcherFactory:
-    """Every MoE layer dispatches within the process (no expert parallelism)."""
-    moe = config.moe
-    return lambda layer: make_dispatcher(
-        "local",
-        num_experts=moe.num_experts,
-        capacity_factor=moe.capacity_factor,
-        group_alignment=moe.group_alignment,
-    )
 
 
 class KVCache:
@@ -57,12 +42,7 @@ class KVCache:
 class Block(nn.Module):
     """Pre-norm transformer block: attention then a dense or MoE feed-forward."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        layer: int,
-        dispatcher_factory: DispatcherFactory,
-    ):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.recompute: RecomputeMode = "none"
         """What backward recomputes (set on a built model by `apply_recompute`)."""
@@ -79,7 +59,7 @@ class Block(nn.Module):
         if layer < config.dense_layers:
             self.ffn = SwiGLU(config.d_model, config.dense_hidden)
         else:
-            self.ffn = MoEFeedForward(config.d_model, config.moe, dispatcher_factory(layer))
+            self.ffn = MoEFeedForward(config.d_model, config.moe)
 
     def forward(
         self,
@@ -110,50 +90,51 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The language model, or the part of it one pipeline rank holds.
+    """The language model, or the part of it one rank holds.
 
-    `forward(tokens)` gives logits (whole model only); `run_layers` runs any part. The MoE
-    auxiliary losses join the backward through the MoE blocks themselves (see
-    `set_aux_loss_scale`), so the training objective is the LM loss alone. Built from its
-    config alone; training choices are applied to the built model (`training_choices`).
+    `Transformer(config, max_seq_len)` is the whole single-process model, built from its
+    config alone. A rank's part of a parallel layout is this model transformed after
+    construction (`moe_train.model.parallelize`): built on the meta device, given its experts
+    and dispatchers and its pipeline stages, then materialised. `forward(tokens)` gives
+    logits (whole model only); `run_layers` runs any part. The MoE auxiliary losses join the
+    backward through the MoE blocks themselves (see `set_aux_loss_scale`), so the training
+    objective is the LM loss alone. Training choices are applied to the built model
+    (`training_choices`).
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        max_seq_len: int,
-        dispatcher_factory: DispatcherFactory | None = None,
-        seed: int = 0,
-        *,
-        layers: Sequence[int] | None = None,
-        with_embedding: bool = True,
-        with_head: bool = True,
-    ) -> None:
+    def __init__(self, config: ModelConfig, max_seq_len: int, *, seed: int = 0) -> None:
+        """Parameters initialised from `seed` (see `init_weights`); on the meta device (under
+        `torch.device("meta")`) left unallocated and uninitialised."""
         super().__init__()
         self.config = config
-        factory = dispatcher_factory or local_dispatcher_factory(config)
-        layers = range(config.n_layers) if layers is None else sorted(layers)
-        self.embed = nn.Embedding(config.vocab_size, config.d_model) if with_embedding else None
+        self.embed: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)
         # A dict keyed by the global layer index keeps parameter names stable when a pipeline
         # stage holds only some of the layers.
-        self.blocks = nn.ModuleDict({str(i): Block(config, i, factory) for i in layers})
-        self.norm = RMSNorm(config.d_model, config.norm_eps) if with_head else None
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False) if with_head else None
-        if config.tie_embeddings and self.head is not None:
-            self.head.weight = self.embed.weight
+        self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.d_model, config.norm_eps)
+        self.head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.tie_weights()
         cos, sin = rope_tables(config.d_model // config.n_heads, max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.max_seq_len = max_seq_len
-        self.init_weights(seed)
+        if not self.rope_cos.is_meta:
+            self.init_weights(seed)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when `model.tie_embeddings` (and both are held)."""
+        if self.config.tie_embeddings and self.head is not None and self.embed is not None:
+            self.head.weight = self.embed.weight
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2L).
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2L);
+        buffers at their starting values (rotary tables, zero balancing biases and routing
+        statistics).
 
         Every tensor (every expert of an expert tensor) draws from its own generator seeded by
-        `seed` and its global name (and expert index), so a weight is the same whichever
-        ranks hold it and whatever else the process builds.
+        `seed` and its global name (and global expert index), so a weight is the same
+        whichever ranks hold it and whatever else the process builds.
         """
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.n_layers)
@@ -166,15 +147,21 @@ class Transformer(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
             elif isinstance(module, Experts):
-                for local, expert in enumerate(
-                    range(module.first_expert, module.first_expert + module.w_down_EHD.shape[0])
-                ):
+                first = module.first_expert
+                for local, expert in enumerate(range(first, first + module.num_experts)):
                     _seeded_normal(
                         module.w_gate_up_EDO[local], f"{name}.w_gate_up_EDO.{expert}", seed, std
                     )
                     _seeded_normal(
                         module.w_down_EHD[local], f"{name}.w_down_EHD.{expert}", seed, out_std
                     )
+            elif isinstance(module, MoEFeedForward):
+                module.reset_buffers()
+        cos, sin = rope_tables(
+            self.config.d_model // self.config.n_heads, self.max_seq_len, self.config.rope_theta
+        )
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def forward(
         self,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from moe_train.config import Config
 from moe_train.errors import ConfigError
+from moe_train.model.dispatchers import choose_dispatcher
 from moe_train.plan.hardware import Device
 from moe_train.plan.memory import MemoryPrediction, predict_memory
 from moe_train.plan.roofline import StepTime, mfu, step_time, tokens_per_second_per_device
@@ -127,11 +128,6 @@ def candidate_layouts(config: Config, world_size: int, device: Device) -> Iterat
 
 def _with(config: Config, **c) -> Config:
     parallel = config.parallel
-    dispatcher = parallel.dispatcher
-    if c["ep"] > 1 and dispatcher == "local":
-        dispatcher = "all_to_all"
-    if c["ep"] == 1:
-        dispatcher = "local"
     return dataclasses.replace(
         config,
         data=dataclasses.replace(config.data, micro_batch_size=c["micro"]),
@@ -143,7 +139,7 @@ def _with(config: Config, **c) -> Config:
             virtual_stages=c["virtual"],
             recompute=c["recompute"],
             distributed_optimizer=c["dist_opt"],
-            dispatcher=dispatcher,
+            dispatcher=choose_dispatcher(parallel.dispatcher, c["ep"]),
         ),
         precision=dataclasses.replace(
             config.precision, param_dtype=c["param_dtype"], expert_gemm=c["gemm"]

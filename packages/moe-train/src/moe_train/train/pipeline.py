@@ -3,11 +3,12 @@
 Built on `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1F1B). Stage `s` of
 `pp * virtual_stages` holds an equal run of consecutive layers and lives on pp rank
 `s % pp` (the loop placement interleaved schedules expect); the embedding belongs to stage 0
-and the final norm and head to the last stage. Each pp rank builds one `Transformer` holding
-only its stages' layers (parameter names stay global), and one `StageModule` per stage runs
-its part; the last stage ends with the final norm, and the schedule's loss function applies
-the head fused with the loss (`head_lm_loss`). The MoE auxiliary losses need nothing from the schedule: they enter the backward
-inside their own stage (see `Transformer.set_aux_loss_scale`).
+and the final norm and head to the last stage. Each pp rank holds one `Transformer` cut down
+to its stages' layers (`apply_pipeline_split` on the meta-device model: parameter names stay
+global), and one `StageModule` per stage runs its part; the last stage ends with the final
+norm, and the schedule's loss function applies the head fused with the loss
+(`head_lm_loss`). The MoE auxiliary losses need nothing from the schedule: they enter the
+backward inside their own stage (see `Transformer.set_aux_loss_scale`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One rank's share of a training step: model, optimizer, gradient path, and the step itself.
 
-`StepRunner` builds what a rank holds for the layout (its pipeline stages, its experts, the
-plain or sharded optimizer) and runs a step: forward and backward of the rank's
+`StepRunner` builds what a rank holds for the layout (its part of the model, from
+`build_rank_model`, and the plain or sharded optimizer) and runs a step: forward and backward of the rank's
 micro-batches (gradient accumulation, or the pipeline schedule), gradient reduction, global
 clipping and the update. The training loop (`trainer.py`) adds data, checkpoints and metrics;
 benchmarks drive the same steps.
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher, make_row_transport
 from moe_parallel import (
     DistributedAdamW,
     Layout,
@@ -35,11 +34,16 @@ from moe_train.model import (
     Transformer,
     apply_compile,
     apply_expert_gemm,
+    apply_expert_parallel,
     apply_param_dtype,
+    apply_pipeline_split,
     apply_recompute,
     document_ids,
+    layer_dispatchers,
+    materialize,
 )
-from moe_train.train.pipeline import PipelineRunner, plan_stages
+from moe_train.model.routing_stats import RoutingStats
+from moe_train.train.pipeline import PipelineRunner, StagePlan, plan_stages
 from moe_train.train.routing import StepRouting, max_over_mean
 from moe_train.train.runtime import Runtime
 
@@ -66,41 +70,23 @@ def build_optimizer(model: nn.Module, config: Config, layout: Layout) -> Trainin
     )
 
 
-def dispatcher_factory(config: Config, runtime: Runtime) -> DispatcherFactory:
-    """The token dispatcher of every MoE layer, for this rank's expert-parallel group.
-
-    Without expert parallelism (ep = 1) every backend reduces to `local`. The rowwise layers
-    share one transport (one set of receive buffers).
-    """
-    moe, parallel = config.model.moe, config.parallel
-    name, kwargs = "local", {}
-    if parallel.ep > 1:
-        name = "all_to_all" if parallel.dispatcher == "auto" else parallel.dispatcher
-        kwargs = {
-            "group": runtime.layout.ep_group,
-            "max_tokens_per_rank": config.data.micro_batch_size * config.data.seq_len,
-        }
-        if name == "rowwise":
-            transport = make_row_transport(parallel.rowwise_transport, runtime.layout.ep_group)
-            try:
-                transport.connect(runtime.device)
-            except RuntimeError as e:
-                raise ConfigError(f"parallel.rowwise_transport: {e}") from e
-            kwargs["row_transport"] = transport
-
-    def build(layer: int) -> Dispatcher:
-        try:
-            return make_dispatcher(
-                name,
-                num_experts=moe.num_experts,
-                capacity_factor=moe.capacity_factor,
-                group_alignment=moe.group_alignment,
-                **kwargs,
-            )
-        except BackendUnavailable as e:
-            raise ConfigError(str(e)) from e
-
-    return build
+def build_rank_model(
+    config: Config,
+    dispatchers: DispatcherFactory,
+    plan: StagePlan | None,
+    device: torch.device,
+) -> Transformer:
+    """This rank's part of the model on `device`: the single-process model built on the meta
+    device, given its experts (those of `dispatchers`) and its pipeline stages (`plan`, None
+    without pipeline parallelism), then materialised and initialised as the single-process
+    model is (see `moe_train.model.parallelize`)."""
+    with torch.device("meta"):
+        model = Transformer(config.model, config.data.seq_len)
+    apply_expert_parallel(model, dispatchers)
+    if plan is not None:
+        apply_pipeline_split(model, plan.layers, first=plan.has_first, last=plan.has_last)
+    materialize(model, device, config.train.seed)
+    return model
 
 
 def _lower_precision_params(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -190,36 +176,38 @@ def reduce_step_stats(
     """
     model_config = model.config
     num_experts = model_config.moe.num_experts
-    held = model.moe_layers()
     rows = torch.zeros(
-        model_config.n_layers, 2 * num_experts + 4, dtype=torch.float64, device=lm_loss_sum.device
+        model_config.n_layers,
+        RoutingStats.packed_width(num_experts),
+        dtype=torch.float64,
+        device=lm_loss_sum.device,
     )
-    for index, layer in held.items():
-        rows[index] = layer.take_stats().flat()
+    for index, layer in model.moe_layers().items():
+        rows[index] = layer.take_stats().pack()
     totals = runtime.sum_over_world(torch.cat([lm_loss_sum.reshape(1), rows.flatten()]))
     first_moe = model_config.dense_layers
-    copies_LE = totals[1:].view_as(rows)[first_moe:, :num_experts]
+    copies_LE = RoutingStats.unpack(totals[1:].view_as(rows)[first_moe:], num_experts)
     host = totals.cpu()
     lm_loss = host[0].item() / num_micro
-    rows = host[1:].view_as(rows)[first_moe:]
-    if not len(rows):
+    summed = RoutingStats.unpack(host[1:].view_as(rows)[first_moe:], num_experts)
+    num_moe_layers = len(summed.routed_copies)
+    if not num_moe_layers:
         return StepStats(lm_loss, 0.0, 0.0, 1.0, 0.0)
-    dropped, routed, lb_sum, z_sum = rows[:, 2 * num_experts :].sum(dim=0).tolist()
-    # Counts are sums of integers below 2^53: exact in float64.
+    dropped, routed = summed.dropped_copies.sum().item(), summed.routed_copies.sum().item()
     routing = StepRouting(
         layers=tuple(range(first_moe, model_config.n_layers)),
-        load_LE=rows[:, :num_experts].round().long(),
-        kept_LE=rows[:, num_experts : 2 * num_experts].round().long(),
-        lb_loss_L=rows[:, 2 * num_experts + 2] / num_micro,
+        load_LE=summed.copies_per_expert.round().long(),
+        kept_LE=summed.kept_per_expert.round().long(),
+        lb_loss_L=summed.lb_loss_sum / num_micro,
         ep=runtime.layout.ep,
     )
     return StepStats(
         lm_loss=lm_loss,
-        lb_loss=lb_sum / (num_micro * len(rows)),
-        z_loss=z_sum / (num_micro * len(rows)),
+        lb_loss=summed.lb_loss_sum.sum().item() / (num_micro * num_moe_layers),
+        z_loss=summed.z_loss_sum.sum().item() / (num_micro * num_moe_layers),
         load_max_over_mean=max_over_mean(routing.load_LE).max().item(),
         dropped_fraction=dropped / routed if routed else 0.0,
-        expert_copies_LE=copies_LE,
+        expert_copies_LE=copies_LE.copies_per_expert,
         routing=routing,
     )
 
@@ -251,8 +239,16 @@ class StepRunner:
     after `start_runtime` checked the layout (pipeline settings included) on every rank.
     """
 
-    def __init__(self, config: Config, runtime: Runtime, eos_id: int | None = None) -> None:
-        """`eos_id`: the data's end-of-document id, which data.document_masking needs."""
+    def __init__(
+        self,
+        config: Config,
+        runtime: Runtime,
+        eos_id: int | None = None,
+        *,
+        dispatchers: DispatcherFactory | None = None,
+    ) -> None:
+        """`eos_id`: the data's end-of-document id, which data.document_masking needs.
+        `dispatchers`: the MoE layers' (default: `layer_dispatchers` for the layout)."""
         layout, device = runtime.layout, runtime.device
         data = config.data
         self.config, self.runtime = config, runtime
@@ -269,15 +265,9 @@ class StepRunner:
             if layout.pp > 1
             else None
         )
-        self.model = Transformer(
-            config.model,
-            data.seq_len,
-            dispatcher_factory(config, runtime),
-            seed=config.train.seed,
-            layers=plan.layers if plan else None,
-            with_embedding=plan.has_first if plan else True,
-            with_head=plan.has_last if plan else True,
-        ).to(device)
+        self.model = build_rank_model(
+            config, dispatchers or layer_dispatchers(config, layout.ep_group, device), plan, device
+        )
         apply_recompute(self.model, config.parallel.recompute)
         apply_expert_gemm(self.model, config.precision.expert_gemm)
         if config.train.compile:

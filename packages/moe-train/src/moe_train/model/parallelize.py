@@ -1,0 +1,78 @@
+"""A rank's part of a parallel layout, made from the single-process model after construction.
+
+Build the model on the meta device (`torch.device("meta")`: shapes, no storage), apply the
+layout, then materialise only what the rank holds:
+
+```
+with torch.device("meta"):
+    model = Transformer(config.model, max_seq_len)
+apply_expert_parallel(model, dispatchers)                   # the rank's experts
+apply_pipeline_split(model, layers, first=..., last=...)     # the rank's stages
+materialize(model, device, seed)                             # allocate and initialise
+```
+
+Each tensor is initialised from its global name (and global expert index), so values equal
+the single-process model's whatever the layout, and no rank allocates more than its share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from moe_train.model.dispatchers import DispatcherFactory
+from moe_train.model.transformer import Transformer
+
+
+def apply_expert_parallel(model: Transformer, dispatchers: DispatcherFactory) -> None:
+    """Give every MoE layer its dispatcher (`dispatchers(layer index)`) and keep only the
+    experts that dispatcher's rank holds."""
+    for index, layer in model.moe_layers().items():
+        layer.use_dispatcher(dispatchers(index))
+
+
+def apply_pipeline_split(
+    model: Transformer, layers: Iterable[int], *, first: bool, last: bool
+) -> None:
+    """Keep only the blocks `layers` (global indices), the embedding if `first` and the final
+    norm and head if `last`; parameter names stay global. (Tied embeddings cannot be split:
+    `Config.validate` refuses them with pipeline stages.)"""
+    kept = {str(i) for i in layers}
+    unknown = sorted(int(name) for name in kept - set(model.blocks))
+    if unknown:
+        raise ValueError(f"layers {unknown} are not among the model's blocks")
+    for name in [name for name in model.blocks if name not in kept]:
+        del model.blocks[name]
+    if not first:
+        model.embed = None
+    if not last:
+        model.norm = None
+        model.head = None
+
+
+@torch.no_grad()
+def materialize(model: Transformer, device: torch.device | str, seed: int) -> None:
+    """Allocate the meta tensors of `model` and initialise them (`Transformer.init_weights`).
+
+    Values are drawn on the CPU, whatever `device` (so they equal the single-process
+    model's), then moved to `device`. Parameters keep their attributes (the expert marks)
+    and their sharing (tied embeddings).
+    """
+    allocated: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in allocated:
+                fresh = nn.Parameter(torch.empty_like(param, device="cpu"), param.requires_grad)
+                fresh.__dict__.update(param.__dict__)
+                allocated[id(param)] = fresh
+            setattr(module, name, allocated[id(param)])
+        for name, buffer in module.named_buffers(recurse=False):
+            module.register_buffer(
+                name,
+                torch.empty_like(buffer, device="cpu"),
+                persistent=name not in module._non_persistent_buffers_set,
+            )
+    model.init_weights(seed)
+    model.to(device)
