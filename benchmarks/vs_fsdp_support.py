@@ -150,7 +150,7 @@ class FsdpRunner:
         self.my_micro = self.num_micro // layout.dp
         self.first_micro = layout.dp_rank * self.my_micro
         # ep = 1: every layer's dispatcher is local, the single-process model's.
-        model = Transformer(config.model, data.seq_len, seed=config.train.seed).to(runtime.device)
+        model = Transformer(config.model, seed=config.train.seed).to(runtime.device)
         apply_expert_gemm(model, config.precision.expert_gemm)
         model.set_aux_loss_scale(1.0 / self.num_micro)
         mesh = init_device_mesh(runtime.device.type, (layout.dp,))

@@ -153,7 +153,7 @@ class Shapes:
 
 def _shapes(setup) -> Shapes:
     config = _fsdp_config(setup)
-    named = list(Transformer(config.model, config.data.seq_len).named_parameters())
+    named = list(Transformer(config.model).named_parameters())
     blocks = sorted({n.split(".")[1] for n, _ in named if n.startswith("blocks.")})
     data, model = config.data, config.model
     return Shapes(

@@ -47,7 +47,7 @@ def test_model_logits_before_a_changed_token_do_not_move(changed):
     config = small_model_config(n_layers=3)
     assert config.moe.capacity_factor is None
     torch.manual_seed(changed)
-    model = Transformer(config, max_seq_len=SEQ_LEN)
+    model = Transformer(config)
     tokens = torch.randint(0, 64, (2, SEQ_LEN))
     altered = tokens.clone()
     altered[:, changed] = (tokens[:, changed] + 1 + torch.randint(0, 63, (2,))) % 64

@@ -50,7 +50,7 @@ def _each_document_alone(model, inputs, targets, starts) -> tuple[torch.Tensor, 
 
 def test_masked_loss_and_logits_equal_each_document_run_alone():
     rng = np.random.default_rng(0)
-    model = Transformer(small_model_config(), max_seq_len=64, seed=2)
+    model = Transformer(small_model_config(), seed=2)
     packed, starts = _packed(rng, rows=3, length=49)
     inputs, targets = packed[:, :-1], packed[:, 1:]
     with torch.no_grad():
@@ -106,7 +106,7 @@ def test_a_training_step_with_masking_has_the_loss_of_documents_alone(tmp_path):
     dataset = TokenDataset(data.paths, data.seq_len)
     batch = dataset.batch(0, data.global_batch_size, config.train.seed)
     assert (batch == dataset.eos_id).sum() >= data.global_batch_size, "too few documents"
-    model = Transformer(config.model, data.seq_len, seed=config.train.seed)
+    model = Transformer(config.model, seed=config.train.seed)
     micro_losses = []
     with torch.no_grad():
         for micro in batch.split(data.micro_batch_size):

@@ -75,7 +75,7 @@ def _expert_parallel_step(
     layout = runtime.layout
     dispatchers = layer_dispatchers(config, runtime.layout.ep_group, runtime.device)
     with torch.device("meta"):
-        model = Transformer(config.model, SEQ)
+        model = Transformer(config.model)
     apply_expert_parallel(model, dispatchers)
     materialize(model, runtime.device, seed=3)
     apply_recompute(model, recompute)
@@ -96,7 +96,7 @@ def _expert_parallel_step(
 
 @pytest.fixture(scope="module")
 def single_process():
-    model = Transformer(_config(1, "local").model, SEQ, seed=3)
+    model = Transformer(_config(1, "local").model, seed=3)
     logits = _step(model, _tokens())
     return logits, {name: p.grad.clone() for name, p in model.named_parameters()}
 

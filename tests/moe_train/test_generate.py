@@ -45,7 +45,7 @@ def _cached_logits(model: Transformer, tokens_BS: torch.Tensor, chunks: list[int
 def test_cached_decoding_gives_the_full_forward_logits_at_every_position(qk_norm):
     config = small_model_config(n_layers=3)
     config.qk_norm = qk_norm
-    model = Transformer(config, max_seq_len=24, seed=3).eval()
+    model = Transformer(config, seed=3).eval()
     tokens_BS = torch.randint(
         0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7)
     )
@@ -56,22 +56,27 @@ def test_cached_decoding_gives_the_full_forward_logits_at_every_position(qk_norm
     _assert_close(cached, full, 1e-5, f"qk_norm={qk_norm}")
 
 
-def test_positions_past_max_seq_len_get_the_rotary_angles_of_a_longer_model():
+def test_rotary_tables_grown_in_steps_equal_tables_made_at_once():
+    """A model that ran 8 positions, then decodes to 20 (its rotary tables grown twice), gives
+    the logits of a fresh model run on all 20 positions at once."""
     config = small_model_config()
-    short = Transformer(config, max_seq_len=8, seed=1).eval()
-    long = Transformer(config, max_seq_len=20, seed=1).eval()
+    grown = Transformer(config, seed=1).eval()
+    fresh = Transformer(config, seed=1).eval()
     tokens_BS = torch.randint(
         0, config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2)
     )
     with torch.no_grad():
-        cached = _cached_logits(short, tokens_BS, [5] + [1] * 15)
-        full = long(tokens_BS)
-    _assert_close(cached, full, 1e-5, "past max_seq_len")
+        grown(tokens_BS[:, :8])
+        assert grown.rope_cos.shape[0] == 8
+        cached = _cached_logits(grown, tokens_BS, [5] + [1] * 15)
+        full = fresh(tokens_BS)
+    assert grown.rope_cos.shape[0] == fresh.rope_cos.shape[0] == 20
+    _assert_close(cached, full, 1e-5, "grown rotary tables")
 
 
 def test_cached_greedy_tokens_equal_a_plain_greedy_loop():
     config = small_model_config()
-    model = Transformer(config, max_seq_len=32, seed=5).eval()
+    model = Transformer(config, seed=5).eval()
     prompt_BS = torch.randint(
         0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(4)
     )
@@ -157,7 +162,7 @@ def test_generation_uses_the_trained_weights(id_runs):
 
     model, config, ckpt = load_checkpoint_model(id_runs["single"].parent, "cpu")
     assert ckpt == id_runs["single"]
-    fresh = Transformer(config.model, config.data.seq_len, seed=config.train.seed)
+    fresh = Transformer(config.model, seed=config.train.seed)
     assert not torch.equal(fresh.embed.weight, model.embed.weight)
     prompt = torch.tensor([[100, 101, 102]])
     expected = generate_ids(model, prompt, 8, use_cache=False)[0].tolist()

@@ -66,7 +66,7 @@ def test_the_model_forward_with_targets_is_the_loss_of_its_logits():
     from moe_train.model import Transformer
     from training import small_model_config
 
-    model = Transformer(small_model_config(2), max_seq_len=16, seed=1)
+    model = Transformer(small_model_config(2), seed=1)
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(4))
     fused = model(tokens[:, :-1], targets_BS=tokens[:, 1:])
     plain = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])

@@ -15,7 +15,7 @@ from training import small_model_config
 def test_parameter_count_matches_the_module(tie):
     config = small_model_config()
     config.tie_embeddings = tie
-    model = Transformer(config, max_seq_len=16)
+    model = Transformer(config)
     assert count_params(config).total == sum(p.numel() for p in model.parameters())
 
 
@@ -100,7 +100,7 @@ def test_logits_match_a_float64_reference_forward(router, qk_norm):
     weights drawn away from their initial values (norm scales and expert biases included)."""
     config = small_model_config(n_layers=3, router=router)
     config.qk_norm = qk_norm
-    model = Transformer(config, max_seq_len=16)
+    model = Transformer(config)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
@@ -154,7 +154,7 @@ def _aux_losses_reference(x_TD: Tensor, weight_ED: Tensor, router: str, top_k: i
 def test_aux_losses_match_float64_reference_of_every_moe_layer(router):
     torch.manual_seed(0)
     config = small_model_config(n_layers=3, router=router)  # two MoE layers: their mean
-    model = Transformer(config, max_seq_len=16)
+    model = Transformer(config)
     moe_layers = model.moe_layers()
     assert len(moe_layers) == 2
     router_inputs = {}
@@ -185,7 +185,7 @@ def test_uniform_router_gives_load_balancing_loss_exactly_one(router):
     # Zero router weights make every logit 0: P_te = 1/E for every token and expert, so
     # E * sum_e f_e * P_e = sum_e f_e = 1 whatever the (tied) choices were, as long as the
     # shares f_e of the routed copies sum to one. The z-loss is log(E)^2.
-    model = Transformer(small_model_config(n_layers=3, router=router), max_seq_len=16)
+    model = Transformer(small_model_config(n_layers=3, router=router))
     with torch.no_grad():
         for layer in model.moe_layers().values():
             layer.router.gate.weight.zero_()
@@ -198,11 +198,11 @@ def test_uniform_router_gives_load_balancing_loss_exactly_one(router):
 def test_ample_capacity_equals_dropless_and_tight_capacity_drops():
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (2, 16))
-    dropless = Transformer(small_model_config(), max_seq_len=16)
-    ample = Transformer(small_model_config(capacity_factor=4.0), max_seq_len=16)
+    dropless = Transformer(small_model_config())
+    ample = Transformer(small_model_config(capacity_factor=4.0))
     ample.load_state_dict(dropless.state_dict())
     torch.testing.assert_close(ample(tokens), dropless(tokens), rtol=0, atol=0)
-    tight = Transformer(small_model_config(capacity_factor=0.25), max_seq_len=16)
+    tight = Transformer(small_model_config(capacity_factor=0.25))
     tight.load_state_dict(dropless.state_dict())
     out = tight(tokens)
     assert torch.isfinite(out).all()
@@ -215,7 +215,7 @@ def test_ample_capacity_equals_dropless_and_tight_capacity_drops():
 
 def test_tiny_model_overfits_one_batch():
     torch.manual_seed(0)
-    model = Transformer(small_model_config(), max_seq_len=24)
+    model = Transformer(small_model_config())
     batch = torch.randint(0, 64, (4, 25))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = None
@@ -231,7 +231,7 @@ def test_tiny_model_overfits_one_batch():
 
 def test_bf16_autocast_forward_is_close_to_fp32():
     torch.manual_seed(0)
-    model = Transformer(small_model_config(), max_seq_len=16)
+    model = Transformer(small_model_config())
     tokens = torch.randint(0, 64, (2, 16))
     reference = model(tokens)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -244,8 +244,8 @@ def test_bf16_autocast_forward_is_close_to_fp32():
 def test_group_alignment_does_not_change_the_model():
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (2, 16))
-    plain = Transformer(small_model_config(group_alignment=1), max_seq_len=16)
-    aligned = Transformer(small_model_config(group_alignment=8), max_seq_len=16)
+    plain = Transformer(small_model_config(group_alignment=1))
+    aligned = Transformer(small_model_config(group_alignment=8))
     aligned.load_state_dict(plain.state_dict())
     torch.testing.assert_close(aligned(tokens), plain(tokens), rtol=1e-6, atol=1e-6)
 
@@ -272,7 +272,7 @@ def test_the_forward_after_an_optimizer_step_uses_the_updated_weights(
         with runner.autocast():
             before = runner.model(tokens[:, :-1]).float()
         assert runner.train_step(tokens, 1e-2).applied
-        fresh = Transformer(config.model, config.data.seq_len)
+        fresh = Transformer(config.model)
         fresh.load_state_dict(runner.model.state_dict())
         with runner.autocast():
             after, want = runner.model(tokens[:, :-1]).float(), fresh(tokens[:, :-1]).float()

@@ -59,7 +59,7 @@ def _rank_model(config, rank: int, ep: int, pp: int = 1, pp_rank: int = 0) -> Tr
 @pytest.mark.parametrize(("ep", "pp"), [(4, 1), (2, 2)])
 def test_every_rank_holds_exactly_the_single_process_values(tmp_path, ep, pp):
     config = _config(tmp_path)
-    single = Transformer(config.model, config.data.seq_len, seed=config.train.seed)
+    single = Transformer(config.model, seed=config.train.seed)
     whole = dict(single.named_parameters())
     seen: dict[str, list[int]] = {name: [] for name in whole}
     for pp_rank in range(pp):
@@ -83,7 +83,7 @@ def test_every_rank_holds_exactly_the_single_process_values(tmp_path, ep, pp):
 
 def test_pipeline_split_keeps_global_names_and_its_ends(tmp_path):
     config = _config(tmp_path)
-    model = Transformer(config.model, config.data.seq_len)
+    model = Transformer(config.model)
     apply_pipeline_split(model, [2, 3], first=False, last=True)
     assert list(model.blocks) == ["2", "3"]
     assert model.embed is None and model.head is not None
@@ -123,7 +123,7 @@ def _construction_bytes(config, rank: int, ep: int) -> int:
 
 def test_a_rank_at_ep4_allocates_a_quarter_of_the_expert_bytes(tmp_path):
     config = _config(tmp_path)
-    whole = Transformer(config.model, config.data.seq_len)
+    whole = Transformer(config.model)
     expert_bytes = sum(
         p.numel() * p.element_size() for p in whole.parameters() if is_expert_parameter(p)
     )

@@ -47,7 +47,7 @@ SMALL = [
 def _saved_bytes(config) -> int:
     """Bytes of the new tensors a forward keeps for backward, counted by torch's hooks."""
     torch.manual_seed(0)
-    model = Transformer(config.model, config.data.seq_len)
+    model = Transformer(config.model)
     apply_recompute(model, config.parallel.recompute)
     if config.precision.param_dtype == "bfloat16":
         apply_param_dtype(model, torch.bfloat16)

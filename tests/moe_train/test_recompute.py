@@ -23,8 +23,8 @@ def _forward_backward(model: Transformer, tokens: torch.Tensor) -> tuple[torch.T
 def test_recompute_gives_the_same_logits_gradients_and_routing_stats(mode, moe_kwargs):
     config = small_model_config(3, **moe_kwargs)
     tokens = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(1))
-    reference = Transformer(config, max_seq_len=16, seed=4)
-    recomputed = Transformer(config, max_seq_len=16, seed=4)
+    reference = Transformer(config, seed=4)
+    recomputed = Transformer(config, seed=4)
     apply_recompute(recomputed, mode)
     torch.manual_seed(9)  # random routing draws its noise from the global generator
     want_logits, want_grads = _forward_backward(reference, tokens)
@@ -51,7 +51,7 @@ def _activation_bytes(mode: str) -> int:
         n_kv_heads=4,
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64),
     )
-    model = Transformer(config, max_seq_len=256, seed=0)
+    model = Transformer(config, seed=0)
     apply_recompute(model, mode)
     tokens = torch.randint(0, 64, (4, 257), generator=torch.Generator().manual_seed(0))
     inputs = tokens[:, :-1].contiguous()

@@ -190,7 +190,7 @@ def test_training_choices_are_set_on_the_built_model():
         dense_hidden=32,
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16),
     )
-    model = Transformer(config, max_seq_len=8)
+    model = Transformer(config)
     assert {b.recompute for b in model.blocks.values()} == {"none"}
     apply_recompute(model, "full")
     assert {b.recompute for b in model.blocks.values()} == {"full"}
@@ -209,7 +209,6 @@ def test_compiled_elementwise_parts_train_like_eager(make_config, tmp_path):
         ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2,
                     dense_layers=1, dense_hidden=32, qk_norm=True,
                     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16)),
-        max_seq_len=8,
     )  # fmt: skip
     apply_compile(model)
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
@@ -233,7 +232,6 @@ def test_compiled_model_gives_the_eager_logits_and_gradients(qk_norm):
         ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                     dense_layers=1, dense_hidden=48, qk_norm=qk_norm,
                     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16)),
-        max_seq_len=16,
     )  # fmt: skip
     compiled = copy.deepcopy(eager)
     apply_compile(compiled)

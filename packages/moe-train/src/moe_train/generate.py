@@ -48,12 +48,12 @@ class Generated:
     """``eos`` (the end-of-text token was drawn) or ``length`` (max_new_tokens reached)."""
 
 
-def generation_model(model_config: ModelConfig, max_seq_len: int, seed: int = 0) -> Transformer:
+def generation_model(model_config: ModelConfig, seed: int = 0) -> Transformer:
     """The model of `model_config` for one process, with dropless local routing and the
     default (torch) expert GEMMs (see the module docstring); in eval mode."""
     moe = dataclasses.replace(model_config.moe, capacity_factor=None)
     config = dataclasses.replace(model_config, moe=moe)
-    return Transformer(config, max_seq_len, seed=seed).eval()
+    return Transformer(config, seed=seed).eval()
 
 
 def load_checkpoint_model(
@@ -66,7 +66,7 @@ def load_checkpoint_model(
     try:
         ckpt = resolve_checkpoint(checkpoint)
         config = config_from_dict(read_trainer_state(ckpt)["config"])
-        model = generation_model(config.model, config.data.seq_len, config.train.seed)
+        model = generation_model(config.model, config.train.seed)
         load_into(ckpt, model_slices(model, single_process_layout(), owned_only=False))
     except CheckpointError as e:
         raise MoeTrainError(str(e)) from e
@@ -134,7 +134,7 @@ def generate_ids(
 ) -> Tensor:
     """[B, N] the new tokens after `prompt_BS`, N <= `max_new_tokens`: stops when every
     sequence has drawn `eos_id`. `use_cache=False` runs the whole sequence again for each
-    token (the reference the cache is checked against; limited to the model's max_seq_len)."""
+    token (the reference the cache is checked against)."""
     generator = generator or torch.Generator().manual_seed(0)
     batch, prompt_len = prompt_BS.shape
     device = model.rope_cos.device

@@ -213,14 +213,14 @@ class MoEFeedForward(nn.Module):
     def __init__(
         self, d_model: int, config: MoEConfig, dispatcher: Dispatcher | None = None
     ) -> None:
-        """`dispatcher`: a local one with the config's capacity by default; set another (with
-        expert parallelism) by `use_dispatcher`."""
+        """`dispatcher`: a local one with the config's capacity by default; another (with
+        expert parallelism) keeps only its rank's experts, as `use_dispatcher` does."""
         super().__init__()
         self.config = config
         self.router = Router(d_model, config)
         self.experts = Experts(config.num_experts, d_model, config.expert_hidden)
-        self.dispatcher: Dispatcher = local_dispatcher(config)
-        self.use_dispatcher(dispatcher or self.dispatcher)
+        self.dispatcher: Dispatcher
+        self.use_dispatcher(dispatcher or local_dispatcher(config))
         self.shared = (
             SwiGLU(d_model, config.shared_experts * config.expert_hidden)
             if config.shared_experts

@@ -5,7 +5,7 @@ layout, then materialise only what the rank holds:
 
 ```
 with torch.device("meta"):
-    model = Transformer(config.model, max_seq_len)
+    model = Transformer(config.model)
 apply_expert_parallel(model, dispatchers)                   # the rank's experts
 apply_pipeline_split(model, layers, first=..., last=...)     # the rank's stages
 materialize(model, device, seed)                             # allocate and initialise
@@ -54,25 +54,21 @@ def apply_pipeline_split(
 
 @torch.no_grad()
 def materialize(model: Transformer, device: torch.device | str, seed: int) -> None:
-    """Allocate the meta tensors of `model` and initialise them (`Transformer.init_weights`).
-
-    Values are drawn on the CPU, whatever `device` (so they equal the single-process
-    model's), then moved to `device`. Parameters keep their attributes (the expert marks)
-    and their sharing (tied embeddings).
-    """
+    """Allocate the meta tensors of `model` on `device` and initialise them
+    (`Transformer.init_weights`, whose values do not depend on the device). Parameters keep
+    their attributes (the expert marks) and their sharing (tied embeddings)."""
     allocated: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if id(param) not in allocated:
-                fresh = nn.Parameter(torch.empty_like(param, device="cpu"), param.requires_grad)
+                fresh = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
                 fresh.__dict__.update(param.__dict__)
                 allocated[id(param)] = fresh
             setattr(module, name, allocated[id(param)])
         for name, buffer in module.named_buffers(recurse=False):
             module.register_buffer(
                 name,
-                torch.empty_like(buffer, device="cpu"),
+                torch.empty_like(buffer, device=device),
                 persistent=name not in module._non_persistent_buffers_set,
             )
     model.init_weights(seed)
-    model.to(device)

@@ -1,7 +1,7 @@
 """Training choices applied to a built model: activation recompute, the expert GEMMs, the
 parameters' dtype and compilation.
 
-The model is built from its config alone (`Transformer(config, max_seq_len)`), its layout
+The model is built from its config alone (`Transformer(config)`), its layout
 applied after (`parallelize`); how it trains (what backward recomputes, which kernels and number format the expert GEMMs use) is set on the
 built modules afterwards, so model code carries no training flags.
 """

@@ -92,8 +92,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """The language model, or the part of it one rank holds.
 
-    `Transformer(config, max_seq_len)` is the whole single-process model, built from its
-    config alone. A rank's part of a parallel layout is this model transformed after
+    `Transformer(config)` is the whole single-process model, built from its config alone. A rank's part of a parallel layout is this model transformed after
     construction (`moe_train.model.parallelize`): built on the meta device, given its experts
     and dispatchers and its pipeline stages, then materialised. `forward(tokens)` gives
     logits (whole model only); `run_layers` runs any part. The MoE auxiliary losses join the
@@ -102,9 +101,10 @@ class Transformer(nn.Module):
     (`training_choices`).
     """
 
-    def __init__(self, config: ModelConfig, max_seq_len: int, *, seed: int = 0) -> None:
+    def __init__(self, config: ModelConfig, *, seed: int = 0) -> None:
         """Parameters initialised from `seed` (see `init_weights`); on the meta device (under
-        `torch.device("meta")`) left unallocated and uninitialised."""
+        `torch.device("meta")`) left unallocated and uninitialised. Any sequence length runs:
+        the rotary tables grow to the longest sequence seen (see `rope`)."""
         super().__init__()
         self.config = config
         self.embed: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)
@@ -114,10 +114,9 @@ class Transformer(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(config.d_model, config.norm_eps)
         self.head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.tie_weights()
-        cos, sin = rope_tables(config.d_model // config.n_heads, max_seq_len, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.max_seq_len = max_seq_len
+        empty = torch.empty(0, config.d_model // config.n_heads // 2)
+        self.register_buffer("rope_cos", empty, persistent=False)
+        self.register_buffer("rope_sin", empty.clone(), persistent=False)
         if not self.rope_cos.is_meta:
             self.init_weights(seed)
 
@@ -129,12 +128,12 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2L);
-        buffers at their starting values (rotary tables, zero balancing biases and routing
-        statistics).
+        buffers at their starting values (empty rotary tables, zero balancing biases and
+        routing statistics).
 
         Every tensor (every expert of an expert tensor) draws from its own generator seeded by
         `seed` and its global name (and global expert index), so a weight is the same
-        whichever ranks hold it and whatever else the process builds.
+        whichever ranks hold it, on whatever device, and whatever else the process builds.
         """
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.n_layers)
@@ -157,11 +156,21 @@ class Transformer(nn.Module):
                     )
             elif isinstance(module, MoEFeedForward):
                 module.reset_buffers()
-        cos, sin = rope_tables(
-            self.config.d_model // self.config.n_heads, self.max_seq_len, self.config.rope_theta
-        )
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self.rope_cos = self.rope_cos.new_empty(0, self.rope_cos.shape[1])
+        self.rope_sin = self.rope_sin.new_empty(0, self.rope_sin.shape[1])
+
+    def rope(self, length: int) -> tuple[Tensor, Tensor]:
+        """cos and sin tables of the rotary embedding for at least `length` positions, on the
+        model's device. Extending them keeps the rows they hold: a position's angles do not
+        depend on the table's length, and are computed on the CPU in float64 whatever the
+        device, so every process gets the same values."""
+        if length > self.rope_cos.shape[0]:
+            cos, sin = rope_tables(
+                self.config.d_model // self.config.n_heads, length, self.config.rope_theta
+            )
+            self.rope_cos = cos.to(self.rope_cos.device)
+            self.rope_sin = sin.to(self.rope_sin.device)
+        return self.rope_cos, self.rope_sin
 
     def forward(
         self,
@@ -194,8 +203,9 @@ class Transformer(nn.Module):
                 f"{end} positions do not fit a KV cache of {cache.capacity}; make a larger one"
             )
         x_BSD = self.embed(tokens_BS)
+        cos, sin = self.rope(cache.capacity)
         for name, block in self.blocks.items():
-            x_BSD = block(x_BSD, self.rope_cos, self.rope_sin, cache.layers[name], start)
+            x_BSD = block(x_BSD, cos, sin, cache.layers[name], start)
         cache.length = end
         return self.head(self.norm(x_BSD))
 
@@ -207,15 +217,7 @@ class Transformer(nn.Module):
 
     def new_kv_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         """An empty KV cache for `batch` sequences of up to `capacity` positions, in `dtype`
-        (default: the attention weights' dtype). `capacity` may exceed `max_seq_len`: the
-        rotary tables are extended (the positions they already hold keep their values), but
-        the model was trained on `max_seq_len` positions only."""
-        if capacity > self.rope_cos.shape[0]:
-            cos, sin = rope_tables(
-                self.config.d_model // self.config.n_heads, capacity, self.config.rope_theta
-            )
-            self.rope_cos = cos.to(self.rope_cos.device)
-            self.rope_sin = sin.to(self.rope_sin.device)
+        (default: the attention weights' dtype)."""
         layers = {}
         for name, block in self.blocks.items():
             attn = block.attn
@@ -239,15 +241,11 @@ class Transformer(nn.Module):
         """Embed tokens (if `embed`), run the named blocks in order, apply the head (if `head`);
         with `doc_ids_BS`, attention stays inside each document."""
         mask_B1SS = document_mask(doc_ids_BS) if doc_ids_BS is not None else None
+        cos, sin = self.rope(x.shape[1])
         if embed:
-            if x.shape[1] > self.max_seq_len:
-                raise ValueError(
-                    f"sequence of {x.shape[1]} tokens is longer than the model's "
-                    f"max_seq_len={self.max_seq_len}"
-                )
             x = self.embed(x)
         for layer in layers:
-            x = self.blocks[layer](x, self.rope_cos, self.rope_sin, mask_B1SS=mask_B1SS)
+            x = self.blocks[layer](x, cos, sin, mask_B1SS=mask_B1SS)
         return self.head(self.norm(x)) if head else x
 
     def moe_layers(self) -> dict[int, MoEFeedForward]:
@@ -284,7 +282,13 @@ class Transformer(nn.Module):
 
 
 def _seeded_normal(tensor: Tensor, name: str, seed: int, std: float) -> None:
-    """Fill `tensor` from N(0, std^2) with a generator seeded by (`seed`, `name`)."""
-    generator = torch.Generator(device=tensor.device)
+    """Fill `tensor` from N(0, std^2) with a CPU generator seeded by (`seed`, `name`): the
+    values are drawn on the CPU whatever the tensor's device, so they are the same on every
+    device (one tensor at a time passes through host memory)."""
+    generator = torch.Generator()
     generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    tensor.normal_(0.0, std, generator=generator)
+    if tensor.device.type == "cpu":
+        tensor.normal_(0.0, std, generator=generator)
+    else:
+        drawn = torch.empty(tensor.shape, dtype=tensor.dtype).normal_(0.0, std, generator=generator)
+        tensor.copy_(drawn)

@@ -81,7 +81,7 @@ def build_rank_model(
     without pipeline parallelism), then materialised and initialised as the single-process
     model is (see `moe_train.model.parallelize`)."""
     with torch.device("meta"):
-        model = Transformer(config.model, config.data.seq_len)
+        model = Transformer(config.model)
     apply_expert_parallel(model, dispatchers)
     if plan is not None:
         apply_pipeline_split(model, plan.layers, first=plan.has_first, last=plan.has_last)

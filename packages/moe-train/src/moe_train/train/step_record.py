@@ -1,13 +1,13 @@
 """What one training step reports: made once by the loop, read by the console, the metrics
-file, the trackers and the routing log."""
+file and the trackers. (The routing log, `expert_load.jsonl`, writes the step's per-layer
+counts, `moe_train.train.routing.StepRouting`; its balance check's verdict comes back here
+as `hidden_imbalance_layers`.)"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
-
-from moe_train.train.routing import StepRouting
 
 _NOT_IN_ROW = {"not_in_row": True}
 
@@ -62,8 +62,6 @@ class StepRecord:
     """Tokens of this step, all ranks together."""
     applied: bool = field(default=True, metadata=_NOT_IN_ROW)
     """Whether the update was applied (False: a skipped step)."""
-    routing: StepRouting | None = field(default=None, metadata=_NOT_IN_ROW)
-    """Per-layer routing counts, for the routing log; None without MoE layers."""
 
     def row(self) -> dict[str, Any]:
         """The metrics.jsonl object of this step."""

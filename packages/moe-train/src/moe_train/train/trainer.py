@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -353,8 +353,11 @@ class Trainer:
             ]
         )
         stop = stop > 0 and step < self.end_step
+        logged = self.cadence.logs(step, final=stop or step == self.end_step)
+        if self.expert_load is not None and logged and result.stats.routing is not None:
+            self.expert_load.write(step, result.stats.routing)
         record = self._record(step, lr, result, (step_time, data_wait), int(peak_mem), eval_loss)
-        self._report(record, final=stop or step == self.end_step)
+        self._report(record, logged=logged)
         return result, stop, time_due > 0
 
     def _record(
@@ -366,7 +369,8 @@ class Trainer:
         peak: int,
         eval_loss: float | None,
     ) -> StepRecord:
-        """The record of step `step` (`times`: step time and data wait, in seconds)."""
+        """The record of step `step` (`times`: step time and data wait, in seconds), with the
+        balance check's verdict so far (after the step's routing row is written)."""
         stats = result.stats
         step_time, data_wait = times
         return StepRecord(
@@ -379,7 +383,9 @@ class Trainer:
             tokens_per_s=self.tokens_per_step / step_time,
             mfu=self.step_flops / step_time / (self.peak * self.runtime.layout.world_size),
             expert_load_max_over_mean=stats.load_max_over_mean,
-            hidden_imbalance_layers=0,
+            hidden_imbalance_layers=(
+                self.expert_load.flagged_layers if self.expert_load is not None else 0
+            ),
             dropped_token_frac=stats.dropped_fraction,
             peak_mem_bytes=peak,
             step_time_s=step_time,
@@ -391,18 +397,11 @@ class Trainer:
             eval_loss=eval_loss,
             tokens=self.tokens_per_step,
             applied=result.applied,
-            routing=stats.routing,
         )
 
-    def _report(self, record: StepRecord, *, final: bool) -> None:
-        """The log phase: the routing row and the metrics row of a logged step (and of a
-        skipped or evaluated one), the trackers, and the console."""
-        logged = self.cadence.logs(record.step, final=final)
-        if self.expert_load is not None:
-            if logged and record.routing is not None:
-                self.expert_load.write(record.step, record.routing)
-            # The balance check's verdict so far, read back into the metrics row.
-            record = replace(record, hidden_imbalance_layers=self.expert_load.flagged_layers)
+    def _report(self, record: StepRecord, *, logged: bool) -> None:
+        """The log phase: the metrics row of a logged step (and of a skipped or evaluated
+        one), the trackers, and the console."""
         evaluated = record.eval_loss is not None
         if self.metrics is not None and (logged or not record.applied or evaluated):
             row = record.row()
