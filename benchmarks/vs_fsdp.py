@@ -64,14 +64,7 @@ MODEL = {
 }
 # Both sizes: two micro-batches per rank and step (FSDP gathers the weights for each).
 DATA = {"seq_len": 128, "micro_batch_size": 2, "global_batch_size": 16}
-QUICK_MODEL = {
-    "vocab_size": 320,
-    "d_model": 64,
-    "n_layers": 2,
-    "n_heads": 4,
-    "n_kv_heads": 2,
-    "moe": {"top_k": 2, "expert_hidden": 64},
-}
+QUICK_MODEL = {**MODEL, "d_model": 64, "moe": {**MODEL["moe"], "expert_hidden": 64}}
 QUICK_DATA = {"seq_len": 64, "micro_batch_size": 2, "global_batch_size": 16}
 
 

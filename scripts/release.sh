@@ -109,7 +109,7 @@ uv venv --quiet --python 3.11 "$venv"
 uv pip install --quiet --python "$venv/bin/python" -c "$work/constraints.txt" \
   "${wheels[@]}" ${test_deps[$dist]}
 # The tests run from a copy outside the source tree; only the shared helpers (tests/*.py,
-# not the tests in it, and benchmarks/harness, whose ranks tests/distributed.py runs) are on
+# not the tests in it, and benchmarks/harness, whose multi-process runner the tests use) are on
 # PYTHONPATH, so the package can only come from the venv.
 mkdir -p "$work/run/helpers"
 cp -r "$tests_dir" "$work/run/"

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from distributed import free_port
+from harness.ranks import free_port
 from training import save_config, small_config_data
 
 TESTS = Path(__file__).parent

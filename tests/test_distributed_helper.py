@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 
 
 def _all_reduce_rank(rank: int, world_size: int) -> float:

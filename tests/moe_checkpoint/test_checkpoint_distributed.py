@@ -16,7 +16,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import Tensor
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_checkpoint import (
     CheckpointError,
     OwnedSlice,

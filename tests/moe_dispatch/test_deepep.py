@@ -37,7 +37,7 @@ from test_all_to_all import (
 )
 
 from assertions import assert_close_report
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_dispatch import BackendUnavailable, DeepEPDispatcher, Dispatcher, make_dispatcher
 
 BF16_RTOL = 1 / 64

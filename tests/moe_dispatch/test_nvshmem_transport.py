@@ -27,7 +27,7 @@ from test_symmetric_memory import check_error, check_same_blocks, exchange
 from torch import Tensor
 
 import moe_dispatch.transport_nvshmem as transport_nvshmem
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_dispatch import (
     BackendUnavailable,
     NvshmemTransport,

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_parallel import (
     GradientReducer,
     LayoutError,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from assertions import assert_close_report
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_parallel import (
     DistributedAdamW,
     GradientReducer,

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_parallel import (
     ReplicatedAdamW,
     StateRequest,

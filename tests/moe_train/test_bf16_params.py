@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_train.config import config_from_dict
 from moe_train.train import train
 from moe_train.train.runtime import start_runtime

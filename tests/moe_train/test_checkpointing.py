@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_train.cli import main
 from moe_train.config import config_from_dict
 from moe_train.errors import ConfigError, MoeTrainError

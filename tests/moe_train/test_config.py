@@ -145,3 +145,29 @@ def test_document_masking_needs_data_that_declares_its_end_of_document_id():
         "records the id) or set data.document_masking=false"
     )
     DataConfig(paths=["a.npy"]).validate_end_of_document(None)
+
+
+def test_config_changes_compare_the_keys_both_configs_have():
+    """Resume and verify compare saved configs with this one function: nested keys by their
+    dotted names, in the new config's order; a key only one side has (added by a newer
+    version) is not a change."""
+    from moe_train.config import Change, config_changes, flatten_config
+
+    saved = {"model": {"d_model": 64, "moe": {"top_k": 2}}, "train": {"seed": 0}, "data": {}}
+    now = {
+        "model": {"d_model": 64, "moe": {"top_k": 4, "new_key": 1}},
+        "train": {"seed": 1},
+        "data": {},
+    }
+    assert config_changes(saved, now) == [
+        Change("model.moe.top_k", 2, 4),
+        Change("train.seed", 0, 1),
+    ]
+    assert config_changes(saved, saved) == []
+    assert flatten_config(now) == {
+        "model.d_model": 64,
+        "model.moe.top_k": 4,
+        "model.moe.new_key": 1,
+        "train.seed": 1,
+        "data": {},
+    }

@@ -1,6 +1,6 @@
 """The distributed optimizer reproduces single-process training, clipping and checkpoints."""
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_train.train import train
 from training import assert_losses_match, train_cases
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from launch import run_torchrun
 from moe_train.config import config_from_dict, load_config
 from moe_train.train import read_metrics, train

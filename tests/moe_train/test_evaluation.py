@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_train.config import config_from_dict
 from moe_train.data import TokenDataset
 from moe_train.errors import ConfigError

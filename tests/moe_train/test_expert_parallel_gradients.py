@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_parallel import GradientReducer, is_expert_parameter
 from moe_train.config import config_from_dict
 from moe_train.model import (

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_checkpoint import read_trainer_state
 from moe_train.cli import main
 from moe_train.config import config_from_dict

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_checkpoint import OwnedSlice, SliceRequest, checkpoint_summary, load_into, load_slices
 from moe_train.cli import main
 from moe_train.config import config_from_dict, load_config

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_train.config import config_from_dict
 from moe_train.data import MixedDataset, MixtureSource, TokenDataset
 from moe_train.errors import DataError

@@ -10,7 +10,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_train.cli import main
 from moe_train.config import Config, config_from_dict
 from moe_train.errors import ConfigError, MoeTrainError, TrainingDiverged

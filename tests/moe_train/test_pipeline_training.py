@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_train.config import config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.train import train

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 
 import memory as memory_benchmark
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_train.config import load_config
 from moe_train.model.training_choices import apply_param_dtype, apply_recompute
 from moe_train.model.transformer import Transformer

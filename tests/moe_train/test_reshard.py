@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from distributed import run_distributed
+from harness.ranks import run_distributed
 from moe_train.config import config_from_dict
 from moe_train.train import train
 from training import assert_losses_match, train_cases

@@ -8,7 +8,6 @@ every key read from it may be missing (then None).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from moe_checkpoint import (
     read_trainer_state,
     resolve_checkpoint,
 )
+from moe_train.config import flatten_config
 from moe_train.errors import MoeTrainError
 
 OPTIMIZER_PREFIX = "optim."
@@ -91,7 +91,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{'warning':<12} trainer state unreadable: {report['trainer_state_error']}")
     lines += _manifest_lines(report["manifest"], report["tokens_per_source"])
     lines.append("model config" if report["model_config"] else "model config unknown")
-    for key, value in _flatten(report["model_config"] or {}):
+    for key, value in flatten_config(report["model_config"] or {}).items():
         lines.append(f"  {key:<28} {value}")
     lines += _tensor_table(report["tensors"])
     if report["tensors_left_out"]:
@@ -171,17 +171,8 @@ def _pairs(value: Any) -> str:
     if value is None:
         return "unknown"
     if isinstance(value, dict):
-        return " ".join(f"{key}={item}" for key, item in _flatten(value)) or "{}"
+        return " ".join(f"{key}={item}" for key, item in flatten_config(value).items()) or "{}"
     return str(value)
-
-
-def _flatten(config: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Dotted keys of a nested dict (``moe.num_experts``), in its order."""
-    for key, value in config.items():
-        if isinstance(value, dict) and value:
-            yield from _flatten(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
 
 
 def _number(value: Any) -> float | None:

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from moe_checkpoint import CheckpointError, read_trainer_state, resolve_checkpoint
-from moe_train.config import Config, config_from_dict, parse_overrides
+from moe_train.config import Config, config_changes, config_from_dict, parse_overrides
 from moe_train.errors import ConfigError, DataError, MoeTrainError
 from moe_train.train.manifest import check_data_files
 from moe_train.train.runtime import launch_id, launched_rank
@@ -95,9 +95,17 @@ def read_pair(path_a: Path, path_b: Path) -> tuple[Path, Path, dict[str, Any], d
             f"{a} is at step {state_a['step']}, not before {b} (step {state_b['step']}); "
             "give the earlier checkpoint first"
         )
-    changed = _config_changes(state_a["config"], state_b["config"])
+    changed = [
+        c
+        for c in config_changes(state_a["config"], state_b["config"])
+        if not c.key.startswith(_FREE_KEYS)
+    ]
     if changed:
-        raise MoeTrainError(f"{b} was trained with another config than {a}: {changed[0]}")
+        first = changed[0]
+        raise MoeTrainError(
+            f"{b} was trained with another config than {a}: "
+            f"{first.key} is {first.now!r} in B, {first.saved!r} in A"
+        )
     return a, b, state_a, state_b
 
 
@@ -249,17 +257,3 @@ def _open_tensors(path: Path, stack: contextlib.ExitStack) -> dict[str, Any]:
         handle = stack.enter_context(safe_open(file, framework="pt"))
         handles.update(dict.fromkeys(handle.keys(), handle))
     return handles
-
-
-def _config_changes(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
-    changes = []
-    for key in sorted(set(a) | set(b)):
-        path = f"{prefix}{key}"
-        if path.startswith(_FREE_KEYS):
-            continue
-        va, vb = a.get(key), b.get(key)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            changes += _config_changes(va, vb, f"{path}.")
-        elif va != vb:
-            changes.append(f"{path} is {vb!r} in B, {va!r} in A")
-    return changes

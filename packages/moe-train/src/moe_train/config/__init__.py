@@ -3,9 +3,11 @@
 Each section lives in its own module: `model` (model.*, model.moe.*), `data` (data.*,
 data.mixture), `training` (optim.*, train.*, train.routing_check.*), `runtime` (parallel.*,
 precision.*, checkpoint.*, eval.*) and `root` (Config, the whole). `loading` builds a Config
-from YAML and overrides and writes it back; `checks` holds the field checks they share.
+from YAML and overrides and writes it back; `checks` holds the field checks they share;
+`changes` compares two saved configs key by key.
 """
 
+from moe_train.config.changes import Change, config_changes, flatten_config
 from moe_train.config.data import DataConfig, MixtureSourceConfig
 from moe_train.config.loading import (
     config_from_dict,
@@ -19,6 +21,7 @@ from moe_train.config.runtime import CheckpointConfig, EvalConfig, ParallelConfi
 from moe_train.config.training import OptimConfig, RoutingCheckConfig, TrainConfig
 
 __all__ = [
+    "Change",
     "CheckpointConfig",
     "Config",
     "DataConfig",
@@ -31,8 +34,10 @@ __all__ = [
     "PrecisionConfig",
     "RoutingCheckConfig",
     "TrainConfig",
+    "config_changes",
     "config_from_dict",
     "dump_config",
+    "flatten_config",
     "load_config",
     "parse_overrides",
 ]

@@ -31,7 +31,7 @@ from moe_checkpoint import (
     read_trainer_state,
     resolve_checkpoint,
 )
-from moe_train.config import Config
+from moe_train.config import Change, Config, config_changes
 from moe_train.errors import ConfigError, MoeTrainError
 from moe_train.train.checkpointing import Checkpoints, checkpoint_root
 from moe_train.train.run_dir import prepare_run_dir
@@ -44,18 +44,6 @@ SAMPLE_KEYS = (
     "train.seed",
 )
 """Keys that decide which samples a step sees."""
-
-
-@dataclass(frozen=True)
-class Change:
-    """A config key whose value differs from the saved run's."""
-
-    key: str
-    saved: Any
-    now: Any
-
-    def describe(self) -> str:
-        return f"{self.key} {self.saved!r} -> {self.now!r}"
 
 
 @dataclass(frozen=True)
@@ -180,7 +168,7 @@ def _find_init_checkpoint(config: Config) -> Path:
     saved = _read_state(path).get("config")
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise MoeTrainError(f"{path}/trainer_state.json holds no model config")
-    changes = _config_changes({"model": saved["model"]}, {"model": config.to_dict()["model"]})
+    changes = config_changes({"model": saved["model"]}, {"model": config.to_dict()["model"]})
     differing = [c for c in changes if c.key.startswith("model.")]
     if differing and not config.checkpoint.allow_config_change:
         first = differing[0]
@@ -230,7 +218,7 @@ def _check_resume_config(
     """The changes from the config saved in `source` (a checkpoint, or a run directory's
     config.yaml) that a resumed run may go on with; raises ConfigError on a refused one unless
     `allow`. Returns every change (refused ones too when allowed), for the report."""
-    changes = _config_changes(saved, now)
+    changes = config_changes(saved, now)
     refused = [c for c in changes if _is_refused(c.key)]
     if refused and not allow:
         first = refused[0]
@@ -246,24 +234,6 @@ def _check_resume_config(
 def _is_refused(key: str) -> bool:
     """Whether changing `key` changes the model or which samples a step sees."""
     return key.startswith("model.") or key in SAMPLE_KEYS
-
-
-def _config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[Change]:
-    """Keys present in both configs whose values differ (keys added since are not changes)."""
-    old, new = _flatten(saved), _flatten(now)
-    return [Change(key, old[key], new[key]) for key in new if key in old and old[key] != new[key]]
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1}."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flatten(value, dotted + "."))
-        else:
-            flat[dotted] = value
-    return flat
 
 
 # ---- what is loaded, and how it is reported (every rank) ---------------------------------

@@ -36,8 +36,7 @@ def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
     if optim.schedule == "constant":
         return optim.lr
     if optim.schedule == "wsd":
-        if optim.decay_steps is None:
-            raise ValueError("optim.schedule=wsd needs optim.decay_steps (see OptimConfig)")
+        assert optim.decay_steps is not None, "OptimConfig.validate requires it for wsd"
         decay_start = max_steps - optim.decay_steps
         if step < decay_start:
             return optim.lr
@@ -49,6 +48,4 @@ def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
     floor = optim.lr * optim.min_lr_ratio
     if optim.schedule == "cosine":
         return floor + (optim.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    if optim.schedule in ("linear", "wsd"):
-        return floor + (optim.lr - floor) * (1 - progress)
-    raise ValueError(f"optim.schedule={optim.schedule!r} is not a schedule (see OptimConfig)")
+    return floor + (optim.lr - floor) * (1 - progress)  # linear, and wsd's decay
