@@ -35,9 +35,9 @@ PLOT = Command(
     help="draw PNG figures of runs: loss, learning rate, throughput, routing",
     description="Write PNG figures of RUN_DIR (metrics.jsonl, expert_load.jsonl): loss "
     "and eval loss by step and by tokens, learning rate, tokens/s and MFU, expert load, "
-    "EP-rank load, and the balancing loss against the real imbalance with the routing "
-    "check's warnings. Several RUN_DIRs overlay their curves. Needs matplotlib "
-    "(moestack-train[plot]).",
+    "EP-rank load (with several EP ranks), and the balancing loss against the real imbalance "
+    "with the routing check's warnings; the steps a resumed run continued from are marked. "
+    "Several RUN_DIRs overlay their curves. Needs matplotlib (moestack-train[plot]).",
     add_arguments=_add_arguments,
     handle=_handle,
 )

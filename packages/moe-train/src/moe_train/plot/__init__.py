@@ -1,8 +1,9 @@
 """`moe-train plot`: PNG figures of one or more runs (needs the extra moestack-train[plot]).
 
 Written files: `loss.png`, `lr.png`, `throughput.png` (several runs overlaid), and for each run
-with an expert_load.jsonl `expert_load.png`, `rank_load.png` and `balance.png` (named
-`expert_load-RUN.png` and so on when several runs are plotted).
+with an expert_load.jsonl `expert_load.png`, `rank_load.png` (only with several EP ranks) and
+`balance.png` (named `expert_load-RUN.png` and so on when several runs are plotted). Step axes
+are ticked at whole steps, and the steps a resumed run continued from are marked.
 """
 
 from __future__ import annotations
@@ -61,7 +62,14 @@ def plot_runs(run_dirs: list[Path], out: Path | None = None) -> PlotResult:
             continue
         suffix = f"-{run.name}" if len(runs) > 1 else ""
         for name, build in per_run:
-            _save(build(run), result, f"{name}{suffix}.png")
+            figure = build(run)
+            if figure is None:
+                result.notes.append(
+                    f"{run.name}: one EP rank (parallel.ep = 1) holds every expert, so no "
+                    f"{name}.png: there are no ranks to compare"
+                )
+                continue
+            _save(figure, result, f"{name}{suffix}.png")
     return result
 
 

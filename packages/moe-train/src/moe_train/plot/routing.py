@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from moe_train.plot.runs import Run
-from moe_train.plot.style import new_figure
+from moe_train.plot.style import new_figure, step_axis
 
 MAX_PANELS = 16
 """Layers shown in the balance figure; a deeper model shows its most uneven ones."""
@@ -37,6 +37,7 @@ def _arrays(run: Run) -> dict[str, Any]:
         "flagged_NL": np.array(
             [r.get("hidden_imbalance") or [0] * len(r["layers"]) for r in rows], dtype=bool
         ),
+        "one_rank": rank_load_NLR.shape[2] == 1,
     }
 
 
@@ -79,7 +80,7 @@ def expert_load_figure(run: Run) -> Any:
     _index_ticks(last.yaxis, layers)
     _index_ticks(last.xaxis, list(range(num_experts)))
     last.invert_yaxis()
-    worst = int(np.nanargmax(a["expert_imbalance_NL"].mean(axis=0)))
+    worst, why = _pick_layer(a["expert_imbalance_NL"], layers, "expert")
     over_time.pcolormesh(
         _edges(a["steps"].astype(float)),
         _edges(np.arange(num_experts, dtype=float)),
@@ -87,11 +88,8 @@ def expert_load_figure(run: Run) -> Any:
         cmap="RdBu_r",
         norm=norm,
     )
-    over_time.set(
-        title=f"Layer {layers[worst]} (most uneven on average): expert load by step",
-        xlabel="step",
-        ylabel="expert",
-    )
+    over_time.set(title=f"{why}: expert load by step", ylabel="expert")
+    step_axis(over_time, run.resumes)
     _index_ticks(over_time.yaxis, list(range(num_experts)))
     for axes in (last, over_time):
         axes.grid(False)
@@ -101,24 +99,21 @@ def expert_load_figure(run: Run) -> Any:
     return figure
 
 
-def rank_load_figure(run: Run) -> Any:
+def rank_load_figure(run: Run) -> Any | None:
     """Each EP rank's share of the most uneven layer's processed copies by step, and every
-    layer's busiest rank over the mean by step."""
+    layer's busiest rank over the mean by step; None for a run with one EP rank (one rank
+    holds every expert: nothing to compare)."""
     a = _arrays(run)
+    num_ranks = a["rank_share_NLR"].shape[2]
+    if a["one_rank"]:
+        return None
     figure, (shares, heat) = new_figure(2, 1, width=11, height=8.5)
     steps, layers = a["steps"], a["layers"]
-    num_ranks = a["rank_share_NLR"].shape[2]
-    worst = int(np.nanargmax(a["rank_imbalance_NL"].mean(axis=0)))
+    worst, why = _pick_layer(a["rank_imbalance_NL"], layers, "EP rank")
     for rank in range(num_ranks):
         shares.plot(steps, a["rank_share_NLR"][:, worst, rank], label=f"EP rank {rank}")
     shares.axhline(1 / num_ranks, color="black", ls="--", lw=1, label="even share")
-    note = "" if num_ranks > 1 else " (parallel.ep = 1: one rank holds every expert)"
-    shares.set(
-        title=f"Layer {layers[worst]} (most uneven on average): load per EP rank{note}",
-        xlabel="step",
-        ylabel="share of processed copies",
-        ylim=(0, 1.05),
-    )
+    shares.set(title=f"{why}: load per EP rank", ylabel="share of processed copies", ylim=(0, 1.05))
     shares.legend(fontsize="small", ncols=min(num_ranks + 1, 5))
     mesh = heat.pcolormesh(
         _edges(steps.astype(float)),
@@ -128,7 +123,9 @@ def rank_load_figure(run: Run) -> Any:
         vmin=1.0,
         vmax=max(float(num_ranks), 1.01),
     )
-    heat.set(title="Busiest EP rank over the mean, every layer", xlabel="step", ylabel="MoE layer")
+    heat.set(title="Busiest EP rank over the mean, every layer", ylabel="MoE layer")
+    for axes in (shares, heat):
+        step_axis(axes, run.resumes)
     _index_ticks(heat.yaxis, layers)
     heat.invert_yaxis()
     heat.grid(False)
@@ -143,7 +140,7 @@ def balance_figure(run: Run) -> Any:
     from matplotlib.patches import Patch
 
     a = _arrays(run)
-    layers, shown = a["layers"], _most_uneven(a, MAX_PANELS)
+    shown = _most_uneven(a, MAX_PANELS)
     cols = min(4, len(shown))
     rows = math.ceil(len(shown) / cols)
     figure, panels = new_figure(rows, cols, width=max(4.2 * cols, 9), height=3.1 * rows + 1.2)
@@ -154,8 +151,10 @@ def balance_figure(run: Run) -> Any:
         _balance_panel(axes, run, a, index, (bottom, top))
     for axes in panels[len(shown) :]:
         axes.set_visible(False)
-    for axes in panels[(rows - 1) * cols :]:
-        axes.set_xlabel("step")
+    bottom_row = panels[(rows - 1) * cols :]
+    for axes in panels:
+        step_axis(axes, run.resumes)
+        axes.set_xlabel("step" if axes in bottom_row else "")
     for axes in panels[::cols]:
         axes.set_ylabel("max / mean, or loss (1 = even)")
     handles, labels = panels[0].get_legend_handles_labels()
@@ -165,14 +164,14 @@ def balance_figure(run: Run) -> Any:
         (Patch(color="tab:red", alpha=0.15), "flagged: balanced to the loss, not to the ranks"),
         (Line2D([], [], color="darkred", ls="--"), "warned (once per layer)"),
     ]
+    if a["one_rank"]:  # no rank line, so no rank limit and nothing flagged
+        extra = extra[:1]
     handles += [h for h, _ in extra]
     labels += [label for _, label in extra]
-    more = (
-        f" ({len(shown)} of {len(layers)} layers: the most uneven)"
-        if len(shown) < len(layers)
-        else ""
+    figure.suptitle(
+        f"{run.name}: balancing loss versus real imbalance per MoE layer"
+        f"{_shown_note(a, shown)}{' (one EP rank)' if a['one_rank'] else ''}"
     )
-    figure.suptitle(f"{run.name}: balancing loss versus real imbalance per MoE layer{more}")
     figure.legend(handles, labels, loc="outside lower center", ncols=2 if cols < 3 else 4,
                   fontsize="small")  # fmt: skip
     return figure
@@ -187,13 +186,15 @@ def _balance_panel(
         ("rank_imbalance_NL", "busiest EP rank / mean", "tab:red", 1.8),
         ("lb_loss_NL", "balancing loss", "tab:blue", 1.8),
     ]
+    if a["one_rank"]:  # one EP rank holds every expert: its imbalance is 1 by construction
+        lines = [line for line in lines if line[0] != "rank_imbalance_NL"]
     for key, label, colour, width in lines:
         axes.plot(steps, a[key][:, index], color=colour, lw=width, label=label)
     thresholds = []
     if run.balanced_lb_loss is not None:
         axes.axhline(run.balanced_lb_loss, color="tab:blue", ls=":", lw=1.2)
         thresholds.append(run.balanced_lb_loss)
-    if run.max_rank_imbalance is not None:
+    if run.max_rank_imbalance is not None and not a["one_rank"]:
         axes.axhline(run.max_rank_imbalance, color="tab:red", ls=":", lw=1.2)
         thresholds.append(run.max_rank_imbalance)
     flagged = a["flagged_NL"][:, index]
@@ -204,15 +205,54 @@ def _balance_panel(
     _ratio_axis(axes, limits, thresholds)
 
 
+def _pick_layer(imbalance_NL: np.ndarray, layers: list[int], what: str) -> tuple[int, str]:
+    """The layer to show of a per-layer imbalance (the busiest `what` over the mean) and a
+    title saying why: the most uneven on average when the layers differ; the first when there
+    is one layer, when they are all alike, or when none has a value."""
+    logged_NL = ~np.isnan(imbalance_NL)
+    counts_L = logged_NL.sum(axis=0)
+    mean_L = np.where(logged_NL, imbalance_NL, 0.0).sum(axis=0) / np.maximum(counts_L, 1)
+    mean_L[counts_L == 0] = np.nan
+    if len(layers) == 1:
+        return 0, f"MoE layer {layers[0]}"
+    if np.isnan(mean_L).all():
+        return 0, f"MoE layer {layers[0]} (first of {len(layers)}; no {what} imbalance logged)"
+    worst = int(np.nanargmax(mean_L))
+    high, low = float(mean_L[worst]), float(np.nanmin(mean_L))
+    if high - low <= 1e-3 * high:
+        alike = "even" if high <= 1 + 1e-3 else f"busiest {what} {high:.2f}x the mean"
+        return 0, f"MoE layer {layers[0]} (all {len(layers)} layers alike on average: {alike})"
+    return worst, (
+        f"MoE layer {layers[worst]} (most uneven of {len(layers)} on average: "
+        f"busiest {what} {high:.2f}x the mean)"
+    )
+
+
 def _most_uneven(a: dict[str, Any], limit: int) -> list[int]:
     """Indices of up to `limit` layers, most flagged steps first, then highest mean rank
     (or expert) imbalance; returned in layer order."""
+    scores = _uneven_scores(a)
+    order = sorted(range(len(scores)), key=lambda i: tuple(-v for v in scores[i]))
+    return sorted(order[:limit])
+
+
+def _uneven_scores(a: dict[str, Any]) -> list[tuple[float, float]]:
+    """Per layer: flagged steps, and mean rank imbalance plus a little of the expert one."""
     flagged_L = a["flagged_NL"].sum(axis=0)
     uneven_L = np.nan_to_num(a["rank_imbalance_NL"].mean(axis=0)) + 1e-3 * np.nan_to_num(
         a["expert_imbalance_NL"].mean(axis=0)
     )
-    order = sorted(range(len(flagged_L)), key=lambda i: (-flagged_L[i], -uneven_L[i]))
-    return sorted(order[:limit])
+    return [(float(f), float(u)) for f, u in zip(flagged_L, uneven_L, strict=True)]
+
+
+def _shown_note(a: dict[str, Any], shown: list[int]) -> str:
+    """What the balance figure's title says of its choice of layers (none when all shown)."""
+    total = len(a["layers"])
+    if len(shown) == total:
+        return ""
+    if len(set(_uneven_scores(a))) == 1:
+        return f" (the first {len(shown)} of {total} layers: all alike)"
+    return f" ({len(shown)} of {total} layers: the most uneven)"
 
 
 def _ratio_axis(axes: Any, limits: tuple[float, float], marks: list[float]) -> None:

@@ -29,6 +29,8 @@ class Run:
     """train.routing_check.balanced_lb_loss of the run's config.yaml, if it has one."""
     max_rank_imbalance: float | None
     """train.routing_check.max_rank_imbalance of the run's config.yaml, if set."""
+    resumes: tuple[int, ...] = ()
+    """The steps later launches of the run resumed from (manifest.json's segments)."""
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """Steps and values of a metrics key, over the rows that hold a number for it."""
@@ -73,6 +75,7 @@ def read_run(path: Path) -> Run:
         routing=sorted(routing, key=lambda r: r["step"]),
         balanced_lb_loss=check.get("balanced_lb_loss"),
         max_rank_imbalance=check.get("max_rank_imbalance"),
+        resumes=_resume_steps(path / "manifest.json"),
     )
 
 
@@ -98,6 +101,17 @@ def read_rows(path: Path, required: tuple[str, ...]) -> list[dict[str, Any]]:
             raise MoeTrainError(f"{path}:{number} has no {', '.join(missing)}")
         rows.append(row)
     return rows
+
+
+def _resume_steps(manifest_path: Path) -> tuple[int, ...]:
+    """The start steps of the launches after the first in a run's manifest.json, in order
+    (none when it is absent or unreadable: the markers only annotate the curves)."""
+    try:
+        segments = json.loads(manifest_path.read_text())["segments"]
+        starts = [segment["start_step"] for segment in segments[1:]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+    return tuple(sorted({s for s in starts if isinstance(s, int) and s > 0}))
 
 
 def _routing_check(config_path: Path) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from moe_train.errors import MoeTrainError
@@ -45,3 +46,35 @@ def tokens_axis(axes: Any, axis: str = "x") -> None:
 
     target = axes.xaxis if axis == "x" else axes.yaxis
     target.set_major_formatter(EngFormatter(sep=""))
+
+
+def step_axis(
+    axes: Any, resumes: Sequence[int] = (), colour: Any = "black", name: str = ""
+) -> None:
+    """Label the x axis "step", tick it at whole steps only, and mark each step in `resumes`
+    (where a launch of the run continued from a checkpoint) with a dashed line and a label
+    (prefixed by `name` when several runs share the axes)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axes.set_xlabel("step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for step in resumes:
+        mark_resume(axes, step, step, colour, name)
+
+
+def mark_resume(axes: Any, x: float, step: int, colour: Any = "black", name: str = "") -> None:
+    """A dashed vertical line at `x` (the resumed step, or its tokens seen) labelled with the
+    step a launch resumed from; the line's gid is "resume"."""
+    axes.axvline(x, color=colour, ls="--", lw=1.1, gid="resume")
+    axes.text(
+        x,
+        0.98,
+        f" {name + ': ' if name else ''}resumed at step {step}",
+        transform=axes.get_xaxis_transform(),
+        rotation=90,
+        ha="right",
+        va="top",
+        fontsize="x-small",
+        color=colour,
+        gid="resume",
+    )
