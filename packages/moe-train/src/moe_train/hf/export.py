@@ -29,6 +29,7 @@ from moe_checkpoint import (
 )
 from moe_train.config import Config, config_from_dict
 from moe_train.errors import MoeTrainError
+from moe_train.file_modes import give_umask_mode
 from moe_train.hf.architectures import Architecture, ExportError, HFTensor, choose_architecture
 from moe_train.hf.model_card import model_card
 from moe_train.hf.output_dir import written_whole
@@ -166,6 +167,7 @@ def _write_weights(
             weight_map[t.name] = file
             total += nbytes(t)
         save_file(tensors, directory / file, metadata={"format": "pt"})
+        give_umask_mode(directory / file)  # safetensors writes its files for the owner alone
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
