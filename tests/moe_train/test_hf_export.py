@@ -293,6 +293,10 @@ def test_model_card_lists_data_by_source_without_machine_paths(make_config, tmp_
 
     assert len(card.encode()) < 4096, len(card.encode())
     assert card.split("---\n")[2].startswith("\n# tiny-coder\n")
+    # A model under a million parameters is counted in thousands, not as "0.0M".
+    assert re.search(
+        r"A \d+\.\dK-parameter mixture-of-experts language model \(\d+\.\dK active", card
+    )
     for leak in (str(tmp_path), str(Path.home()), sys.prefix, "site-packages", "doc000.txt"):
         assert leak not in card, leak
     assert re.search(r"(^|[\s`(|'\"])/\w", card, re.MULTILINE) is None, "an absolute path"

@@ -96,7 +96,9 @@ def _tokens_seen(trainer_state: dict[str, Any], tokens: int) -> dict[str, int]:
 
 
 def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
 
 def _layout(topology: dict[str, Any] | None) -> str:
