@@ -135,7 +135,9 @@ def test_verify_command_on_another_layout_and_the_model_card(tmp_path, token_fil
     assert done.returncode == 0, done.stderr
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlicense:")
-    assert _sha256(token_file)[:16] in card
+    listing = f"{_sha256(token_file)}  {token_file.name}\n"  # as sha256sum prints it
+    assert f"| {token_file.name} |" in card and str(tmp_path) not in card
+    assert hashlib.sha256(listing.encode()).hexdigest() in card
     assert "| steps | 6 of 6 |" in card and "Qwen3MoeForCausalLM" in card
     assert _git("rev-parse", "HEAD") in card
 

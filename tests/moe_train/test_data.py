@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from moe_train.data import (
     prepare_data,
 )
 from moe_train.errors import DataError
+from moe_train.file_modes import current_umask
 
 EOS = ByteTokenizer.eos_id
 
@@ -355,6 +357,7 @@ def test_builtin_dataset_is_byte_tokenized_stdlib_and_reused(builtin_cache):
     assert builtin_dataset_dir(builtin_cache) == prepared
     assert {p.name: p.stat().st_mtime_ns for p in prepared.iterdir()} == mtimes
     assert [p.name for p in builtin_cache.iterdir()] == [prepared.name]
+    assert stat.S_IMODE(prepared.stat().st_mode) == 0o777 & ~current_umask()  # as mkdir makes
 
     dataset = TokenDataset(["builtin:stdlib"], seq_len=256, cache_dir=builtin_cache)
     assert (dataset.vocab_size, dataset.num_tokens) == (257, meta["num_tokens"])

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_checkpoint import read_trainer_state
 from moe_train.cli import main
 from moe_train.train import train
 from tokenizer_files import bpe_tokenizer_file
@@ -251,3 +252,86 @@ def test_many_shards_load_as_one_model(make_config, tmp_path):
         ours, theirs = result.model.eval()(tokens_BS), hf_model(input_ids=tokens_BS).logits
     relative, where = _max_relative_difference(ours, theirs)
     assert relative < 1e-4, where
+
+
+def _prepared_corpus(root: Path, name: str, files: int, text: str) -> Path:
+    """`files` small text files under root/NAME-inputs prepared into root/NAME (64K shards)."""
+    from moe_train.data import prepare_data
+
+    inputs = root / f"{name}-inputs"
+    inputs.mkdir()
+    for index in range(files):
+        (inputs / f"doc{index:03d}.txt").write_text(f"# file {index}\n" + text)
+    prepare_data(sorted(inputs.iterdir()), root / name, shard_size="64K")
+    return root / name
+
+
+def _listing_digest(directory: Path) -> str:
+    """What `sha256sum tokens-*.bin | sha256sum` prints in `directory`, computed here."""
+    import hashlib
+
+    lines = "".join(
+        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n"
+        for p in sorted(directory.glob("tokens-*.bin"))
+    )
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def test_model_card_lists_data_by_source_without_machine_paths(make_config, tmp_path, capsys):
+    import re
+    import sys
+
+    sources = {
+        "code": _prepared_corpus(tmp_path, "code", 30, CODE_TEXT * 60),
+        "prose": _prepared_corpus(tmp_path, "prose", 20, "The cat sat on the mat.\n" * 150),
+    }
+    data = {"paths": [str(p) for p in sources.values()], "seq_len": 16}
+    config, result = _trained(make_config, tmp_path, {"model": {"vocab_size": 320}, "data": data})
+    out = tmp_path / "hf"
+    assert main(["export", str(result.checkpoint), "--out", str(out), "--name", "tiny-coder"]) == 0
+    card = (out / "README.md").read_text()
+
+    assert len(card.encode()) < 4096, len(card.encode())
+    assert card.split("---\n")[2].startswith("\n# tiny-coder\n")
+    # A model under a million parameters is counted in thousands, not as "0.0M".
+    assert re.search(
+        r"A \d+\.\dK-parameter mixture-of-experts language model \(\d+\.\dK active", card
+    )
+    for leak in (str(tmp_path), str(Path.home()), sys.prefix, "site-packages", "doc000.txt"):
+        assert leak not in card, leak
+    assert re.search(r"(^|[\s`(|'\"])/\w", card, re.MULTILINE) is None, "an absolute path"
+    seen = read_trainer_state(result.checkpoint)["tokens_per_source"]
+    for name, directory in sources.items():
+        meta = json.loads((directory / "meta.json").read_text())
+        assert len(meta["shards"]) > 1 and len(meta["sources"]) in (30, 20)
+        row = (
+            f"| {name} | {meta['num_documents']:,} | {meta['num_tokens']:,} | "
+            f"{seen[str(directory)]:,} | {len(meta['sources'])} | bytes | "
+            f"{len(meta['shards'])} (`{_listing_digest(directory)}`) |"
+        )
+        assert row in card, row
+    assert sum(seen.values()) == 3 * config.data.global_batch_size * config.data.seq_len
+
+    # Without --name the title is the run's name (its run directory), not the output's.
+    assert main(["export", str(result.checkpoint), "--out", str(tmp_path / "exported")]) == 0
+    assert "\n# run\n" in (tmp_path / "exported" / "README.md").read_text()
+    capsys.readouterr()
+    assert (
+        main(["export", str(result.checkpoint), "--out", str(tmp_path / "x"), "--name", " "]) == 2
+    )
+    assert (
+        capsys.readouterr().err.strip() == "error: --name=' ' must be a non-empty name on one line"
+    )
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_run_name_is_its_run_directory_as_train_made_it(make_config, tmp_path):
+    from moe_train.hf.export import run_name
+
+    config = make_config(tmp_path)  # train.run_dir = tmp_path/run
+    assert run_name(config, tmp_path / "run" / "checkpoints" / "step_00000003") == "run"
+    assert run_name(config, tmp_path / "run.2" / "checkpoints" / "step_00000003") == "run.2"
+    assert run_name(config, tmp_path / "copies" / "step_00000003") == "run"
+    assert run_name(config, tmp_path / "other" / "checkpoints" / "step_00000003") == "run"
+    elsewhere = make_config(tmp_path, checkpoint={"dir": str(tmp_path / "ckpts")})
+    assert run_name(elsewhere, tmp_path / "run.2" / "checkpoints" / "step_00000003") == "run"

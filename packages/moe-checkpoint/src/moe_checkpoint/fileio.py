@@ -13,6 +13,9 @@ from torch import Tensor
 from moe_checkpoint.errors import CheckpointError
 from moe_checkpoint.format import DELETING_PREFIX
 
+FILE_MODE = 0o666
+"""Mode checkpoint files are created with; the umask takes bits away, as from any file the
+user makes, so a checkpoint is as readable as the user's other files."""
 CHUNK_BYTES = 64 * 1024 * 1024
 """Reads and writes go in chunks of this size (each call releases the GIL)."""
 
@@ -54,9 +57,16 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def create_file(path: Path, *, exclusive: bool = False) -> int:
+    """A descriptor of `path` opened for writing, created (or truncated, unless `exclusive`)
+    with the mode the umask gives new files."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    return os.open(path, flags, FILE_MODE)
+
+
 def write_durable(path: Path, data: bytes) -> None:
     """Create `path` holding `data`, fsynced (the directory entry is the caller's to fsync)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = create_file(path)
     try:
         write_at(fd, memoryview(data), 0)
         os.fsync(fd)

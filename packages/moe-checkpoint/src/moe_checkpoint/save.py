@@ -55,7 +55,7 @@ from moe_checkpoint.checksums import (
 )
 from moe_checkpoint.comm import Communicator
 from moe_checkpoint.errors import CheckpointError
-from moe_checkpoint.fileio import fsync_path, remove_dir, write_at, write_durable
+from moe_checkpoint.fileio import create_file, fsync_path, remove_dir, write_at, write_durable
 from moe_checkpoint.format import (
     COMMIT_MARKER,
     DEFAULT_MAX_FILE_BYTES,
@@ -382,7 +382,7 @@ def _create_files(tmp_dir: Path, plan: SavePlan) -> None:
     tmp_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir.mkdir()
     for layout in plan.files:
-        fd = os.open(tmp_dir / layout.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = create_file(tmp_dir / layout.name, exclusive=True)
         try:
             write_at(fd, memoryview(layout.header), 0)
             os.ftruncate(fd, layout.size)

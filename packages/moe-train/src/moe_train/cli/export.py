@@ -1,4 +1,4 @@
-"""`moe-train export CKPT --out DIR [--dtype float32|bfloat16]`."""
+"""`moe-train export CKPT --out DIR [--dtype float32|bfloat16] [--name NAME]`."""
 
 import argparse
 from pathlib import Path
@@ -15,12 +15,18 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16"],
         help="dtype of the written weights (default float32)",
     )
+    parser.add_argument(
+        "--name",
+        metavar="NAME",
+        help="the model's name, the title of its model card (default: the run's name, the "
+        "last component of its train.run_dir)",
+    )
 
 
 def _handle(args: argparse.Namespace) -> int:
     from moe_train.hf import export_checkpoint
 
-    result = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
+    result = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, name=args.name)
     for note in result.notes:
         print(f"note: {note}")
     print(
@@ -36,7 +42,9 @@ EXPORT = Command(
     description="Write CKPT (or the newest checkpoint under a checkpoints root) to DIR as "
     "a directory transformers.AutoModelForCausalLM.from_pretrained loads: config.json, "
     "generation_config.json, sharded safetensors with an index, and the tokenizer files "
-    "when the data used a tokenizer.json. Refused (exit 2, nothing written) when no "
+    "when the data used a tokenizer.json; also README.md, a model card: the model, how it was "
+    "trained, each data source with its counts and one digest (no paths of the training "
+    "machine), and the code. Refused (exit 2, nothing written) when no "
     "transformers architecture computes the same logits. Needs transformers.",
     add_arguments=_add_arguments,
     handle=_handle,

@@ -12,13 +12,13 @@ import os
 import shutil
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
 from moe_train.data.prepare import write_dataset
 from moe_train.data.token_files import META_FILE
 from moe_train.data.tokenizer import ByteTokenizer
 from moe_train.errors import DataError
+from moe_train.file_modes import new_scratch_dir
 
 BUILTIN_STDLIB = "builtin:stdlib"
 """The `data.paths` entry that names this dataset."""
@@ -79,7 +79,7 @@ def builtin_dataset_dir(cache_dir: Path | None = None) -> Path:
 
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        temp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=cache_dir))
+        temp_dir = new_scratch_dir(cache_dir, f".{final_dir.name}.tmp-")
     except OSError as e:
         raise DataError(
             f"cannot write the builtin:stdlib cache under {cache_dir} ({e.strerror}); "

@@ -12,6 +12,7 @@ so a refused or failed export leaves no `out`.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,15 +30,18 @@ from moe_checkpoint import (
 )
 from moe_train.config import Config, config_from_dict
 from moe_train.errors import MoeTrainError
+from moe_train.file_modes import give_umask_mode
 from moe_train.hf.architectures import Architecture, ExportError, HFTensor, choose_architecture
 from moe_train.hf.model_card import model_card
 from moe_train.hf.output_dir import written_whole
 from moe_train.hf.tokenizer import write_tokenizer
+from moe_train.train.checkpointing import checkpoint_root
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """`--dtype` choices."""
 INDEX_FILE = "model.safetensors.index.json"
 BUILTIN_DATA_PREFIX = "builtin:"
+
 BYTE_EOS_ID = 256
 """The byte tokenizer's end-of-document id (moe_train.data.ByteTokenizer)."""
 
@@ -72,14 +76,18 @@ def export_checkpoint(
     out: str | Path,
     *,
     dtype: str = "float32",
+    name: str | None = None,
     max_shard_bytes: int = 2 * 1024**3,
 ) -> ExportResult:
     """Write `checkpoint` (or the newest under a checkpoints root) to `out` as a transformers
-    model directory; an ExportError (before anything is written) when no architecture
-    transformers has computes exactly the same logits."""
+    model directory whose model card is titled `name` (default: the run's name); an
+    ExportError (before anything is written) when no architecture transformers has computes
+    exactly the same logits."""
     out = Path(out)
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype={dtype} must be one of {', '.join(EXPORT_DTYPES)}")
+    if name is not None and (not name.strip() or len(name.splitlines()) != 1):
+        raise ExportError(f"--name={name!r} must be a non-empty name on one line")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} already exists and is not an empty directory")
     try:
@@ -111,10 +119,23 @@ def export_checkpoint(
         ).save_pretrained(scratch)
         if with_tokenizer:
             write_tokenizer(transformers, tokenizer_file, eos_id, scratch)
-        card = model_card(trainer_state, config, architecture.name, name=out.resolve().name)
+        title = run_name(config, ckpt) if name is None else name.strip()
+        card = model_card(trainer_state, config, architecture.name, name=title)
         (scratch / "README.md").write_text(card)
     files = sorted(p.name for p in out.iterdir())
     return ExportResult(out, ckpt, architecture.name, files, notes)
+
+
+def run_name(config: Config, ckpt: Path) -> str:
+    """The name of the run directory checkpoint `ckpt` comes from: the last component of its
+    train.run_dir, with the numbered suffix a taken one got when `ckpt` is still in that run
+    directory's checkpoints folder."""
+    configured = Path(config.train.run_dir).name or "model"
+    folder = ckpt.resolve().parent
+    if config.checkpoint.dir or checkpoint_root(config, folder.parent) != folder:
+        return configured
+    actual = folder.parent.name
+    return actual if re.fullmatch(re.escape(configured) + r"(\.\d+)?", actual) else configured
 
 
 def _write_weights(
@@ -166,6 +187,7 @@ def _write_weights(
             weight_map[t.name] = file
             total += nbytes(t)
         save_file(tensors, directory / file, metadata={"format": "pt"})
+        give_umask_mode(directory / file)  # safetensors writes its files for the owner alone
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 

@@ -1,17 +1,22 @@
 """The model card (README.md) `moe-train export` writes, generated from the checkpoint alone.
 
 Everything in it comes from the checkpoint's trainer state and the run manifest it carries:
-architecture and size, how long it trained and on what (each data source with its hashes and
-the tokens seen from it), the last evaluation loss, the settings and the code. Only the
-licence is left for the user to fill in.
+architecture and size, how long it trained and on what (each data source by name with its
+document and token counts, the tokens seen from it and one digest over its token files), the
+last evaluation loss, the settings and the code. It names no path of the training machine and
+lists no single file: the manifest keeps those. Only the licence is left for the user to fill
+in.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from moe_train.config import Config
+from moe_train.data import split_dtype_suffix
 from moe_train.model.accounting import count_params
+from moe_train.train.manifest import files_digest
 
 
 def model_card(trainer_state: dict[str, Any], config: Config, architecture: str, name: str) -> str:
@@ -91,7 +96,9 @@ def _tokens_seen(trainer_state: dict[str, Any], tokens: int) -> dict[str, int]:
 
 
 def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
 
 def _layout(topology: dict[str, Any] | None) -> str:
@@ -108,31 +115,58 @@ def _eval_loss(trainer_state: dict[str, Any]) -> str:
 
 
 def _data_lines(sources: list[dict[str, Any]] | None, seen: dict[str, int] | None) -> list[str]:
+    """One row per data source: its name (never a path of the training machine), counts, and
+    one digest over its token files."""
     if not sources:
         return ["Not recorded (the checkpoint predates run manifests)."]
     seen = seen or {}
-    lines = ["| source | token files (sha256) | tokens | tokens seen | tokenizer |"]
-    lines.append("| --- | --- | --- | --- | --- |")
+    lines = [
+        "| source | documents | tokens | tokens seen | input files | tokenizer | token files "
+        "(digest) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for source in sources:
-        files = "<br>".join(f"`{f['file']}` {f['sha256'][:16]}…" for f in source["files"])
-        tokens = source.get("num_tokens")
-        tokenizer = source.get("tokenizer") or "bytes"
-        if source.get("tokenizer_sha256"):
-            tokenizer = f"{tokenizer} ({source['tokenizer_sha256'][:16]}…)"
+        inputs = source.get("sources")
         lines.append(
-            f"| `{source['path']}` | {files} | {'' if tokens is None else f'{tokens:,}'} | "
-            f"{seen.get(source['path'], 0):,} | {tokenizer} |"
+            f"| {_cell(source_name(source['path']))} | {_number(source.get('num_documents'))} | "
+            f"{_number(source.get('num_tokens'))} | {seen.get(source['path'], 0):,} | "
+            f"{'' if inputs is None else len(inputs)} | {_cell(_tokenizer_name(source))} | "
+            f"{len(source['files'])} (`{files_digest(source['files'])}`) |"
         )
-    inputs = [(s["path"], origin) for s in sources for origin in s.get("sources", [])]
-    if inputs:
-        lines += ["", f"<details><summary>The {len(inputs)} input files</summary>", ""]
-        lines += [
-            f"- `{origin.get('path')}` ({path}): sha256 {origin.get('sha256')}, "
-            f"{origin.get('num_tokens', '?')} tokens"
-            for path, origin in inputs
-        ]
-        lines += ["", "</details>"]
+    lines += [
+        "",
+        "A source's digest is the sha256 of the `sha256sum` listing of its token files, sorted "
+        "by name (for a prepared directory: `sha256sum tokens-*.bin | sha256sum` in it). The "
+        "run's `manifest.json`, in its run directory and in each checkpoint's trainer state, "
+        "lists every token file and every input file with its sha256 and counts.",
+    ]
     return lines
+
+
+def source_name(entry: str) -> str:
+    """What the card calls the `data.paths` entry `entry`: the last component of its path
+    (without a dtype suffix), or a builtin dataset's name."""
+    try:
+        path = split_dtype_suffix(entry)[0]
+    except ValueError:
+        path = entry
+    return Path(path).name or "data"
+
+
+def _tokenizer_name(source: dict[str, Any]) -> str:
+    tokenizer = source.get("tokenizer")
+    if tokenizer in (None, "byte"):
+        return "bytes" if source.get("kind") == "prepared" else "not recorded"
+    return Path(tokenizer).name
+
+
+def _cell(text: str) -> str:
+    """`text` as one Markdown table cell."""
+    return text.replace("|", "\\|")
+
+
+def _number(value: int | None) -> str:
+    return "" if value is None else f"{value:,}"
 
 
 def _code_lines(manifest: dict[str, Any]) -> list[str]:

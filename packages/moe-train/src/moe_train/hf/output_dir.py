@@ -4,17 +4,19 @@ place at the end; on any failure the scratch directory is removed and `out` is u
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from moe_train.file_modes import new_scratch_dir
+
 
 @contextmanager
 def written_whole(out: Path, purpose: str) -> Iterator[Path]:
-    """Yield a scratch directory to fill; it becomes `out` (absent or empty) on success."""
+    """Yield a scratch directory to fill; it becomes `out` (absent or empty) on success, with
+    the mode `mkdir` would give it."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.{purpose}-", dir=out.parent))
+    scratch = new_scratch_dir(out.parent, f".{out.name}.{purpose}-")
     try:
         yield scratch
         if out.exists():
