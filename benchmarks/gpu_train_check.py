@@ -396,7 +396,7 @@ def environment(device: torch.device) -> dict:
     return facts
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument(
@@ -410,9 +410,86 @@ def main() -> int:
     )
     parser.add_argument("--parts", type=Path, help="gpu_check.sh's file of its other parts")
     parser.add_argument("--out", type=Path, default=Path("bench_results/gpu_check.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here; use --device cpu for the dry run")
+    return args
+
+
+class Checks:
+    """Runs the rows within a time budget and keeps their results."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
+        self.started = time.monotonic()
+        self.rows: list[Row] = []
+
+    def run(self, check: str, needs_s: float, fn: Callable[[str], Row]) -> None:
+        """Row ``check`` from ``fn(check)``, unless fewer than ``needs_s`` of the budget are left."""
+        if time.monotonic() - self.started + needs_s > self.budget_s:
+            self.rows.append(Row(check, "skipped", f"not started: --budget-s={self.budget_s:g}"))
+            return
+        began = time.monotonic()
+        try:
+            row = fn(check)
+        except OutOfTime:
+            self.rows.append(
+                Row(check, "timeout", "stopped by SIGTERM (gpu_check.sh's time limit)")
+            )
+            raise
+        except Exception as e:  # one table for the whole check: report and go on
+            row = Row(check, "FAIL", one_line(e))
+            traceback.print_exc()
+        row.details["seconds"] = round(time.monotonic() - began, 1)
+        self.rows.append(row)
+        print(f"[gpu_train_check] {row.check}: {row.result}  {row.figure}", flush=True)
+
+
+def run_checks(checks: Checks, sizes: Sizes, device: torch.device) -> None:
+    """Every row, in order: training, the sync-free steps, the grouped GEMM, the rowwise
+    exchanges and nvshmem4py."""
+    run = checks.run
+    peak, peak_source = peak_flops(torch.bfloat16, device, None)
+    one_micro_batch = f"--data.global_batch_size={build_config(sizes).data.micro_batch_size}"
+    step_config = build_config(sizes, *STEP_ROWS, one_micro_batch)
+    rowwise_config = build_config(sizes, *STEP_ROWS, *ROWWISE, one_micro_batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        run(
+            f"train {sizes.steps} steps (bf16, local)",
+            0,
+            lambda check: train_row(check, sizes, device, peak, peak_source, Path(tmp)),
+        )
+    run("sync-free step (local)", 20, lambda check: step_row(check, step_config, sizes, device))
+    run(
+        "grouped GEMM fwd+bwd (triton vs torch)",
+        45,
+        lambda check: grouped_gemm_row(check, sizes, device),
+    )
+    with contextlib.ExitStack() as stack:
+        try:
+            group = stack.enter_context(one_rank_process_group(device))
+        except Exception as e:  # the rows that need a process group cannot run
+            group = None
+            checks.rows.append(Row("process group of world 1", "FAIL", one_line(e)))
+        if group is not None:
+            run(
+                "sync-free step (rowwise)",
+                20,
+                lambda check: step_row(check, rowwise_config, sizes, device),
+            )
+            for name in ("all_to_all", "nvshmem"):
+                run(
+                    f"rowwise exchange ({name}, ep=1)",
+                    10,
+                    lambda check, name=name: exchange_row(
+                        check, name, rowwise_config, sizes, device, group
+                    ),
+                )
+        run("nvshmem4py (1 PE)", 10, lambda check: nvshmem_row(check, device))
+
+
+def main() -> int:
+    args = parse_args()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     sizes = DRY_RUN_SIZES if args.dry_run or device.type == "cpu" else GPU_SIZES
     if device.type == "cuda":
@@ -422,78 +499,20 @@ def main() -> int:
     else:
         # Triton's kernels run on a CPU only interpreted; read when they are first decorated.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-
-    started = time.monotonic()
     rows = part_rows(args.parts) if args.parts else []
-    own: list[Row] = []
-
-    def run(check: str, needs_s: float, fn: Callable[[str], Row]) -> None:
-        """Row ``check`` from ``fn(check)``, unless fewer than ``needs_s`` of the budget are left."""
-        if time.monotonic() - started + needs_s > args.budget_s:
-            own.append(Row(check, "skipped", f"not started: --budget-s={args.budget_s:g}"))
-            return
-        began = time.monotonic()
-        try:
-            row = fn(check)
-        except OutOfTime:
-            own.append(Row(check, "timeout", "stopped by SIGTERM (gpu_check.sh's time limit)"))
-            raise
-        except Exception as e:  # one table for the whole check: report and go on
-            row = Row(check, "FAIL", one_line(e))
-            traceback.print_exc()
-        row.details["seconds"] = round(time.monotonic() - began, 1)
-        own.append(row)
-        print(f"[gpu_train_check] {row.check}: {row.result}  {row.figure}", flush=True)
-
+    checks = Checks(args.budget_s)
     signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
-        peak, peak_source = peak_flops(torch.bfloat16, device, None)
-        one_micro_batch = f"--data.global_batch_size={build_config(sizes).data.micro_batch_size}"
-        step_config = build_config(sizes, *STEP_ROWS, one_micro_batch)
-        rowwise_config = build_config(sizes, *STEP_ROWS, *ROWWISE, one_micro_batch)
-        with tempfile.TemporaryDirectory() as tmp:
-            run(
-                f"train {sizes.steps} steps (bf16, local)",
-                0,
-                lambda check: train_row(check, sizes, device, peak, peak_source, Path(tmp)),
-            )
-        run("sync-free step (local)", 20, lambda check: step_row(check, step_config, sizes, device))
-        run(
-            "grouped GEMM fwd+bwd (triton vs torch)",
-            45,
-            lambda check: grouped_gemm_row(check, sizes, device),
-        )
-        with contextlib.ExitStack() as stack:
-            try:
-                group = stack.enter_context(one_rank_process_group(device))
-            except Exception as e:  # the rows that need a process group cannot run
-                group = None
-                own.append(Row("process group of world 1", "FAIL", one_line(e)))
-            if group is not None:
-                run(
-                    "sync-free step (rowwise)",
-                    20,
-                    lambda check: step_row(check, rowwise_config, sizes, device),
-                )
-                for name in ("all_to_all", "nvshmem"):
-                    run(
-                        f"rowwise exchange ({name}, ep=1)",
-                        10,
-                        lambda check, name=name: exchange_row(
-                            check, name, rowwise_config, sizes, device, group
-                        ),
-                    )
-            run("nvshmem4py (1 PE)", 10, lambda check: nvshmem_row(check, device))
+        run_checks(checks, sizes, device)
     except OutOfTime:
         print("[gpu_train_check] stopped by SIGTERM: the rows so far", flush=True)
-
-    rows += own
+    rows += checks.rows
     print_table(rows)
     document = {
         "environment": environment(device),
         "sizes": "dry run" if sizes is DRY_RUN_SIZES else "gpu",
         "config": list(config_overrides(sizes)),
-        "seconds": round(time.monotonic() - started, 1),
+        "seconds": round(time.monotonic() - checks.started, 1),
         "rows": [dataclasses.asdict(row) for row in rows],
     }
     write_json(args.out, document, default=str)

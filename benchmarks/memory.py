@@ -402,7 +402,8 @@ def _print_ratios(ratios: dict[str, Any]) -> None:
         print(f"{text:<52} {ratios[key]:>6.3f}  {target}")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with `rounds` and `steps` defaulted by --quick."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -421,16 +422,20 @@ def main() -> None:
         "--topologies", nargs="+", choices=list(TOPOLOGIES), default=list(TOPOLOGIES)
     )
     parser.add_argument("--out", type=Path, default=Path("bench_results/memory.json"))
-    args = parser.parse_args()
-    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
-    steps = args.steps if args.steps is not None else (2 if args.quick else 3)
-    for name, value in (("rounds", rounds), ("warmup", args.warmup), ("steps", steps)):
-        if value < 1:
-            raise ValueError(f"--{name}={value} must be at least 1")
-    if args.probe_warmup < 1:
-        raise ValueError(f"--probe-warmup={args.probe_warmup} must be at least 1")
-    model = QUICK_MODEL if args.quick else MODEL
+    args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    if args.steps is None:
+        args.steps = 2 if args.quick else 3
+    for name in ("rounds", "warmup", "steps", "probe_warmup"):
+        if getattr(args, name) < 1:
+            flag = name.replace("_", "-")
+            raise ValueError(f"--{flag}={getattr(args, name)} must be at least 1")
+    return args
 
+
+def measure_rows(args: argparse.Namespace, model: list[str]) -> list[dict]:
+    """One row per topology and recompute mode: throughput and every rank's memory."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for topology in args.topologies:
@@ -447,9 +452,9 @@ def main() -> None:
                     ],
                     modes,
                     str(Path(tmp) / topology.replace(" ", "_")),
-                    rounds,
+                    args.rounds,
                     args.warmup,
-                    steps,
+                    args.steps,
                     args.probe_warmup,
                 ),
                 timeout=1800.0,
@@ -470,7 +475,13 @@ def main() -> None:
                     f"{worst['activations'] / MIB:7.1f} MiB  {row['tokens_per_s']:9,.0f} tok/s",
                     flush=True,
                 )
+    return rows
 
+
+def main() -> None:
+    args = parse_args()
+    model = QUICK_MODEL if args.quick else MODEL
+    rows = measure_rows(args, model)
     ratios = _row_ratios(rows)
     _print_table(rows, args.dtype, args.param_dtype)
     _print_ratios(ratios)
@@ -479,9 +490,9 @@ def main() -> None:
         "param_dtype": args.param_dtype,
         "quick": args.quick,
         "model": model,
-        "rounds": rounds,
+        "rounds": args.rounds,
         "warmup_steps": args.warmup,
-        "timed_steps": steps,
+        "timed_steps": args.steps,
         "threads_per_rank": 1,
         "rows": rows,
         "ratios": ratios,

@@ -254,8 +254,53 @@ def save_checkpoint(
     if _in_flight is not None:
         _in_flight.wait()
     comm = Communicator(group)
-    root = Path(root)
-    final_dir = root / step_dir_name(step)
+    final_dir = Path(root) / step_dir_name(step)
+    plan, tmp_dir, trainer_state_json = _agree_on_plan(
+        comm, final_dir, step, slices, categories, trainer_state, max_file_bytes,
+        checksum_chunk_bytes,
+    )  # fmt: skip
+    error = None
+    if comm.rank == 0:
+        try:
+            _create_files(tmp_dir, plan)
+        except OSError as e:
+            error = f"creating {e.filename or tmp_dir}: {e.strerror or e}"
+    comm.exchange(error=error)
+    _phase("files_created")
+
+    handle = SaveHandle(step, final_dir, tmp_dir, plan, comm, trainer_state_json)
+    placements = _placements(slices, plan)
+    if asynchronous:
+        _in_flight = handle
+        try:
+            staged = _staging.stage([(p.data, p.dtype) for p in placements])
+        except (RuntimeError, MemoryError) as e:  # reported to every rank by wait()
+            handle._write_error = f"staging a copy of the owned data: {e}"
+            return handle
+        placements = [
+            Placement(p.file_index, p.offset, data, p.dtype)
+            for p, data in zip(placements, staged, strict=True)
+        ]
+        handle._start_writing(placements, background=True)
+        return handle
+    handle._start_writing(placements, background=False)
+    handle.wait()
+    return handle
+
+
+def _agree_on_plan(
+    comm: Communicator,
+    final_dir: Path,
+    step: int,
+    slices: Sequence[OwnedSlice],
+    categories: Categories,
+    trainer_state: Mapping[str, Any] | None,
+    max_file_bytes: int,
+    checksum_chunk_bytes: int,
+) -> tuple[SavePlan, Path, bytes | None]:
+    """Check the arguments, exchange every rank's pieces and plan the files, the same on
+    every rank: the plan, the temporary directory to write, and rank 0's encoded trainer
+    state (None on other ranks). Raises the same CheckpointError on every rank."""
     error = None
     pieces: list = []
     trainer_state_json = None
@@ -285,19 +330,12 @@ def save_checkpoint(
     plan = plan_save(
         [rank_pieces for _, _, rank_pieces, _ in gathered], max_file_bytes, checksum_chunk_bytes
     )
-    tmp_dir = root / gathered[0][3]
+    return plan, final_dir.parent / gathered[0][3], trainer_state_json
 
-    error = None
-    if comm.rank == 0:
-        try:
-            _create_files(tmp_dir, plan)
-        except OSError as e:
-            error = f"creating {e.filename or tmp_dir}: {e.strerror or e}"
-    comm.exchange(error=error)
-    _phase("files_created")
 
-    handle = SaveHandle(step, final_dir, tmp_dir, plan, comm, trainer_state_json)
-    placements = [
+def _placements(slices: Sequence[OwnedSlice], plan: SavePlan) -> list[Placement]:
+    """Where in which file each owned slice's bytes go."""
+    return [
         Placement(
             file_index=plan.file_of[piece.name],
             offset=plan.files[plan.file_of[piece.name]].byte_ranges[piece.name][0]
@@ -307,22 +345,6 @@ def save_checkpoint(
         )
         for piece in slices
     ]
-    if asynchronous:
-        _in_flight = handle
-        try:
-            staged = _staging.stage([(p.data, p.dtype) for p in placements])
-        except (RuntimeError, MemoryError) as e:  # reported to every rank by wait()
-            handle._write_error = f"staging a copy of the owned data: {e}"
-            return handle
-        placements = [
-            Placement(p.file_index, p.offset, data, p.dtype)
-            for p, data in zip(placements, staged, strict=True)
-        ]
-        handle._start_writing(placements, background=True)
-        return handle
-    handle._start_writing(placements, background=False)
-    handle.wait()
-    return handle
 
 
 def release_staging_memory() -> None:

@@ -89,6 +89,15 @@ def build_rank_model(
     return model
 
 
+def _apply_training_choices(model: Transformer, config: Config, device: torch.device) -> None:
+    """What backward recomputes, the expert GEMMs and compilation, on the built model."""
+    apply_recompute(model, config.parallel.recompute)
+    apply_expert_gemm(model, config.precision.expert_gemm)
+    if config.train.compile:
+        check_compile_available(device)
+        apply_compile(model)
+
+
 def _lower_precision_params(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Store the parameters of `model` in `dtype`; for a dtype other than FP32, returns
     copies of their FP32 values first (by name), else nothing."""
@@ -268,11 +277,7 @@ class StepRunner:
         self.model = build_rank_model(
             config, dispatchers or layer_dispatchers(config, layout.ep_group, device), plan, device
         )
-        apply_recompute(self.model, config.parallel.recompute)
-        apply_expert_gemm(self.model, config.precision.expert_gemm)
-        if config.train.compile:
-            check_compile_available(device)
-            apply_compile(self.model)
+        _apply_training_choices(self.model, config, device)
         self.model.set_aux_loss_scale(1.0 / self.num_micro)
         initial = _lower_precision_params(self.model, self.param_dtype)
         self.optimizer = build_optimizer(self.model, config, layout)
