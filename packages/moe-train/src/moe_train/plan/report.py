@@ -73,7 +73,7 @@ def format_plan(plan: Plan, top: int = 15, overrides_for: str | None = None) -> 
     are added to), each shown row's overrides too."""
     device = plan.device
     lines = [
-        f"{plan.world_size} x {device.name} ({device.memory_gib:.0f} GiB, "
+        f"{plan.world_size} x {device.name} ({format_bytes(device.memory_gib * GIB)}, "
         f"{device.bf16_tflops:.0f} bf16 TFLOP/s, {device.gpus_per_node} per node)",
         "",
         "this config: " + plan.own.label,
@@ -92,7 +92,7 @@ def format_plan(plan: Plan, top: int = 15, overrides_for: str | None = None) -> 
     else:
         shown = plan.closest
         lines.append(
-            f"no layout fits {device.memory_gib:.1f} GiB per device; the closest, "
+            f"no layout fits {format_bytes(device.memory_gib * GIB)} per device; the closest, "
             "least memory first:"
         )
         lines += _table(shown, device, over=True) if shown else ["  (none starts)"]
@@ -199,16 +199,20 @@ def _grouped(plan: Plan) -> list[tuple[int, str]]:
     return lines
 
 
+CATEGORY_NAMES = {"optimizer": "optimizer state", "dispatch": "dispatch buffers"}
+
+
 def _group_text(key: str, members: list[Evaluated], device: Device) -> str:
     if not key.startswith("memory "):
         return members[0].error + ("" if len(members) == 1 else f" (e.g. {members[0].label})")
+    category = key.removeprefix("memory ")
     totals = [r.memory.total for r in members]
     span = format_bytes(min(totals))
     if len(members) > 1:
         span += f" to {format_bytes(max(totals))}"
     return (
-        f"need {span} per device, over {device.memory_gib:.1f} GiB; "
-        f"largest part: {key.removeprefix('memory ')}"
+        f"need {span} per device, over {format_bytes(device.memory_gib * GIB)}; "
+        f"largest part: {CATEGORY_NAMES.get(category, category)}"
     )
 
 
@@ -232,7 +236,8 @@ def _details(result: Evaluated, device: Device) -> list[str]:
     verdict = "fits" if result.fits else "does NOT fit"
     unit, size = ("GiB", GIB) if memory.total >= GIB else ("MiB", 2**20)
     lines = [
-        f"  memory per device {format_bytes(memory.total)} of {device.memory_gib:.0f} GiB: "
+        f"  memory per device {format_bytes(memory.total)} of "
+        f"{format_bytes(device.memory_gib * GIB)}: "
         f"{verdict} (busiest pipeline rank {memory.pp_rank})",
         "    "
         + ", ".join(f"{name} {value / size:.2f}" for name, value in memory.categories().items())
