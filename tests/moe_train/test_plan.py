@@ -371,6 +371,10 @@ def test_when_nothing_fits_the_closest_layouts_and_the_smallest_count_that_fits(
     # Whole nodes of 2 beyond the first, each pp (at most 2 layers) x dp (dividing the 8
     # sequences): 3 is not a whole number of nodes, 6 = 2 x 3 has no such split.
     assert list(allowed_counts(config, 1, device)) == [2, 4, 8, 16]
+    # Tiny (4 layers, 16 sequences) on nodes of 8: 6 = 3 x 2 within a node, 12 = 3 x 4 is not
+    # a whole number of nodes.
+    tiny = load_config(ROOT / "configs/tiny.yaml")
+    assert list(allowed_counts(tiny, 4, DEVICES["h100"])) == [6, 8, 16, 24, 32, 48, 64]
     found = plan.smallest.best
     assert found is not None and found.fits and found.world_size == plan.smallest.world_size
     # The same answer by the full planner at each allowed count in turn.
