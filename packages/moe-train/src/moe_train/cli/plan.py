@@ -64,7 +64,8 @@ PLAN = Command(
     description="Check CONFIG's layout at --gpus N with the trainer's own start checks, "
     "then rank every layout that fits by predicted tokens/s per device: memory per "
     "device by category, bytes per step by collective kind, pipeline bubble, a roofline "
-    "step time and MFU. Override config keys with --section.key=value.",
+    "step time and MFU. When none fits, list the closest and the smallest count of the same "
+    "devices that fits. Override config keys with --section.key=value.",
     add_arguments=_add_arguments,
     handle=_handle,
     takes_overrides=True,
