@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from moe_train.plan import (
     evaluate,
     format_plan,
     held_per_micro_batch,
+    make_plan,
     predict_memory,
     predict_traffic,
 )
@@ -392,9 +394,33 @@ def test_when_nothing_fits_the_closest_layouts_and_the_smallest_count_that_fits(
     # A device no count fits.
     hopeless = _small_plan(0.0002, 1)[2]
     assert hopeless.smallest.best is None
-    assert f"no count up to {hopeless.smallest.searched_to} x H100 SXM fits" in format_plan(
-        hopeless
-    )
+    assert f"no count up to {hopeless.smallest.tried_to} x H100 SXM fits" in format_plan(hopeless)
+
+
+def test_beyond_the_counts_tried_one_by_one_doubling_and_halving_find_the_same(monkeypatch):
+    from moe_train.plan import search
+
+    # Six layers and twelve sequences: counts 2, 3, 4, 6 and 8 take at least 44, 30, 24, 16 and
+    # 13 MiB per device; 5 and the counts past 8 start no layout.
+    shape = ["--model.n_layers=6", "--data.global_batch_size=12", "--data.micro_batch_size=2"]
+    small = load_config(ROOT / "configs/tiny.yaml", shape)
+    counts = search.allowed_counts(small, 1, DEVICES["h100"])
+    assert counts == [2, 3, 4, 5, 6, 8, 16, 24, 48, 72]
+    for mib, expected in ((27, 4), (20, 6), (14, 8), (10, None)):
+        device = device_with("h100", memory_gib=mib / 1024)
+        one_by_one = search.smallest_fitting(small, 1, device)
+        monkeypatch.setattr(search, "EVERY_COUNT", 1)
+        doubling = search.smallest_fitting(small, 1, device)
+        monkeypatch.undo()
+        assert doubling.world_size == one_by_one.world_size == expected, mib
+        if expected is None:  # up to the largest count
+            assert doubling.tried_to == 72 and one_by_one.searched_to == 72
+            continue
+        assert (doubling.searched_to, doubling.every_count_below) == (2, False)
+        assert one_by_one.every_count_below and doubling.best.label == one_by_one.best.label
+        plan = make_plan(small, 1, device, search=False)
+        line = format_plan(replace(plan, smallest=doubling)).split("\nfits on ")[1]
+        assert f"a count between 2 and {doubling.world_size} may also fit" in line
 
 
 def _columns(lines: list[str]) -> tuple[list[tuple[int, int]], list[str]]:

@@ -156,11 +156,22 @@ def _percent(share: float) -> str:
 def _smallest_line(smallest: Smallest, device: Device) -> str:
     best = smallest.best
     if best is None:
-        return f"no count up to {smallest.searched_to} x {device.name} fits"
-    return (
+        how = (
+            ""
+            if smallest.tried_to == smallest.searched_to
+            else (f" (every count up to {smallest.searched_to} tried, then doubling)")
+        )
+        return f"no count up to {smallest.tried_to} x {device.name} fits{how}"
+    line = (
         f"fits on {best.world_size} x {device.name}: {best.label} "
         f"({format_bytes(best.memory.total)}, {best.tokens_per_s:,.0f} tokens/s per device)"
     )
+    if not smallest.every_count_below:
+        line += (
+            f"\n  (every count up to {smallest.searched_to} tried, then doubling and halving: "
+            f"a count between {smallest.searched_to} and {best.world_size} may also fit)"
+        )
+    return line
 
 
 def _legend() -> list[str]:
@@ -281,6 +292,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         out["smallest_fitting"] = {
             "world_size": plan.smallest.world_size,
             "searched_to": plan.smallest.searched_to,
+            "tried_to": plan.smallest.tried_to,
+            "every_count_below": plan.smallest.every_count_below,
             "layout": _row(plan, best) if best is not None else None,
         }
     return out
