@@ -3,9 +3,12 @@ benchmark's per-category measurements, and the bytes the process-group calls car
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,11 +25,14 @@ from moe_train.plan import (
     DEVICES,
     device_with,
     evaluate,
+    format_plan,
     held_per_micro_batch,
+    make_plan,
     predict_memory,
     predict_traffic,
 )
 from moe_train.plan.activations import HOST_GRAPH_BYTES_PER_BLOCK, loss_bytes
+from moe_train.plan.layouts import format_bytes
 from moe_train.plan.memory import _rank_memory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -340,3 +346,219 @@ def test_bytes_across_nodes():
     assert across_nodes("dp all-reduce", 3.0, ep=8, dp=16, per_node=8) == 3.0
     assert across_nodes("dp all-reduce", 3.0, ep=1, dp=8, per_node=8) == 0.0
     assert across_nodes("pipeline", 2.0, ep=1, dp=8, per_node=8) == 2.0
+
+
+# --- what the command says when nothing fits, and how it says it ---
+
+
+def _small_plan(memory_gib: float, world_size: int, per_node: int = 2, extra=()):
+    from moe_train.plan import make_plan
+
+    config = load_config(None, [*SMALL, "--data.global_batch_size=8", *extra])
+    device = device_with("h100", memory_gib=memory_gib, gpus_per_node=per_node)
+    return config, device, make_plan(config, world_size, device)
+
+
+def test_when_nothing_fits_the_closest_layouts_and_the_smallest_count_that_fits():
+    from moe_train.plan import make_plan
+    from moe_train.plan.search import allowed_counts
+
+    # A device smaller than any layout of 1 rank needs, but not than some on more ranks.
+    config, device, plan = _small_plan(0.0015, 1, per_node=2)
+    assert not plan.fitting and plan.closest
+    limit = device.memory_gib * 2**30
+    totals = [r.memory.total for r in plan.closest]
+    least = min(r.memory.total for r in plan.rejected if r.error is None)
+    assert totals == sorted(totals) and totals[0] == least > limit
+    # Whole nodes of 2 beyond the first, each pp (at most 2 layers) x dp (dividing the 8
+    # sequences): 3 is not a whole number of nodes, 6 = 2 x 3 has no such split.
+    assert list(allowed_counts(config, 1, device)) == [2, 4, 8, 16]
+    # Tiny (4 layers, 16 sequences) on nodes of 8: 6 = 3 x 2 within a node, 12 = 3 x 4 is not
+    # a whole number of nodes.
+    tiny = load_config(ROOT / "configs/tiny.yaml")
+    assert list(allowed_counts(tiny, 4, DEVICES["h100"])) == [6, 8, 16, 24, 32, 48, 64]
+    found = plan.smallest.best
+    assert found is not None and found.fits and found.world_size == plan.smallest.world_size
+    # The same answer by the full planner at each allowed count in turn.
+    for count in allowed_counts(config, 1, device):
+        full = make_plan(config, count, device, search=False)
+        if full.fitting:
+            assert count == found.world_size
+            assert full.fitting[0].tokens_per_s == found.tokens_per_s
+            break
+        assert full.closest, f"nothing starts on {count}"
+    text = format_plan(plan)
+    assert f"fits on {found.world_size} x H100 SXM: {found.label} (" in text
+    over = f"+{format_bytes(plan.closest[0].memory.total - limit)}"
+    assert over in text.split("the closest")[1].splitlines()[3]
+    # A device no count fits.
+    hopeless = _small_plan(0.0002, 1)[2]
+    assert hopeless.smallest.best is None
+    assert f"no count up to {hopeless.smallest.tried_to} x H100 SXM fits" in format_plan(hopeless)
+
+
+def test_beyond_the_counts_tried_one_by_one_doubling_and_halving_find_the_same(monkeypatch):
+    from moe_train.plan import search
+
+    # Six layers and twelve sequences: counts 2, 3, 4, 6 and 8 take at least 44, 30, 24, 16 and
+    # 13 MiB per device; 5 and the counts past 8 start no layout.
+    shape = ["--model.n_layers=6", "--data.global_batch_size=12", "--data.micro_batch_size=2"]
+    small = load_config(ROOT / "configs/tiny.yaml", shape)
+    counts = search.allowed_counts(small, 1, DEVICES["h100"])
+    assert counts == [2, 3, 4, 5, 6, 8, 16, 24, 48, 72]
+    for mib, expected in ((27, 4), (20, 6), (14, 8), (10, None)):
+        device = device_with("h100", memory_gib=mib / 1024)
+        one_by_one = search.smallest_fitting(small, 1, device)
+        monkeypatch.setattr(search, "EVERY_COUNT", 1)
+        doubling = search.smallest_fitting(small, 1, device)
+        monkeypatch.undo()
+        assert doubling.world_size == one_by_one.world_size == expected, mib
+        if expected is None:  # up to the largest count
+            assert doubling.tried_to == 72 and one_by_one.searched_to == 72
+            continue
+        assert (doubling.searched_to, doubling.every_count_below) == (2, False)
+        assert one_by_one.every_count_below and doubling.best.label == one_by_one.best.label
+        plan = make_plan(small, 1, device, search=False)
+        line = format_plan(replace(plan, smallest=doubling)).split("\nfits on ")[1]
+        assert f"a count between 2 and {doubling.world_size} may also fit" in line
+
+
+def _columns(lines: list[str]) -> tuple[list[tuple[int, int]], list[str]]:
+    """The header's column spans and the table's value rows, from a printed plan."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("#  "))
+    header = lines[start]
+    spans = [(m.start(), m.end()) for m in re.finditer(r"\S+", header)]
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line[:1].isdigit():
+            break
+        rows.append(line)
+    return spans, rows
+
+
+@pytest.mark.parametrize(("memory_gib", "world_size"), [(80.0, 4), (0.0015, 1)])
+def test_columns_line_up_with_their_headers(memory_gib, world_size):
+    plan = _small_plan(memory_gib, world_size)[2]
+    spans, rows = _columns(format_plan(plan, top=50).splitlines())
+    assert rows
+    _, (layout_start, _), *figures = spans
+    for row in rows:
+        # Row number and layout begin under their headers; figures end under theirs.
+        assert row[0].isdigit() and row[layout_start - 1] == " " and row[layout_start] == "p"
+        for _, end in figures:
+            assert row[end - 1] != " " and (end == len(row) or row[end] == " "), (row, end)
+        cells = re.split(r"\s{2,}", row)
+        assert len(cells) == len(spans), row
+
+
+def test_rejection_reasons_are_grouped_with_their_counts():
+    plan = _small_plan(0.0015, 4)[2]
+    text = format_plan(plan)
+    section = text.split("layouts that do not fit or cannot start")[1].splitlines()[1:]
+    lines = [line for line in section if line.startswith("  ") and "layout" in line]
+    counts = [int(line.split()[0]) for line in lines]
+    assert sum(counts) == len(plan.rejected) and len(lines) < len(plan.rejected)
+    assert counts == sorted(counts, reverse=True)
+    assert any("largest part: " in line for line in lines)
+
+
+def test_printed_overrides_give_the_same_layout_through_trains_config_loading():
+    from moe_train.plan import make_plan
+    from moe_train.plan.layouts import layout_overrides
+
+    path = ROOT / "configs/tiny.yaml"
+    cases = [
+        ([], "h100"),  # dispatcher auto, FP32 parameters
+        (["--parallel.dispatcher=local", "--parallel.ep=1"], "b300"),  # MXFP8 rows too
+    ]
+    for given, gpu in cases:
+        base = load_config(path, given)
+        plan = make_plan(base, 8, DEVICES[gpu])
+        rows = plan.fitting + [r for r in plan.rejected if r.error is None]
+        assert len(rows) > 100
+        rows = rows[
+            ::3
+        ]  # every kind of row, at a third of the cost and any("mxfp8" in r.label for r in rows) == (gpu == "b300")
+        for row in rows:
+            again = evaluate(
+                load_config(path, [*given, *layout_overrides(row.config, base)]), 8, DEVICES[gpu]
+            )
+            assert again.error is None, (row.label, again.error)
+            assert again.label == row.label
+            assert again.memory.total == row.memory.total
+            assert again.tokens_per_s == row.tokens_per_s
+
+
+def test_a_small_model_in_mebibytes_at_a_speed_its_operators_allow():
+    from moe_train.plan import make_plan
+    from moe_train.plan.roofline import operator_floor_s
+
+    config = load_config(ROOT / "configs/tiny.yaml")
+    plan = make_plan(config, 8, DEVICES["h100"])
+    text = format_plan(plan)
+    assert " 0.0 GiB" not in text and " MiB " in text.split("fastest first")[1]
+    tokens = config.data.global_batch_size * config.data.seq_len
+    for row in plan.fitting:
+        # Not faster than its blocks' operators can be issued, one after another.
+        floor = operator_floor_s(row.config, row.dp)
+        assert row.time.compute_s >= floor
+        assert row.tokens_per_s <= tokens / floor / 8
+    assert format_bytes(0.5 * 2**30) == "512.0 MiB" and format_bytes(3 * 2**30) == "3.0 GiB"
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_operators_per_block_are_what_a_block_runs(recompute):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_train.plan.roofline import OPERATORS_PER_BLOCK
+
+    class Operators(TorchDispatchMode):
+        """Counts the operators that do work (views excluded)."""
+
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not (torch.Tag.view_copy in func.tags or func.is_view or "view" in func.__name__):
+                Operators.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def operators(layers: int) -> int:
+        config = load_config(
+            ROOT / "configs/tiny.yaml",
+            [f"--model.n_layers={layers}", f"--parallel.recompute={recompute}"],
+        )
+        model = Transformer(config.model, config.data.seq_len)
+        apply_recompute(model, recompute)
+        tokens = torch.randint(0, config.model.vocab_size, (1, config.data.seq_len + 1))
+        Operators.count = 0
+        with Operators(), torch.autocast("cpu"):
+            model(tokens[:, :-1], targets_BS=tokens[:, 1:]).backward()
+        return Operators.count
+
+    per_block = (operators(3) - operators(1)) / 2
+    assert 0.75 < OPERATORS_PER_BLOCK[recompute] / per_block < 1.33, per_block
+
+
+def test_plan_command_when_nothing_fits(capsys):
+    """As a user runs it (in this process): the closest layouts, the count that fits, the
+    legend and each row's overrides; and the same in --json, with the keys it had before."""
+    from moe_train.cli import run
+
+    # Tiny needs 59 MiB on one device and 30 MiB on two; the least on four is 16 MiB.
+    args = ["plan", str(ROOT / "configs/tiny.yaml"), "--gpus", "1", "--gpu", "h100"]
+    args += ["--gpu-memory-gib", "0.025", "--train.max_steps=5"]
+    assert run([*args, "--overrides"]) == 1
+    out = capsys.readouterr().out
+    assert "the closest, least memory first" in out and "\nfits on 4 x H100 SXM: " in out
+    assert "layout codes:" in out and "rc:none|selective|full" in out
+    command = f"uv run moe-train train {ROOT / 'configs/tiny.yaml'} --train.max_steps=5"
+    assert f"overrides of each row, to add to `{command}`:" in out
+    assert "\n  1  --" in out and "\n  on 4 devices: --" in out
+    assert run([*args, "--json"]) == 1
+    plan = json.loads(capsys.readouterr().out)
+    assert {"world_size", "device", "own", "fitting", "rejected"} <= plan.keys()
+    assert plan["fitting"] == [] and plan["closest"][0]["over_bytes"] > 0
+    smallest = plan["smallest_fitting"]
+    assert smallest["world_size"] == 4 and smallest["layout"]["fits"]
+    assert all(isinstance(r["overrides"], list) for r in [*plan["rejected"], *plan["closest"]])
+    assert "mbM" in plan["legend"] and plan["rejected_groups"][0]["count"] > 1

@@ -1,4 +1,4 @@
-"""`moe-train plan CONFIG --gpus N [--gpu NAME] [--json] [--section.key=value ...]`."""
+"""`moe-train plan CONFIG --gpus N [--gpu NAME] [--json] [--overrides] [--section.key=value ...]`."""
 
 import argparse
 import json
@@ -20,6 +20,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inter-node-gbps", type=float, default=None, metavar="B", help="GB/s")
     parser.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     parser.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    parser.add_argument(
+        "--overrides",
+        action="store_true",
+        dest="show_overrides",
+        help="also print, for each row shown, the --section.key=value overrides that give "
+        "its layout to `moe-train train`",
+    )
 
 
 def _handle(args: argparse.Namespace) -> int:
@@ -43,7 +50,11 @@ def _handle(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     plan = make_plan(load_config(args.config, args.overrides), args.gpus, device)
-    print(json.dumps(plan_json(plan), indent=1) if args.json else format_plan(plan, args.top))
+    if args.json:
+        print(json.dumps(plan_json(plan), indent=1))
+    else:
+        command = " ".join(["uv run moe-train train", str(args.config), *args.overrides])
+        print(format_plan(plan, args.top, command if args.show_overrides else None))
     return 0 if plan.own.error is None and plan.own.fits else 1
 
 
@@ -53,7 +64,8 @@ PLAN = Command(
     description="Check CONFIG's layout at --gpus N with the trainer's own start checks, "
     "then rank every layout that fits by predicted tokens/s per device: memory per "
     "device by category, bytes per step by collective kind, pipeline bubble, a roofline "
-    "step time and MFU. Override config keys with --section.key=value.",
+    "step time and MFU. When none fits, list the closest and the smallest count of the same "
+    "devices that fits. Override config keys with --section.key=value.",
     add_arguments=_add_arguments,
     handle=_handle,
     takes_overrides=True,

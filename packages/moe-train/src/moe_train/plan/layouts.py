@@ -45,18 +45,25 @@ class Evaluated:
         if self.error:
             return self.error
         if not self.fits and self.memory is not None:
-            return f"needs {self.memory.total / GIB:.1f} GiB per device"
+            return f"needs {format_bytes(self.memory.total)} per device"
         return ""
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure at 1 or more."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def evaluate(config: Config, world_size: int, device: Device) -> Evaluated:
     """Check `config` at `world_size` with the trainer's own start checks, then predict."""
     label = layout_label(config, world_size)
-    try:
-        config.validate()
-        check_topology(config, world_size)
-    except ConfigError as e:
-        return Evaluated(config, world_size, label, str(e))
+    error = start_error(config, world_size)
+    if error is not None:
+        return Evaluated(config, world_size, label, error)
+    config = _resolved(config)
     memory = predict_memory(config, world_size)
     traffic = predict_traffic(config, world_size, memory.pp_rank)
     time = step_time(config, world_size, device, traffic)
@@ -74,6 +81,73 @@ def evaluate(config: Config, world_size: int, device: Device) -> Evaluated:
         mfu(config, tokens, device),
         fits,
     )
+
+
+def start_error(config: Config, world_size: int) -> str | None:
+    """Why the trainer would refuse to start `config` on `world_size` ranks (None: it starts)."""
+    try:
+        config.validate()
+        check_topology(config, world_size)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def fits_memory(config: Config, world_size: int, device: Device) -> bool:
+    """Whether a layout that starts fits the device's memory (the memory prediction alone)."""
+    return predict_memory(_resolved(config), world_size).total <= device.memory_gib * GIB
+
+
+def _resolved(config: Config) -> Config:
+    """The config with the dispatcher the trainer would run at its expert-parallel size."""
+    parallel = config.parallel
+    dispatcher = choose_dispatcher(parallel.dispatcher, parallel.ep)
+    if dispatcher == parallel.dispatcher:
+        return config
+    return dataclasses.replace(
+        config, parallel=dataclasses.replace(parallel, dispatcher=dispatcher)
+    )
+
+
+LEGEND = {
+    "ppP": "P pipeline stages",
+    "dpD": "D data-parallel ranks per stage (devices = P x D)",
+    "epE": "experts split over E ranks of each data-parallel group",
+    "1f1b, interleaved_1f1bxV": "pipeline schedule; xV: V layer chunks (virtual stages) per rank",
+    "mbM": "M sequences per micro-batch",
+    "rc:none|selective|full": "activation recompute in the backward",
+    "dist-opt": "distributed optimizer (optimizer state and master weights sharded)",
+    "bf16-params": "parameters held in bf16, FP32 master weights in the optimizer",
+    "mxfp8": "expert matrix products in MXFP8",
+}
+"""What each part of a layout's label means."""
+
+LAYOUT_KEYS = (
+    ("parallel.pp", lambda c: c.parallel.pp),
+    ("parallel.ep", lambda c: c.parallel.ep),
+    ("parallel.pp_schedule", lambda c: c.parallel.pp_schedule),
+    ("parallel.virtual_stages", lambda c: c.parallel.virtual_stages),
+    ("data.micro_batch_size", lambda c: c.data.micro_batch_size),
+    ("parallel.recompute", lambda c: c.parallel.recompute),
+    ("parallel.distributed_optimizer", lambda c: c.parallel.distributed_optimizer),
+    ("precision.param_dtype", lambda c: c.precision.param_dtype),
+    ("precision.expert_gemm", lambda c: c.precision.expert_gemm),
+)
+"""The config keys a layout sets, and how to read each off a config."""
+
+
+def layout_overrides(layout: Config, base: Config) -> list[str]:
+    """The `--section.key=value` overrides that turn `base` into `layout`'s layout, as
+    `moe-train train` accepts them (only the keys that differ)."""
+    overrides = []
+    for key, read in LAYOUT_KEYS:
+        value = read(layout)
+        if value != read(base):
+            overrides.append(f"--{key}={str(value).lower() if isinstance(value, bool) else value}")
+    if base.parallel.dispatcher == "local" and layout.parallel.ep > 1:
+        # The trainer refuses an explicit local dispatcher with expert parallelism.
+        overrides.append(f"--parallel.dispatcher={layout.parallel.dispatcher}")
+    return overrides
 
 
 def layout_label(config: Config, world_size: int) -> str:

@@ -1,13 +1,31 @@
-"""What `moe-train plan` prints: the config's own layout, then the layouts that fit, ranked."""
+"""What `moe-train plan` prints: the config's own layout, then the layouts that fit, ranked;
+when none fits, the layouts that come closest and the smallest device count that fits."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
+from moe_train.config import Config
 from moe_train.plan.hardware import Device
-from moe_train.plan.layouts import GIB, Evaluated, candidate_layouts, evaluate
+from moe_train.plan.layouts import (
+    GIB,
+    LEGEND,
+    Evaluated,
+    candidate_layouts,
+    evaluate,
+    format_bytes,
+    layout_overrides,
+)
 from moe_train.plan.roofline import across_nodes
+from moe_train.plan.search import Smallest, smallest_fitting
+
+CLOSEST = 5
+"""Layouts shown (and listed in JSON) when none fits."""
+
+REASON_GROUPS = 8
+"""Groups of rejection reasons shown."""
 
 
 @dataclass(frozen=True)
@@ -20,10 +38,17 @@ class Plan:
     """Layouts that start and fit, fastest first."""
     rejected: list[Evaluated]
     """Layouts that do not start or do not fit."""
+    base: Config | None = None
+    """The config as given, against which each layout's overrides are written."""
+    closest: list[Evaluated] = field(default_factory=list)
+    """When none fits: the layouts that start, least memory first."""
+    smallest: Smallest | None = None
+    """When none fits: the smallest count of the same devices on which one does."""
 
 
-def make_plan(config: Any, world_size: int, device: Device) -> Plan:
-    """Evaluate the config's own layout and every candidate on `world_size` devices."""
+def make_plan(config: Config, world_size: int, device: Device, *, search: bool = True) -> Plan:
+    """Evaluate the config's own layout and every candidate on `world_size` devices; when none
+    fits, find the closest and (with `search`) the smallest device count that fits."""
     own = evaluate(config, world_size, device)
     seen: set[str] = set()
     fitting, rejected = [], []
@@ -34,14 +59,21 @@ def make_plan(config: Any, world_size: int, device: Device) -> Plan:
         seen.add(result.label)
         (fitting if result.fits else rejected).append(result)
     fitting.sort(key=lambda r: -r.tokens_per_s)
-    return Plan(world_size, device, own, fitting, rejected)
+    if fitting:
+        return Plan(world_size, device, own, fitting, rejected, config)
+    starting = sorted((r for r in rejected if r.error is None), key=lambda r: r.memory.total)
+    smallest = smallest_fitting(config, world_size, device) if search else None
+    return Plan(world_size, device, own, [], rejected, config, starting[:CLOSEST], smallest)
 
 
-def format_plan(plan: Plan, top: int = 15) -> str:
-    """The plan as text: the own layout's verdict and breakdown, then a ranked table."""
+def format_plan(plan: Plan, top: int = 15, overrides_for: str | None = None) -> str:
+    """The plan as text: the own layout's verdict and breakdown, a ranked table of the layouts
+    that fit (or of the closest, with the device count that would fit), a legend of the layout
+    codes and the rejection reasons grouped. With `overrides_for` (the command the overrides
+    are added to), each shown row's overrides too."""
     device = plan.device
     lines = [
-        f"{plan.world_size} x {device.name} ({device.memory_gib:.0f} GiB, "
+        f"{plan.world_size} x {device.name} ({format_bytes(device.memory_gib * GIB)}, "
         f"{device.bf16_tflops:.0f} bf16 TFLOP/s, {device.gpus_per_node} per node)",
         "",
         "this config: " + plan.own.label,
@@ -50,34 +82,178 @@ def format_plan(plan: Plan, top: int = 15) -> str:
         lines.append(f"  cannot start: {plan.own.error}")
     else:
         lines += _details(plan.own, device)
-    lines += ["", f"layouts that fit ({len(plan.fitting)}), fastest first:"]
-    header = f"{'layout':<58} {'GiB':>6} {'tok/s/dev':>10} {'MFU':>6} {'bubble':>7} {'exch.':>6}"
-    lines += [header, "-" * len(header)]
-    for r in plan.fitting[:top]:
-        bubble = r.time.bubble_s / r.time.total_s
-        exchange = r.time.exchange_s / r.time.total_s
+    lines.append("")
+    if plan.fitting:
+        shown = plan.fitting[:top]
+        lines.append(f"layouts that fit ({len(plan.fitting)}), fastest first:")
+        lines += _table(shown, device)
+        if len(plan.fitting) > top:
+            lines.append(f"... and {len(plan.fitting) - top} more (--json lists all)")
+    else:
+        shown = plan.closest
         lines.append(
-            f"{r.label:<72} {r.memory.total / GIB:>6.1f} {r.tokens_per_s:>10,.0f} "
-            f"{100 * r.mfu:>5.1f}% {100 * bubble:>6.1f}% {100 * exchange:>5.1f}%"
+            f"no layout fits {format_bytes(device.memory_gib * GIB)} per device; the closest, "
+            "least memory first:"
         )
-    if len(plan.fitting) > top:
-        lines.append(f"... and {len(plan.fitting) - top} more (--json lists all)")
-    lines += ["", f"layouts that do not fit or cannot start ({len(plan.rejected)}), e.g.:"]
-    for r in plan.rejected[:8]:
-        lines.append(f"  {r.label}: {r.reason}")
+        lines += _table(shown, device, over=True) if shown else ["  (none starts)"]
+    if plan.smallest is not None:
+        lines.append(_smallest_line(plan.smallest, device))
+    lines += _legend()
+    lines += ["", f"layouts that do not fit or cannot start ({len(plan.rejected)}):"]
+    lines += [f"  {count} {_plural(count)}: {text}" for count, text in _grouped(plan)]
+    if overrides_for is not None:
+        lines += _overrides_section(plan, shown, overrides_for)
     return "\n".join(lines)
+
+
+HEADERS = ["#", "layout", "memory", "tok/s/dev", "MFU", "bubble", "exch."]
+LEFT_ALIGNED = 2
+"""The first columns (row number and layout) are aligned left, the figures right."""
+
+
+def table_lines(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """A table whose columns are as wide as their widest cell, two spaces apart: header,
+    rule, rows."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        padded = [
+            c.ljust(w) if i < LEFT_ALIGNED else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(padded).rstrip()
+
+    header = line(headers)
+    return [header, "-" * len(header), *(line(r) for r in rows)]
+
+
+def _table(rows: list[Evaluated], device: Device, over: bool = False) -> list[str]:
+    headers = list(HEADERS)
+    if over:
+        headers.insert(3, "over")
+    cells = []
+    for i, r in enumerate(rows, 1):
+        t = r.time
+        row = [
+            str(i),
+            r.label,
+            format_bytes(r.memory.total),
+            f"{r.tokens_per_s:,.0f}",
+            _percent(r.mfu),
+            _percent(t.bubble_s / t.total_s),
+            _percent(t.exchange_s / t.total_s),
+        ]
+        if over:
+            row.insert(3, "+" + format_bytes(r.memory.total - device.memory_gib * GIB))
+        cells.append(row)
+    return table_lines(headers, cells)
+
+
+def _percent(share: float) -> str:
+    return "<0.1%" if 0 < share < 0.0005 else f"{100 * share:.1f}%"
+
+
+def _smallest_line(smallest: Smallest, device: Device) -> str:
+    best = smallest.best
+    if best is None:
+        how = (
+            ""
+            if smallest.tried_to == smallest.searched_to
+            else (f" (every count up to {smallest.searched_to} tried, then doubling)")
+        )
+        return f"no count up to {smallest.tried_to} x {device.name} fits{how}"
+    line = (
+        f"fits on {best.world_size} x {device.name}: {best.label} "
+        f"({format_bytes(best.memory.total)}, {best.tokens_per_s:,.0f} tokens/s per device)"
+    )
+    if not smallest.every_count_below:
+        line += (
+            f"\n  (every count up to {smallest.searched_to} tried, then doubling and halving: "
+            f"a count between {smallest.searched_to} and {best.world_size} may also fit)"
+        )
+    return line
+
+
+def _legend() -> list[str]:
+    width = max(len(code) for code in LEGEND)
+    return [
+        "",
+        "layout codes:",
+        *(f"  {code:<{width}}  {meaning}" for code, meaning in LEGEND.items()),
+        "columns: memory, the predicted peak per device; tok/s/dev, tokens/s per device by a "
+        "roofline",
+        "  (an upper bound); bubble and exch., the step's share idle in the pipeline bubble and "
+        "in the",
+        "  expert-parallel exchanges",
+    ]
+
+
+def _plural(count: int) -> str:
+    return "layout" if count == 1 else "layouts"
+
+
+def _grouped(plan: Plan) -> list[tuple[int, str]]:
+    """Rejection reasons, one line per kind with its count, most common first: start errors
+    alike but for their figures together, memory overruns by their largest category."""
+    groups: dict[str, list[Evaluated]] = {}
+    for r in plan.rejected:
+        if r.error:
+            key = re.sub(r"\d+", "#", r.error)
+        else:
+            key = "memory " + max(r.memory.categories().items(), key=lambda kv: kv[1])[0]
+        groups.setdefault(key, []).append(r)
+    ordered = sorted(groups.items(), key=lambda kv: -len(kv[1]))
+    lines = [(len(members), _group_text(key, members, plan.device)) for key, members in ordered]
+    if len(lines) > REASON_GROUPS:
+        rest = sum(count for count, _ in lines[REASON_GROUPS:])
+        lines = [*lines[:REASON_GROUPS], (rest, "other reasons (--json lists each)")]
+    return lines
+
+
+CATEGORY_NAMES = {"optimizer": "optimizer state", "dispatch": "dispatch buffers"}
+
+
+def _group_text(key: str, members: list[Evaluated], device: Device) -> str:
+    if not key.startswith("memory "):
+        return members[0].error + ("" if len(members) == 1 else f" (e.g. {members[0].label})")
+    category = key.removeprefix("memory ")
+    totals = [r.memory.total for r in members]
+    span = format_bytes(min(totals))
+    if len(members) > 1:
+        span += f" to {format_bytes(max(totals))}"
+    return (
+        f"need {span} per device, over {format_bytes(device.memory_gib * GIB)}; "
+        f"largest part: {CATEGORY_NAMES.get(category, category)}"
+    )
+
+
+def _overrides_section(plan: Plan, shown: list[Evaluated], command: str) -> list[str]:
+    lines = ["", f"overrides of each row, to add to `{command}`:"]
+    for i, r in enumerate(shown, 1):
+        lines.append(f"  {i:<3}" + (" ".join(_overrides(plan, r)) or "(none: the config's own)"))
+    best = plan.smallest.best if plan.smallest is not None else None
+    if best is not None:
+        overrides = " ".join(_overrides(plan, best)) or "(none)"
+        lines.append(f"  on {best.world_size} devices: {overrides}")
+    return lines
+
+
+def _overrides(plan: Plan, r: Evaluated) -> list[str]:
+    return layout_overrides(r.config, plan.base if plan.base is not None else plan.own.config)
 
 
 def _details(result: Evaluated, device: Device) -> list[str]:
     memory = result.memory
     verdict = "fits" if result.fits else "does NOT fit"
+    unit, size = ("GiB", GIB) if memory.total >= GIB else ("MiB", 2**20)
     lines = [
-        f"  memory per device {memory.total / GIB:.1f} GiB of {device.memory_gib:.0f}: {verdict}"
-        f" (busiest pipeline rank {memory.pp_rank})",
+        f"  memory per device {format_bytes(memory.total)} of "
+        f"{format_bytes(device.memory_gib * GIB)}: "
+        f"{verdict} (busiest pipeline rank {memory.pp_rank})",
         "    "
-        + ", ".join(f"{name} {value / GIB:.2f}" for name, value in memory.categories().items())
-        + " GiB",
-        f"    activations {memory.activations / GIB:.2f} GiB per micro-batch x "
+        + ", ".join(f"{name} {value / size:.2f}" for name, value in memory.categories().items())
+        + f" {unit}",
+        f"    activations {memory.activations / size:.2f} {unit} per micro-batch x "
         f"{memory.in_flight:g} in flight",
         "  bytes per step per device by kind (sent over links; of them across nodes):",
     ]
@@ -90,23 +266,44 @@ def _details(result: Evaluated, device: Device) -> list[str]:
         f"  step {t.total_s:.3f} s: compute {t.compute_s:.3f}, exchange {t.exchange_s:.3f}, "
         f"reductions {t.reduction_s:.3f}, bubble {t.bubble_s:.3f}, pipeline {t.pipeline_s:.3f}"
     )
-    lines.append(f"  {result.tokens_per_s:,.0f} tokens/s per device, MFU {100 * result.mfu:.1f}%")
+    lines.append(f"  {result.tokens_per_s:,.0f} tokens/s per device, MFU {_percent(result.mfu)}")
     return lines
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:
-    """The plan as JSON-ready data: every evaluated layout with its figures."""
-    return {
+    """The plan as JSON-ready data: every evaluated layout with its figures and overrides;
+    when none fits, the closest and the smallest device count that fits."""
+    out: dict[str, Any] = {
         "world_size": plan.world_size,
         "device": plan.device.__dict__,
-        "own": _row(plan.own, plan.device),
-        "fitting": [_row(r, plan.device) for r in plan.fitting],
-        "rejected": [_row(r, plan.device) for r in plan.rejected],
+        "own": _row(plan, plan.own),
+        "fitting": [_row(plan, r) for r in plan.fitting],
+        "rejected": [_row(plan, r) for r in plan.rejected],
+        "legend": LEGEND,
+        "rejected_groups": [{"count": c, "reason": text} for c, text in _grouped(plan)],
     }
+    if not plan.fitting:
+        limit = plan.device.memory_gib * GIB
+        out["closest"] = [
+            {**_row(plan, r), "over_bytes": r.memory.total - limit} for r in plan.closest
+        ]
+    if plan.smallest is not None:
+        best = plan.smallest.best
+        out["smallest_fitting"] = {
+            "world_size": plan.smallest.world_size,
+            "searched_to": plan.smallest.searched_to,
+            "tried_to": plan.smallest.tried_to,
+            "every_count_below": plan.smallest.every_count_below,
+            "layout": _row(plan, best) if best is not None else None,
+        }
+    return out
 
 
-def _row(r: Evaluated, device: Device) -> dict[str, Any]:
+def _row(plan: Plan, r: Evaluated) -> dict[str, Any]:
+    device = plan.device
     row: dict[str, Any] = {"layout": r.label, "starts": r.error is None, "fits": r.fits}
+    row["world_size"] = r.world_size
+    row["overrides"] = _overrides(plan, r)
     if r.reason:
         row["reason"] = r.reason
     if r.error:
@@ -116,6 +313,7 @@ def _row(r: Evaluated, device: Device) -> dict[str, Any]:
     row["in_flight_micro_batches"] = r.memory.in_flight
     row["payload_bytes_per_step"] = r.traffic.payload
     row["wire_bytes_per_step"] = r.traffic.wire
+    row["collective_calls_per_step"] = r.traffic.calls
     row["across_nodes_bytes_per_step"] = {
         kind: across_nodes(kind, wire, r.config.parallel.ep, r.dp, device.gpus_per_node)
         for kind, wire in r.traffic.wire.items()

@@ -4,6 +4,12 @@ Compute runs at a fixed fraction of the device's matmul peak; the expert-paralle
 sit on the critical path (each MoE layer waits for its tokens); gradient reductions overlap
 the backward and only what outlasts it shows; the distributed optimizer's all-gather follows
 the step; a pipeline adds its bubble.
+
+Two floors keep a small model's figure from running to millions of tokens per second: the
+blocks' compute takes no less than their operators take to be issued one by one (eager
+PyTorch launches each operator from the host), and each collective call costs a fixed
+start-up time on top of its bytes (the latency term of the usual latency-bandwidth model).
+Both are negligible for models of the size this planner is for.
 """
 
 from __future__ import annotations
@@ -18,6 +24,20 @@ from moe_train.plan.traffic import Traffic
 MATMUL_EFFICIENCY = 0.6
 """Fraction of the datasheet peak that the matrix products reach: a planning constant, not a
 measurement of this trainer."""
+
+OPERATOR_FLOOR_S = 5e-6
+"""Least time one operator of the forward or backward occupies the device: its dispatch by the
+framework and its kernel launch, which bound a step of small kernels whatever their FLOPs. A
+planning constant at the low end of eager PyTorch's per-operator cost."""
+
+OPERATORS_PER_BLOCK = {"none": 270, "selective": 390, "full": 390}
+"""Operators one transformer block runs in the forward and backward of one micro-batch, by
+recompute mode (recompute reruns the forward's operators); counted from the model's own
+forward and backward in the tests, where they are checked."""
+
+COLLECTIVE_LATENCY_S = 20e-6
+"""Start-up time of one process-group call, whatever its size: a planning constant of the
+order that collective libraries report for small messages within a node."""
 
 BACKWARD_SHARE = 2 / 3
 """Share of a step's compute in the backward (two of the three matmuls per weight)."""
@@ -47,9 +67,11 @@ def step_time(config: Config, world_size: int, device: Device, traffic: Traffic)
     compute_s = flops / (device.bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
     if config.precision.expert_gemm == "mxfp8" and device.mxfp8:
         compute_s -= _expert_share(config) * compute_s / 2  # expert GEMMs at twice the rate
+    compute_s = max(compute_s, operator_floor_s(config, dp))
     exchange_s = reduction_s = pipeline_s = 0.0
     for kind, wire in traffic.wire.items():
         seconds = _seconds(device, kind, wire, parallel.ep, dp)
+        seconds += traffic.calls.get(kind, 1) * COLLECTIVE_LATENCY_S
         if kind.startswith("ep "):
             exchange_s += seconds
         elif kind == "pipeline":
@@ -65,6 +87,15 @@ def step_time(config: Config, world_size: int, device: Device, traffic: Traffic)
         bubble = (parallel.pp - 1) / (chunks * num_micro)
     busy = compute_s + exchange_s
     return StepTime(compute_s, exchange_s, reduction_s, bubble * busy, pipeline_s)
+
+
+def operator_floor_s(config: Config, dp: int) -> float:
+    """Least compute time of one rank's step: its blocks' operators, issued one at a time for
+    each of its micro-batches."""
+    parallel, data = config.parallel, config.data
+    num_micro = data.global_batch_size // data.micro_batch_size // dp
+    blocks = config.model.n_layers / parallel.pp
+    return num_micro * blocks * OPERATORS_PER_BLOCK[parallel.recompute] * OPERATOR_FLOOR_S
 
 
 def _recompute_factor(config: Config) -> float:

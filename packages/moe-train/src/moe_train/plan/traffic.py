@@ -26,11 +26,14 @@ class Traffic:
     payload: dict[str, float] = field(default_factory=dict)
     wire: dict[str, float] = field(default_factory=dict)
     group_size: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    """Process-group calls per step (a bucketed gradient reduction counts as one)."""
 
-    def add(self, kind: str, payload: float, wire: float, group: int) -> None:
+    def add(self, kind: str, payload: float, wire: float, group: int, calls: int = 1) -> None:
         self.payload[kind] = self.payload.get(kind, 0.0) + payload
         self.wire[kind] = self.wire.get(kind, 0.0) + wire
         self.group_size[kind] = group
+        self.calls[kind] = self.calls.get(kind, 0) + calls
 
 
 def predict_traffic(config: Config, world_size: int, pp_rank: int = 0) -> Traffic:
@@ -50,7 +53,7 @@ def predict_traffic(config: Config, world_size: int, pp_rank: int = 0) -> Traffi
         per_layer = exchange * (ep - 1) / ep
         for kind in ("ep dispatch", "ep combine"):
             calls = moe_layers * num_micro * rounds
-            traffic.add(kind, calls * exchange, calls * per_layer, ep)
+            traffic.add(kind, calls * exchange, calls * per_layer, ep, calls)
     params = rank_params(config, pp_rank)
     w = DTYPE_BYTES[config.precision.param_dtype]
     grad_bytes = FP32 if w < FP32 else w  # low-precision gradients are reduced in FP32
@@ -71,7 +74,8 @@ def predict_traffic(config: Config, world_size: int, pp_rank: int = 0) -> Traffi
         sends = sum(1 for s in stages.stages if s < stages.num_stages - 1)
         receives = sum(1 for s in stages.stages if s > 0)
         per_micro = hidden * (sends + receives)
-        traffic.add("pipeline", per_micro * num_micro, per_micro * num_micro, 2)
+        calls = (sends + receives) * num_micro
+        traffic.add("pipeline", per_micro * num_micro, per_micro * num_micro, 2, calls)
     return traffic
 
 
