@@ -111,7 +111,7 @@ def _named_state(model: Transformer) -> dict[str, torch.Tensor]:
 
 def _our_model(out: Path) -> Transformer:
     config = load_config(out / "config.yaml")
-    model = Transformer(config.model, 64)
+    model = Transformer(config.model)
     load_into(out / "step_00000000", [OwnedSlice.whole(n, t) for n, t in _named_state(model).items()])  # fmt: skip
     return model.eval()
 
