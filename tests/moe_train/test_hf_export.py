@@ -44,6 +44,37 @@ CASES = {
             }
         },
     ),
+    # YaRN context extension (rope_parameters.rope_type = yarn), the default attention factor
+    # and a given one.
+    "qwen3_moe_yarn": (
+        "Qwen3MoeForCausalLM",
+        {
+            "model": {
+                "qk_norm": True,
+                "rope_theta": 1000.0,
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 6,
+                },
+            }
+        },
+    ),
+    "glm4_moe_yarn_attention_factor": (
+        "Glm4MoeForCausalLM",
+        {
+            "model": {
+                "moe": {"router": "sigmoid"},
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 2.0,
+                    "original_max_position_embeddings": 12,
+                    "beta_fast": 16.0,
+                    "attention_factor": 1.3,
+                },
+            }
+        },
+    ),
     "glm4_moe_no_qk_norm_no_shared": (
         "Glm4MoeForCausalLM",
         {"model": {"qk_norm": False, "moe": {"router": "sigmoid", "normalize_topk": False}}},

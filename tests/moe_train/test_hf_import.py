@@ -47,6 +47,22 @@ HF_MODELS = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
         },
     ),
+    # YaRN: rope_parameters.rope_type = yarn (imported as model.rope_scaling).
+    "qwen3_moe_yarn": (
+        "Qwen3MoeConfig",
+        {
+            **COMMON,
+            "num_experts": 4,
+            "max_position_embeddings": 32,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 8,
+                "beta_fast": 16.0,
+            },
+        },
+    ),
     # Unnormalised top-k, tied embeddings, no dense layer.
     "qwen3_moe_tied": (
         "Qwen3MoeConfig",
@@ -111,7 +127,7 @@ def _named_state(model: Transformer) -> dict[str, torch.Tensor]:
 
 def _our_model(out: Path) -> Transformer:
     config = load_config(out / "config.yaml")
-    model = Transformer(config.model, 64)
+    model = Transformer(config.model)
     load_into(out / "step_00000000", [OwnedSlice.whole(n, t) for n, t in _named_state(model).items()])  # fmt: skip
     return model.eval()
 
@@ -226,8 +242,19 @@ def test_init_from_refuses_another_model(token_file, tmp_path):
                 "moe": {"router": "sigmoid", "shared_experts": 1, "bias_update_rate": 0.05},
             }
         },
+        {
+            "model": {
+                "qk_norm": True,
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 4,
+                    "attention_factor": 1.25,
+                },
+            }
+        },
     ],
-    ids=["qwen3_moe", "glm4_moe_tied_bias"],
+    ids=["qwen3_moe", "glm4_moe_tied_bias", "qwen3_moe_yarn"],
 )
 def test_export_then_import_reproduces_every_tensor_bitwise(sections, make_config, tmp_path):
     config = make_config(tmp_path, train={"max_steps": 3}, **sections)
@@ -238,7 +265,7 @@ def test_export_then_import_reproduces_every_tensor_bitwise(sections, make_confi
 
     imported = load_config(out / "config.yaml").model
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "qk_norm",
-                "rope_theta", "norm_eps", "dense_layers", "tie_embeddings"):  # fmt: skip
+                "rope_theta", "rope_scaling", "norm_eps", "dense_layers", "tie_embeddings"):  # fmt: skip
         assert getattr(imported, key) == getattr(config.model, key), key
     for key in ("num_experts", "top_k", "expert_hidden", "shared_experts", "router"):
         assert getattr(imported.moe, key) == getattr(config.model.moe, key), key
@@ -291,6 +318,19 @@ def _refused(tmp_path: Path, capsys, hf_dir: Path, option: str) -> None:
             "Qwen3MoeConfig",
             {"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
             "rope_type",
+        ),
+        (
+            "Qwen3MoeConfig",
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 2.0,
+                    "original_max_position_embeddings": 8,
+                    "mscale": 0.7,
+                    "mscale_all_dim": 1.0,
+                }
+            },
+            "mscale=0.7",
         ),
     ],
 )

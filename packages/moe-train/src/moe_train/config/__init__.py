@@ -15,7 +15,7 @@ from moe_train.config.loading import (
     load_config,
     parse_overrides,
 )
-from moe_train.config.model import ModelConfig, MoEConfig
+from moe_train.config.model import ModelConfig, MoEConfig, RopeScalingConfig
 from moe_train.config.root import Config
 from moe_train.config.runtime import CheckpointConfig, EvalConfig, ParallelConfig, PrecisionConfig
 from moe_train.config.training import OptimConfig, RoutingCheckConfig, TrainConfig
@@ -32,6 +32,7 @@ __all__ = [
     "OptimConfig",
     "ParallelConfig",
     "PrecisionConfig",
+    "RopeScalingConfig",
     "RoutingCheckConfig",
     "TrainConfig",
     "config_changes",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from moe_train.config.checks import _non_negative, _positive
@@ -55,6 +55,62 @@ class MoEConfig:
 
 
 @dataclass(kw_only=True)
+class RopeScalingConfig:
+    """How the rotary frequencies are rescaled for a context longer than the one the model
+    was first trained on (as Hugging Face configs' `rope_parameters` say it)."""
+
+    type: Literal["none", "yarn"] = "none"
+    """none: plain RoPE at model.rope_theta. yarn: YaRN (the scheme of Qwen3 and OLMo):
+    the low frequencies are divided by `factor`, the high ones kept, a linear ramp between
+    them, and queries and keys scaled by `attention_factor`."""
+    factor: float = 1.0
+    """yarn: how many times longer the new context is than original_max_position_embeddings."""
+    original_max_position_embeddings: int | None = None
+    """yarn: the context length the model was first trained at."""
+    beta_fast: float = 32.0
+    """yarn: frequencies turning more than this many times over the original context are
+    kept as they are."""
+    beta_slow: float = 1.0
+    """yarn: frequencies turning fewer than this many times over the original context are
+    divided by `factor` in full."""
+    attention_factor: float | None = None
+    """yarn: the scale of cos and sin (so of queries and keys); null: 0.1 * ln(factor) + 1."""
+
+    def validate(self, path: str) -> None:
+        if self.type == "none":
+            changed = [
+                f.name
+                for f in fields(self)
+                if f.name != "type"
+                and getattr(self, f.name) != getattr(RopeScalingConfig(), f.name)
+            ]
+            if changed:
+                raise ConfigError(
+                    f"{path}.{changed[0]}={getattr(self, changed[0])!r} has no effect with "
+                    f"{path}.type=none; set {path}.type=yarn or remove it"
+                )
+            return
+        if self.factor < 1:
+            raise ConfigError(f"{path}.factor={self.factor} must be at least 1")
+        if self.original_max_position_embeddings is None:
+            raise ConfigError(
+                f"{path}.type=yarn needs {path}.original_max_position_embeddings, the context "
+                f"length the model was first trained at"
+            )
+        _positive(self, path, "original_max_position_embeddings", "beta_slow")
+        if self.beta_fast <= self.beta_slow:
+            raise ConfigError(
+                f"{path}.beta_fast={self.beta_fast} must be greater than "
+                f"{path}.beta_slow={self.beta_slow}"
+            )
+        if self.attention_factor is not None and self.attention_factor <= 0:
+            raise ConfigError(
+                f"{path}.attention_factor={self.attention_factor} must be positive, or null "
+                f"for 0.1 * ln(factor) + 1"
+            )
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     vocab_size: int = 320
     """Embedding rows; must cover every token id in the data."""
@@ -70,6 +126,8 @@ class ModelConfig:
     """RMS-normalise queries and keys per head before RoPE."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """Rescaled rotary frequencies for a longer context (see `RopeScalingConfig`)."""
     norm_eps: float = 1e-5
     """Epsilon of every RMSNorm."""
     dense_layers: int = 0
@@ -104,4 +162,5 @@ class ModelConfig:
                 f"{path}.dense_layers={self.dense_layers} must be between 0 and "
                 f"{path}.n_layers={self.n_layers}"
             )
+        self.rope_scaling.validate(f"{path}.rope_scaling")
         self.moe.validate(f"{path}.moe")

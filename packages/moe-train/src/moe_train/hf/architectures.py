@@ -124,10 +124,10 @@ def _common_config(config: Config) -> dict[str, Any]:
         "num_key_value_heads": model.n_kv_heads,
         "head_dim": model.d_model // model.n_heads,
         "hidden_act": "silu",
-        "max_position_embeddings": config.data.seq_len,
+        "max_position_embeddings": _max_positions(config),
         "initializer_range": model.init_std,
         "rms_norm_eps": model.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+        "rope_parameters": rope_parameters(model),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": model.tie_embeddings,
@@ -137,6 +137,34 @@ def _common_config(config: Config) -> dict[str, Any]:
         "norm_topk_prob": model.moe.normalize_topk,
         "output_router_logits": False,
     }
+
+
+def rope_parameters(model: ModelConfig) -> dict[str, Any]:
+    """config.json's `rope_parameters` for the model's RoPE (and its scaling)."""
+    scaling = model.rope_scaling
+    if scaling.type == "none":
+        return {"rope_type": "default", "rope_theta": model.rope_theta}
+    parameters = {
+        "rope_type": scaling.type,
+        "rope_theta": model.rope_theta,
+        "factor": scaling.factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        "beta_fast": scaling.beta_fast,
+        "beta_slow": scaling.beta_slow,
+        "truncate": True,
+    }
+    if scaling.attention_factor is not None:
+        parameters["attention_factor"] = scaling.attention_factor
+    return parameters
+
+
+def _max_positions(config: Config) -> int:
+    """The context the exported model is meant for: the training sequence length, or with
+    YaRN the original context times its factor (what transformers checks the factor by)."""
+    scaling = config.model.rope_scaling
+    if scaling.type == "yarn" and scaling.original_max_position_embeddings is not None:
+        return round(scaling.original_max_position_embeddings * scaling.factor)
+    return config.data.seq_len
 
 
 def _qwen3_moe(config: Config) -> Architecture:

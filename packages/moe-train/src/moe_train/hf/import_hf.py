@@ -150,6 +150,38 @@ def _refuse(path: Path, key: str, value: Any, why: str) -> ImportHFError:
     return ImportHFError(f"{path}: {key}={value!r} is not importable: {why}")
 
 
+YARN_KEYS = {
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+}
+"""The YaRN parameters of `rope_parameters` that `model.rope_scaling` holds."""
+
+
+def _rope_scaling(rope: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`rope_parameters`' scaling as our model.rope_scaling section, refusing schemes and
+    parameters our RoPE does not compute."""
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        return {"type": "none"}
+    if rope_type != "yarn":
+        raise _refuse(path, "rope_parameters.rope_type", rope_type,
+                      "our RoPE is the default one or YaRN (yarn)")  # fmt: skip
+    if rope.get("truncate", True) is not True:
+        raise _refuse(path, "rope_parameters.truncate", rope["truncate"],
+                      "our YaRN rounds its channel bounds outwards (truncate = true)")  # fmt: skip
+    for key in ("mscale", "mscale_all_dim"):
+        if rope.get(key):
+            raise _refuse(path, f"rope_parameters.{key}", rope[key],
+                          "our YaRN scales attention by attention_factor alone")  # fmt: skip
+    if rope.get("factor") is None:
+        raise _refuse(path, "rope_parameters.factor", None, "our YaRN needs its factor")
+    section = {"type": "yarn"} | {k: rope[k] for k in YARN_KEYS if rope.get(k) is not None}
+    return section
+
+
 def _model_section(hf: Any, path: Path, *, glm: bool) -> dict[str, Any]:
     """config.json's options as our `model` section, refusing any our model computes
     differently."""
@@ -165,9 +197,6 @@ def _model_section(hf: Any, path: Path, *, glm: bool) -> dict[str, Any]:
     if hf.attention_dropout:
         raise _refuse(path, "attention_dropout", hf.attention_dropout, "our attention has no dropout")  # fmt: skip
     rope = dict(hf.rope_parameters or {})
-    if rope.get("rope_type", "default") != "default":
-        raise _refuse(path, "rope_parameters.rope_type", rope.get("rope_type"),
-                      "our RoPE is the default (unscaled) one")  # fmt: skip
     if glm and rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise _refuse(path, "partial_rotary_factor", rope["partial_rotary_factor"],
                       "our RoPE rotates the whole head (1.0)")  # fmt: skip
@@ -178,6 +207,7 @@ def _model_section(hf: Any, path: Path, *, glm: bool) -> dict[str, Any]:
         "n_heads": heads,
         "n_kv_heads": hf.num_key_value_heads,
         "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "rope_scaling": _rope_scaling(rope, path),
         "norm_eps": float(hf.rms_norm_eps),
         "dense_hidden": hf.intermediate_size,
         "tie_embeddings": bool(hf.tie_word_embeddings),

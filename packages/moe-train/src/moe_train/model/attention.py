@@ -6,6 +6,7 @@ cache (its capacity), H heads (query or key/value), D channels per head (the who
 width where named so).
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_train.config import RopeScalingConfig
 from moe_train.model.fused import rms_norm, rotary
 
 QKKernel = Callable[[Tensor, Tensor | None, float, Tensor, Tensor], Tensor]
@@ -33,11 +35,47 @@ class RMSNorm(nn.Module):
         return self.kernel(x, self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and sin tables [max_len, head_dim // 2] of the rotary embedding."""
+def rope_tables(
+    head_dim: int, max_len: int, theta: float, scaling: RopeScalingConfig | None = None
+) -> tuple[Tensor, Tensor]:
+    """cos and sin tables [max_len, head_dim // 2] of the rotary embedding, with the
+    frequencies (and scale) of `scaling` (None: plain RoPE)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    scale = 1.0
+    if scaling is not None and scaling.type == "yarn":
+        inv_freq, scale = yarn_frequencies(inv_freq, head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+    return (angles.cos() * scale).float(), (angles.sin() * scale).float()
+
+
+def yarn_frequencies(
+    inv_freq: Tensor, head_dim: int, theta: float, scaling: RopeScalingConfig
+) -> tuple[Tensor, float]:
+    """YaRN's frequencies and the scale of cos and sin (Peng et al., 2023, "YaRN: Efficient
+    Context Window Extension of Large Language Models"; as Hugging Face computes it, with the
+    channel bounds rounded outwards).
+
+    Channel pair i turns r_i = original * inv_freq[i] / (2 pi) times over the original
+    context. Pairs turning more than beta_fast times keep their frequency, pairs turning
+    fewer than beta_slow times are divided by `factor`, and a linear ramp over the pair index
+    joins the two."""
+    original = scaling.original_max_position_embeddings
+    assert original is not None, "RopeScalingConfig.validate requires it for yarn"
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair index that turns so often
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(pair_turning(scaling.beta_fast)), 0)
+    high = min(math.ceil(pair_turning(scaling.beta_slow)), head_dim - 1)
+    if high == low:
+        high += 0.001
+    pairs = torch.arange(head_dim // 2, dtype=torch.float64)
+    divided = ((pairs - low) / (high - low)).clamp(0, 1)  # 0: kept, 1: divided by factor
+    scaled = inv_freq / scaling.factor * divided + inv_freq * (1 - divided)
+    scale = scaling.attention_factor
+    if scale is None:
+        scale = 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
+    return scaled, scale
 
 
 def rope_rows(x_BHSD: Tensor, cos_SD: Tensor, sin_SD: Tensor, start: int) -> tuple[Tensor, Tensor]:

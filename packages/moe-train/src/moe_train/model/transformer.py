@@ -165,8 +165,9 @@ class Transformer(nn.Module):
         depend on the table's length, and are computed on the CPU in float64 whatever the
         device, so every process gets the same values."""
         if length > self.rope_cos.shape[0]:
+            config = self.config
             cos, sin = rope_tables(
-                self.config.d_model // self.config.n_heads, length, self.config.rope_theta
+                config.d_model // config.n_heads, length, config.rope_theta, config.rope_scaling
             )
             self.rope_cos = cos.to(self.rope_cos.device)
             self.rope_sin = sin.to(self.rope_sin.device)

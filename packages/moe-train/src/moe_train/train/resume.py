@@ -13,7 +13,8 @@ how that is reported: every resume decision of the trainer, in one place.
 A resumed run must see the same model and the same samples: changes under `model.` and to
 the data keys that decide which tokens a step sees are refused unless
 checkpoint.allow_config_change=true; every other change (steps, layout, optimizer, precision,
-checkpointing, logging) is allowed and reported. checkpoint.init_from needs the same model.
+checkpointing, logging) is allowed and reported. checkpoint.init_from needs the same model,
+but for how positions are encoded (model.rope_theta, model.rope_scaling.*).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ SAMPLE_KEYS = (
     "train.seed",
 )
 """Keys that decide which samples a step sees."""
+POSITION_KEYS = ("model.rope_theta", "model.rope_scaling.")
+"""Model keys that change how positions are encoded but no weight: checkpoint.init_from
+accepts a change of them (how a model continues at a longer context)."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +173,9 @@ def _find_init_checkpoint(config: Config) -> Path:
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise MoeTrainError(f"{path}/trainer_state.json holds no model config")
     changes = config_changes({"model": saved["model"]}, {"model": config.to_dict()["model"]})
-    differing = [c for c in changes if c.key.startswith("model.")]
+    differing = [
+        c for c in changes if c.key.startswith("model.") and not c.key.startswith(POSITION_KEYS)
+    ]
     if differing and not config.checkpoint.allow_config_change:
         first = differing[0]
         raise ConfigError(
