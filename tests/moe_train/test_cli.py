@@ -28,7 +28,7 @@ def _error_line(capsys) -> str:
             ["--data.micro_batch_size=5"],
             "data.micro_batch_size=5 must divide data.global_batch_size=16",
         ),
-        (["--model.moe.top_kk=2"], "did you mean model.moe.top_k?"),
+        (["--model.moe.top_kk=2"], "did you mean --model.moe.top_k?"),
         (["--parallel.dispatcher=magic"], "parallel.dispatcher='magic' must be one of"),
         (["--data.paths=/nonexistent/tokens"], "/nonexistent/tokens"),
         (["--model.d_model=abc"], "model.d_model='abc' must be an integer"),
@@ -38,6 +38,46 @@ def test_bad_train_input_is_one_line(args, expected, capsys, tmp_path):
     code = main(["train", str(CONFIGS / "tiny.yaml"), f"--train.run_dir={tmp_path / 'r'}", *args])
     assert code == 2
     assert expected in _error_line(capsys)
+
+
+def test_a_mistyped_flag_names_the_flag_it_meant(capsys, tmp_path):
+    tiny = str(CONFIGS / "tiny.yaml")
+    for args, expected in [
+        (["--max-steps", "10"], "--max-steps: unknown config key max-steps; did you mean "
+                                "--train.max_steps?"),
+        (["--lr=1e-3"], "--lr: unknown config key lr; did you mean --optim.lr?"),
+        (["--trian.max_steps=3"], "did you mean --train.max_steps?"),
+        (["--nonsense=1"], "config keys are written --section.key=value, with sections model,"),
+    ]:  # fmt: skip
+        assert main(["train", tiny, *args]) == 2
+        assert expected in _error_line(capsys)
+    # A command without config keys: its own usage line, and the close flag.
+    with pytest.raises(SystemExit) as stopped:
+        main(["prepare-data", "in.txt", "--out", str(tmp_path / "o"), "--wrokers", "2"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("usage: moe-train prepare-data [-h] --out DIR"), err
+    assert err[-1] == (
+        "moe-train prepare-data: error: unrecognized arguments: --wrokers 2; "
+        "did you mean --workers?"
+    )
+
+
+def test_a_key_typo_in_a_yaml_file_names_the_file_the_key_and_the_valid_key(capsys, tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text((CONFIGS / "tiny.yaml").read_text().replace("warmup_steps:", "warmup_step:"))
+    assert main(["train", str(mine)]) == 2
+    assert _error_line(capsys) == (
+        f"error: {mine}: unknown config key optim.warmup_step; did you mean optim.warmup_steps?"
+    )
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text(
+        "data:\n  mixture:\n    - {paths: [a], weight: 1}\n    - {paths: [b], wieght: 1}\n"
+    )
+    assert main(["train", str(mixed)]) == 2
+    assert _error_line(capsys).startswith(
+        f"error: {mixed}: unknown config key data.mixture[1].wieght; did you mean"
+    )
 
 
 def test_missing_config_file(capsys, tmp_path):
