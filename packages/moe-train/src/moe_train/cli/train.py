@@ -44,10 +44,13 @@ def _handle(args: argparse.Namespace) -> int:
         )
         return PREEMPTED_EXIT
     final = f", final loss {result.losses[-1]:.4f}" if result.losses else ""
-    print(
-        f"done: {result.end_step - result.start_step} steps{final}, "
-        f"metrics in {result.run_dir / 'metrics.jsonl'}"
+    ran = result.end_step - result.start_step
+    launch = (
+        f"{ran} steps this launch ({result.end_step} in the run)"
+        if result.start_step
+        else f"{ran} steps"
     )
+    print(f"done: {launch}{final}, metrics in {result.run_dir / 'metrics.jsonl'}")
     return 0
 
 
