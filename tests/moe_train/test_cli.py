@@ -165,3 +165,18 @@ def test_help_lists_every_command_with_its_line(capsys):
     out = " ".join(capsys.readouterr().out.split())  # help lines wrap with the terminal
     positions = [out.index(f" {c.name} {c.help}") for c in COMMANDS]
     assert positions == sorted(positions)
+
+
+def test_an_error_every_rank_raises_alike_is_printed_by_rank_0_alone(capsys, monkeypatch):
+    """What each rank of a 2-process launch does with a layout error (the launch itself is in
+    test_distributed_training.py): rank 0 prints it, rank 1 waits for the launcher, both exit 2."""
+    from moe_train.train import runtime
+
+    monkeypatch.setattr(runtime, "RANK_0_GRACE_S", 0.1)
+    args = ["train", str(CONFIGS / "tiny.yaml"), "--parallel.ep=3"]
+    for rank, printed in [("1", ""), ("0", "error: parallel.ep=3 must divide the data-parallel ")]:
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(printed) and len(err.splitlines()) == (1 if printed else 0), err

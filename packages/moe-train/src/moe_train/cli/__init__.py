@@ -82,13 +82,24 @@ def _error_line(message: str) -> None:
     sys.stderr.flush()
 
 
+def _launched_rank() -> int:
+    from moe_train.train.runtime import launched_rank
+
+    try:
+        return launched_rank()
+    except MoeTrainError:
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors print one line `error: ...` and exit with the error's code
-    (2 for bad input; see moe_train.errors)."""
+    (2 for bad input; see moe_train.errors). An error every rank of a launch raises alike is
+    printed by rank 0 alone; every rank exits with its code."""
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except MoeTrainError as e:
-        _error_line(str(e))
+        if not (e.same_on_every_rank and _launched_rank() != 0):
+            _error_line(str(e))  # once per launch for an error every rank raised alike
         return e.exit_code
     except BrokenPipeError:  # output piped into a pager or head that closed early
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
