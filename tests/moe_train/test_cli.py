@@ -138,8 +138,8 @@ def test_compile_without_a_cpp_compiler_is_one_line(capsys, tmp_path):
 
 
 def test_commands_that_take_no_overrides_refuse_unknown_arguments(capsys, tmp_path):
-    """Only train, plan and verify hand `--section.key=value` on; the others stop with the
-    parser's usage line and exit 2 before they touch anything."""
+    """Only train, plan and verify hand `--section.key=value` on; the others stop with their
+    own usage line and exit 2 before they touch anything."""
     from moe_train.cli import COMMANDS
 
     assert [c.name for c in COMMANDS if c.takes_overrides] == ["train", "plan", "verify"]
@@ -148,8 +148,8 @@ def test_commands_that_take_no_overrides_refuse_unknown_arguments(capsys, tmp_pa
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        "usage: moe-train [-h] COMMAND ...",
-        "moe-train: error: unrecognized arguments: --model.d_model=64",
+        "usage: moe-train inspect [-h] [--json] [--no-verify] [--all] CKPT",
+        "moe-train inspect: error: unrecognized arguments: --model.d_model=64",
     ]
 
 

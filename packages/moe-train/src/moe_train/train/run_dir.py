@@ -15,11 +15,11 @@ def choose_run_dir(requested: str, *, reuse: bool) -> Path:
     overwritten). `create_run_dir` makes it once the run has started, so a start that fails
     leaves nothing behind; a path that cannot be made is refused here already."""
     path = Path(requested)
+    _check_creatable(path, requested)
     candidate, n = path, 1
-    while not reuse and candidate.exists() and any(candidate.iterdir()):
+    while not reuse and candidate.exists() and (not candidate.is_dir() or any(candidate.iterdir())):
         candidate = path.with_name(f"{path.name}.{n}")
         n += 1
-    _check_creatable(candidate, requested)
     return candidate
 
 
