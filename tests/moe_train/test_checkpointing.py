@@ -75,6 +75,39 @@ def test_bad_checkpoints_give_one_line_and_damage_nothing(tmp_path, make_config,
     with pytest.raises(MoeTrainError, match=model_file.name):
         train(make_config(tmp_path / "y", checkpoint={"resume": str(ckpt)}))
     assert sorted(p.name for p in ckpt.iterdir()) == before
+    assert not (tmp_path / "y").exists()  # no run directory for a start that failed
+
+
+def test_a_resume_that_fails_on_a_corrupt_checkpoint_says_so_once_and_writes_nothing(
+    tmp_path, make_config, capsys
+):
+    saves = {"interval": 2, "resume": "auto"}
+    first = train(make_config(tmp_path, train={"max_steps": 4}, checkpoint=saves))
+    files = {p.name: p.read_bytes() for p in first.run_dir.iterdir() if p.is_file()}
+    assert {"metrics.jsonl", "config.yaml", "manifest.json"} <= files.keys()
+    model_file = next((first.run_dir / "checkpoints" / "step_00000004").glob("model-*"))
+    with open(model_file, "r+b") as f:  # flip one byte of the last tensor's data
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    capsys.readouterr()
+    relaunch = make_config(tmp_path, train={"max_steps": 6}, checkpoint=saves)
+    config_path = save_config(tmp_path / "relaunch.yaml", relaunch)
+    assert main(["train", str(config_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and model_file.name in err[0], err
+    assert "checksum" in err[0] and "resumed" not in err[0]
+    # The run it tried to resume is as it was (metrics, config, manifest), and no new one.
+    assert {p.name: p.read_bytes() for p in first.run_dir.iterdir() if p.is_file()} == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["relaunch.yaml", "run", "tokens.npy"]
+    # Elsewhere, from that checkpoint: no run directory is made.
+    elsewhere = {"resume": str(model_file.parent)}
+    other = save_config(
+        tmp_path / "other.yaml", make_config(tmp_path / "new", checkpoint=elsewhere)
+    )
+    assert main(["train", str(other)]) == 2
+    assert not (tmp_path / "new").exists()
 
 
 def test_inspect_lists_tensors_and_topology(tmp_path, make_config, capsys):

@@ -28,7 +28,7 @@ def _error_line(capsys) -> str:
             ["--data.micro_batch_size=5"],
             "data.micro_batch_size=5 must divide data.global_batch_size=16",
         ),
-        (["--model.moe.top_kk=2"], "did you mean model.moe.top_k?"),
+        (["--model.moe.top_kk=2"], "did you mean --model.moe.top_k?"),
         (["--parallel.dispatcher=magic"], "parallel.dispatcher='magic' must be one of"),
         (["--data.paths=/nonexistent/tokens"], "/nonexistent/tokens"),
         (["--model.d_model=abc"], "model.d_model='abc' must be an integer"),
@@ -38,6 +38,46 @@ def test_bad_train_input_is_one_line(args, expected, capsys, tmp_path):
     code = main(["train", str(CONFIGS / "tiny.yaml"), f"--train.run_dir={tmp_path / 'r'}", *args])
     assert code == 2
     assert expected in _error_line(capsys)
+
+
+def test_a_mistyped_flag_names_the_flag_it_meant(capsys, tmp_path):
+    tiny = str(CONFIGS / "tiny.yaml")
+    for args, expected in [
+        (["--max-steps", "10"], "--max-steps: unknown config key max-steps; did you mean "
+                                "--train.max_steps?"),
+        (["--lr=1e-3"], "--lr: unknown config key lr; did you mean --optim.lr?"),
+        (["--trian.max_steps=3"], "did you mean --train.max_steps?"),
+        (["--nonsense=1"], "config keys are written --section.key=value, with sections model,"),
+    ]:  # fmt: skip
+        assert main(["train", tiny, *args]) == 2
+        assert expected in _error_line(capsys)
+    # A command without config keys: its own usage line, and the close flag.
+    with pytest.raises(SystemExit) as stopped:
+        main(["prepare-data", "in.txt", "--out", str(tmp_path / "o"), "--wrokers", "2"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("usage: moe-train prepare-data [-h] --out DIR"), err
+    assert err[-1] == (
+        "moe-train prepare-data: error: unrecognized arguments: --wrokers 2; "
+        "did you mean --workers?"
+    )
+
+
+def test_a_key_typo_in_a_yaml_file_names_the_file_the_key_and_the_valid_key(capsys, tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text((CONFIGS / "tiny.yaml").read_text().replace("warmup_steps:", "warmup_step:"))
+    assert main(["train", str(mine)]) == 2
+    assert _error_line(capsys) == (
+        f"error: {mine}: unknown config key optim.warmup_step; did you mean optim.warmup_steps?"
+    )
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text(
+        "data:\n  mixture:\n    - {paths: [a], weight: 1}\n    - {paths: [b], wieght: 1}\n"
+    )
+    assert main(["train", str(mixed)]) == 2
+    assert _error_line(capsys).startswith(
+        f"error: {mixed}: unknown config key data.mixture[1].wieght; did you mean"
+    )
 
 
 def test_missing_config_file(capsys, tmp_path):
@@ -98,8 +138,8 @@ def test_compile_without_a_cpp_compiler_is_one_line(capsys, tmp_path):
 
 
 def test_commands_that_take_no_overrides_refuse_unknown_arguments(capsys, tmp_path):
-    """Only train, plan and verify hand `--section.key=value` on; the others stop with the
-    parser's usage line and exit 2 before they touch anything."""
+    """Only train, plan and verify hand `--section.key=value` on; the others stop with their
+    own usage line and exit 2 before they touch anything."""
     from moe_train.cli import COMMANDS
 
     assert [c.name for c in COMMANDS if c.takes_overrides] == ["train", "plan", "verify"]
@@ -108,8 +148,8 @@ def test_commands_that_take_no_overrides_refuse_unknown_arguments(capsys, tmp_pa
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        "usage: moe-train [-h] COMMAND ...",
-        "moe-train: error: unrecognized arguments: --model.d_model=64",
+        "usage: moe-train inspect [-h] [--json] [--no-verify] [--all] CKPT",
+        "moe-train inspect: error: unrecognized arguments: --model.d_model=64",
     ]
 
 
@@ -125,3 +165,18 @@ def test_help_lists_every_command_with_its_line(capsys):
     out = " ".join(capsys.readouterr().out.split())  # help lines wrap with the terminal
     positions = [out.index(f" {c.name} {c.help}") for c in COMMANDS]
     assert positions == sorted(positions)
+
+
+def test_an_error_every_rank_raises_alike_is_printed_by_rank_0_alone(capsys, monkeypatch):
+    """What each rank of a 2-process launch does with a layout error (the launch itself is in
+    test_distributed_training.py): rank 0 prints it, rank 1 waits for the launcher, both exit 2."""
+    from moe_train.train import runtime
+
+    monkeypatch.setattr(runtime, "RANK_0_GRACE_S", 0.1)
+    args = ["train", str(CONFIGS / "tiny.yaml"), "--parallel.ep=3"]
+    for rank, printed in [("1", ""), ("0", "error: parallel.ep=3 must divide the data-parallel ")]:
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(printed) and len(err.splitlines()) == (1 if printed else 0), err

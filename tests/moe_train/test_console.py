@@ -30,7 +30,7 @@ def _record(step: int, **extra) -> StepRecord:
         "tokens_seen": step * 1000,
         "tokens_per_source": {},
         "time": 1.8e9,
-        "tokens": 2000,
+        "tokens": 1000,
     }
     return StepRecord(**(figures | extra))
 
@@ -57,7 +57,7 @@ def test_a_line_every_log_interval_and_at_the_end_when_not_a_terminal():
     steps = [re.match(r"step (\d+)/7", line).group(1) for line in lines[:-1]]
     assert steps == ["3", "5", "6", "7"]  # every 3 steps, a fresh eval loss, the last
     assert lines[-1] == (
-        "summary: 7 steps in 0:00:12 | 7,000 tokens seen | 4,000 tok/s per device on average "
+        "summary: 7 steps, 7,000 tokens in 0:00:12 | 2,000 tok/s per device on average "
         "| eval loss best 1.6000, last 1.6000 | peak memory 1.50 GiB "
         "| checkpoint runs/x/checkpoints/step_00000007"
     )
@@ -78,9 +78,19 @@ def test_other_ranks_print_nothing_and_progress_false_keeps_run_facts():
 
 
 def test_a_real_run_prints_a_readable_banner_lines_and_a_summary(tmp_path, make_config, capsys):
-    config = make_config(tmp_path, train={"max_steps": 6, "log_interval": 2, "progress": True})
+    config = make_config(
+        tmp_path,
+        train={"max_steps": 6, "log_interval": 2, "progress": True},
+        optim={"warmup_steps": 6},
+    )
     train(config)
     err = capsys.readouterr().err.splitlines()
+    # The ceiling of `load` (4 experts, top-2), and a run that is all warmup says so.
+    assert "4 experts top-2 (load from 1.00 (even) to at most 2.00)" in err[1], err[1]
+    assert err[4].endswith(
+        "(cosine schedule, peak lr 0.003; all 6 steps are warmup, optim.warmup_steps=6: "
+        "the lr rises to 0.003 and never decays)"
+    ), err[4]
     banner = [line for line in err if not line.startswith(("step ", "summary: "))]
     assert [line.split()[0] for line in banner] == [
         "run",
@@ -93,7 +103,23 @@ def test_a_real_run_prints_a_readable_banner_lines_and_a_summary(tmp_path, make_
     ]
     assert not any(c in line for line in banner for c in "{}'")  # no raw dicts
     assert [line.split()[1] for line in err if line.startswith("step ")] == ["2/6", "4/6", "6/6"]
-    assert err[-1].startswith("summary: 6 steps in ") and "step_00000006" in err[-1]
+    assert err[-1].startswith("summary: 6 steps, 1,536 tokens in ") and "step_00000006" in err[-1]
+
+
+def test_a_resumed_run_says_resumed_once_and_sums_up_launch_and_run_apart(
+    tmp_path, make_config, capsys
+):
+    saves = {"interval": 2, "resume": "auto"}
+    train(make_config(tmp_path, train={"max_steps": 4}, checkpoint=saves))
+    capsys.readouterr()
+    train(make_config(tmp_path, train={"max_steps": 6}, checkpoint=saves))
+    err = capsys.readouterr().err.splitlines()
+    resumed = [line for line in err if "resumed from" in line]
+    assert len(resumed) == 1 and resumed[0].startswith("run ") and "at step 4" in resumed[0]
+    assert "changed      train.max_steps 4 -> 6" in err, err
+    # 8 sequences of 32 tokens per step: 2 steps of this launch, 6 of the run.
+    assert err[-1].startswith("summary: this launch 2 steps, 512 tokens in "), err[-1]
+    assert "| run total 6 steps, 1,536 tokens |" in err[-1], err[-1]
 
 
 def test_eta_counts_only_the_steps_this_process_ran(monkeypatch):

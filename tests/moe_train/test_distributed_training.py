@@ -1,5 +1,7 @@
 """Data-parallel and expert-parallel training reproduce the single-process losses."""
 
+import re
+
 import pytest
 
 from harness.ranks import run_distributed
@@ -42,36 +44,44 @@ def test_torchrun_end_to_end_matches_single_process(token_file, tmp_path, refere
     _assert_losses_match([r["loss"] for r in records], reference_losses)
 
 
-def test_torchrun_bad_layout_is_one_line_on_every_rank(token_file, tmp_path):
+def _assert_reported_once_first_with_exit_2(result, message: str) -> None:
+    """An error both ranks raise alike: one line (rank 0's), before torchrun's own report,
+    and exit code 2 on every rank in torchrun's summary."""
+    assert result.returncode != 0
+    assert result.stderr.count(message) == 1, result.stderr[-3000:]
+    assert result.stderr.startswith(message), result.stderr[-3000:]
+    assert "moe_train/" not in result.stderr, "no traceback from our code"
+    codes = re.findall(r"exitcode\s*: (-?\d+)", result.stderr)
+    assert codes and set(codes) == {"2"}, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_torchrun_bad_layout_is_one_line_first_and_exits_2(token_file, tmp_path):
     config_path = tmp_path / "config.yaml"
     save_config(config_path, _config_data(token_file, tmp_path / "bad"))
     result = run_torchrun(
         2, "train", str(config_path), "--parallel.ep=3", "--parallel.dispatcher=all_to_all"
     )
-    assert result.returncode != 0
     message = (
         "error: parallel.ep=3 must divide the data-parallel size 2 (world size 2 / parallel.pp=1)\n"
     )
-    assert result.stderr.count(message) == 2, result.stderr[-2000:]
+    _assert_reported_once_first_with_exit_2(result, message)
     assert not (tmp_path / "bad").exists()
 
 
-def test_torchrun_bad_pipeline_is_one_line_on_every_rank(token_file, tmp_path):
+@pytest.mark.slow
+def test_torchrun_bad_pipeline_is_one_line_first_and_exits_2(token_file, tmp_path):
     config_path = tmp_path / "config.yaml"
     save_config(config_path, _config_data(token_file, tmp_path / "bad"))
     result = run_torchrun(
         2, "train", str(config_path), "--parallel.pp=2", "--data.micro_batch_size=8"
     )
-    assert result.returncode != 0
     message = (
         "error: parallel.pp_schedule=1f1b needs micro-batches per pipeline "
         "(data.global_batch_size / data.micro_batch_size / dp = 1) to be at least "
         "parallel.pp=2; raise data.global_batch_size or lower data.micro_batch_size\n"
     )
-    assert result.stderr.count(message) == 2, result.stderr[-2000:]
-    assert "moe_train/" not in result.stderr, (
-        "no traceback from our code (torchrun reports its own)"
-    )
+    _assert_reported_once_first_with_exit_2(result, message)
     assert not (tmp_path / "bad").exists()
 
 

@@ -112,6 +112,19 @@ def test_a_signal_saves_and_stops_and_auto_resume_continues_in_the_same_run_dir(
     assert "train.max_steps 6 -> 7" in capsys.readouterr().err
 
 
+def test_a_run_dir_that_cannot_be_made_is_refused_before_anything_is_written(tmp_path, make_config):
+    (tmp_path / "taken").write_text("a file, not a directory")
+    for run_dir, problem in [
+        (tmp_path / "taken", f"{tmp_path / 'taken'} is not a directory"),
+        (tmp_path / "taken" / "run", f"{tmp_path / 'taken'} is not a directory"),
+    ]:
+        config = make_config(tmp_path, train={"max_steps": 2, "run_dir": str(run_dir)})
+        with pytest.raises(ConfigError) as refused:
+            train(config)
+        assert str(refused.value) == f"train.run_dir={run_dir} cannot be created: {problem}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken", "tokens.npy"]
+
+
 def test_relaunch_of_a_finished_run_says_so_and_exits_0(tmp_path, make_config, capsys):
     config = make_config(tmp_path, train={"max_steps": 2}, checkpoint={"resume": "auto"})
     config_path = tmp_path / "config.yaml"

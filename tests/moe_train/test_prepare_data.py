@@ -426,6 +426,25 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.txt", "in"]
 
 
+def test_the_start_line_counts_in_words_and_says_why_fewer_workers_run(tmp_path, capsys):
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": f"document {i}"}) + "\n" for i in range(100))
+    (tmp_path / "b.txt").write_text("a small text\n" * 100)
+    assert main(["prepare-data", str(tmp_path / "a.jsonl.gz"), "--workers", "2",
+                 "--out", str(tmp_path / "one")]) == 0  # fmt: skip
+    first = capsys.readouterr().err.replace("\r", "\n").splitlines()[0]
+    assert first.startswith("preparing 1 input file (0.0 MB) into 1 shard of about 1.0 MB "), first
+    assert first.endswith(
+        "with 1 worker (2 asked for, at most one per shard to write; a compressed file "
+        "(.gz, .zst) cannot be split: each is one shard)"
+    ), first
+    assert main(["prepare-data", str(tmp_path / "b.txt"), str(tmp_path / "a.jsonl.gz"),
+                 "--workers", "3", "--out", str(tmp_path / "two")]) == 0  # fmt: skip
+    first = capsys.readouterr().err.replace("\r", "\n").splitlines()[0]
+    assert first.startswith("preparing 2 input files "), first
+    assert "a smaller --shard-size makes more shards of the other inputs)" in first, first
+
+
 def test_prepared_shards_are_one_stream_for_training(tmp_path):
     """Windows of a sharded directory cross shard boundaries as in one file."""
     (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(random_documents(random.Random(11), 3000)))

@@ -3,6 +3,7 @@ plot, plan, verify. Each command is one module (its arguments and its handler) l
 COMMANDS; `run` parses a command line and calls the chosen command's handler."""
 
 import argparse
+import difflib
 import os
 import sys
 
@@ -51,9 +52,28 @@ def run(argv: list[str]) -> int:
     args, extra = parser.parse_known_args(argv)
     command = next(c for c in COMMANDS if c.name == args.command)
     if extra and not command.takes_overrides:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        # The command's own usage line, not the list of commands.
+        sub = _command_parser(parser, command.name)
+        sub.error(f"unrecognized arguments: {' '.join(extra)}{_flag_hint(sub, extra)}")
     args.overrides = extra
     return command.handle(args)
+
+
+def _command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The subparser of command `name`."""
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices[name]
+
+
+def _flag_hint(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """'; did you mean --workers?' for the first unknown flag close to one of `parser`'s."""
+    flags = [flag for action in parser._actions for flag in action.option_strings]
+    for arg in extra:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
 
 
 def _error_line(message: str) -> None:
@@ -62,13 +82,24 @@ def _error_line(message: str) -> None:
     sys.stderr.flush()
 
 
+def _launched_rank() -> int:
+    from moe_train.train.runtime import launched_rank
+
+    try:
+        return launched_rank()
+    except MoeTrainError:
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors print one line `error: ...` and exit with the error's code
-    (2 for bad input; see moe_train.errors)."""
+    (2 for bad input; see moe_train.errors). An error every rank of a launch raises alike is
+    printed by rank 0 alone; every rank exits with its code."""
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except MoeTrainError as e:
-        _error_line(str(e))
+        if not (e.same_on_every_rank and _launched_rank() != 0):
+            _error_line(str(e))  # once per launch for an error every rank raised alike
         return e.exit_code
     except BrokenPipeError:  # output piped into a pager or head that closed early
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

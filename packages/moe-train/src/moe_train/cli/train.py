@@ -14,15 +14,26 @@ def _handle(args: argparse.Namespace) -> int:
     """Train; exit 0 when the run reached train.max_steps (now or before), PREEMPTED_EXIT
     when a signal stopped it early."""
     from moe_train.config import load_config
+    from moe_train.errors import MoeTrainError, on_every_rank
     from moe_train.signals import PREEMPTED_EXIT, StopRequests
 
     # Listening first: a launcher's SIGTERM during start-up (torchrun sends one to every rank
     # when another exits) then lets this rank finish what it is doing and report its own error.
     with StopRequests(announce=False) as stops:
-        config = load_config(args.config, args.overrides)
-        from moe_train.train import train
+        try:
+            try:
+                config = load_config(args.config, args.overrides)
+            except MoeTrainError as e:  # every rank reads the same file and flags
+                on_every_rank(e)
+                raise
+            from moe_train.train import train
 
-        result = train(config, stops=stops)
+            result = train(config, stops=stops)
+        except MoeTrainError as e:
+            from moe_train.train.runtime import leave_report_to_rank_0
+
+            leave_report_to_rank_0(e, stops)
+            raise
     if not result.is_main:
         return PREEMPTED_EXIT if result.stopped_by else 0
     steps = config.train.max_steps
@@ -44,10 +55,13 @@ def _handle(args: argparse.Namespace) -> int:
         )
         return PREEMPTED_EXIT
     final = f", final loss {result.losses[-1]:.4f}" if result.losses else ""
-    print(
-        f"done: {result.end_step - result.start_step} steps{final}, "
-        f"metrics in {result.run_dir / 'metrics.jsonl'}"
+    ran = result.end_step - result.start_step
+    launch = (
+        f"{ran} steps this launch ({result.end_step} in the run)"
+        if result.start_step
+        else f"{ran} steps"
     )
+    print(f"done: {launch}{final}, metrics in {result.run_dir / 'metrics.jsonl'}")
     return 0
 
 

@@ -12,9 +12,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
+    from moe_train.errors import MoeTrainError
     from moe_train.verify import format_verdict, verify
 
-    verdict, a, b = verify(args.checkpoint_a, args.checkpoint_b, layout=args.overrides)
+    try:
+        verdict, a, b = verify(args.checkpoint_a, args.checkpoint_b, layout=args.overrides)
+    except MoeTrainError as e:
+        from moe_train.train.runtime import leave_report_to_rank_0
+
+        leave_report_to_rank_0(e)  # rank 0 alone prints an error every rank raised alike
+        raise
     if verdict is None:  # not rank 0
         return 0
     print(format_verdict(verdict, a, b))

@@ -104,6 +104,80 @@ def _unknown_key_message(full: str, key: str, names: list[str], path: str) -> st
     return f"unknown config key {full}; valid keys here: {', '.join(prefix + n for n in names)}"
 
 
+def _section_type(tp: Any) -> type | None:
+    """The dataclass a field holds (directly, or as the items of a list), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        return typing.get_args(tp)[0]
+    return None
+
+
+def _first_unknown_key(cls: type, data: Any, path: str) -> str | None:
+    """The message for the first key of `data` (nested plain data) that `cls` does not have,
+    or None; values are not checked (`_build` does that)."""
+    if not isinstance(data, dict):
+        return None
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in hints:
+            return _unknown_key_message(full, str(key), list(hints), path)
+        section = _section_type(hints[key])
+        if section is None:
+            continue
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            where = full if index is None else f"{full}[{index}]"
+            found = _first_unknown_key(section, item, where)
+            if found:
+                return found
+    return None
+
+
+def known_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of `cls`, sections included: ['model', 'model.vocab_size', ...]."""
+    keys = []
+    for name, tp in typing.get_type_hints(cls).items():
+        keys.append(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            keys += known_keys(tp, f"{prefix}{name}.")
+    return keys
+
+
+def _suggest_keys(dotted: str, known: list[str]) -> list[str]:
+    """The known keys a mistyped `dotted` most likely meant: the key of that name when the
+    section was left out (`max_steps` -> `train.max_steps`), else the closest dotted key,
+    else the closest by last name. Dashes count as underscores (`max-steps`)."""
+    wanted = dotted.replace("-", "_")
+    by_name: dict[str, list[str]] = {}
+    for key in known:
+        by_name.setdefault(key.rsplit(".", 1)[-1], []).append(key)
+    if "." not in wanted and wanted in by_name:
+        return by_name[wanted]
+    close = difflib.get_close_matches(wanted, known, n=1, cutoff=0.6)
+    if close:
+        return close
+    name = difflib.get_close_matches(wanted.rsplit(".", 1)[-1], list(by_name), n=1, cutoff=0.8)
+    return by_name[name[0]] if name else []
+
+
+def _check_override_key(flag: str, keys: list[str]) -> None:
+    """Refuse an override whose dotted key is not a config key, naming the flag as written
+    and the flag it most likely meant."""
+    dotted = ".".join(keys)
+    known = known_keys()
+    if dotted in known:
+        return
+    guesses = _suggest_keys(dotted, known)
+    if guesses:
+        hint = "did you mean " + " or ".join(f"--{g}" for g in guesses) + "?"
+    else:
+        sections = ", ".join(f.name for f in dataclasses.fields(Config))
+        hint = f"config keys are written --section.key=value, with sections {sections}"
+    raise ConfigError(f"{flag}: unknown config key {dotted}; {hint}")
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a Config from nested plain data (as read from YAML)."""
     config = _build(Config, data, "")
@@ -114,6 +188,19 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 def parse_overrides(args: list[str]) -> dict[str, Any]:
     """Turn ['--optim.lr=3e-4', '--model.moe.top_k', '2'] into a nested dict."""
     nested: dict[str, Any] = {}
+    for flag, keys, value in _split_overrides(args):
+        node = nested
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {flag!r} conflicts with another override of {k}")
+        node[keys[-1]] = value
+    return nested
+
+
+def _split_overrides(args: list[str]) -> list[tuple[str, list[str], Any]]:
+    """Each override as (the flag as written, its dotted key split, its value read as YAML)."""
+    overrides = []
     i = 0
     while i < len(args):
         arg = args[i]
@@ -133,14 +220,9 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         keys = dotted.split(".")
         if any(not k for k in keys):
             raise ConfigError(f"override {arg!r} has an empty key")
-        node = nested
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {arg!r} conflicts with another override of {k}")
-        node[keys[-1]] = value
+        overrides.append((f"--{dotted}", keys, value))
         i += 1
-    return nested
+    return overrides
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -168,6 +250,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {path} is not valid YAML{where}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
+        unknown = _first_unknown_key(Config, data, "")
+        if unknown:
+            raise ConfigError(f"{path}: {unknown}")
+    for flag, keys, _ in _split_overrides(overrides or []):
+        _check_override_key(flag, keys)
     data = _merge(data, parse_overrides(overrides or []))
     return config_from_dict(data)
 

@@ -148,12 +148,12 @@ def _run(
     done_bytes = sum(task.size for task in plan.tasks if task.index in records)
     total_bytes = sum(task.size for task in plan.tasks)
     bar = ProgressBar(stream, total_bytes, len(plan.tasks), done_bytes, len(records))
-    workers = max(1, min(workers, len(pending)))
+    asked, workers = workers, max(1, min(workers, len(pending)))
     bar.say(
-        f"preparing {len(plan.sources):,} input files ({total_bytes / 1e6:,.1f} MB) into "
-        f"{len(plan.tasks):,} shards of about {plan.shard_bytes / 1e6:,.1f} MB with "
-        f"{workers} worker{'s' if workers > 1 else ''}"
-        + (f"; {len(records)} shards finished earlier are kept" if records else "")
+        f"preparing {_count(len(plan.sources), 'input file')} ({total_bytes / 1e6:,.1f} MB) "
+        f"into {_count(len(plan.tasks), 'shard')} of about {plan.shard_bytes / 1e6:,.1f} MB "
+        f"with {_count(workers, 'worker')}{_fewer_workers_note(asked, workers, pending, plan)}"
+        + (f"; {_count(len(records), 'shard')} finished earlier kept" if records else "")
     )
     if workers == 1:
         finished = _run_here(pending, plan, work_dir, tokenizer, bar)
@@ -165,6 +165,25 @@ def _run(
             records[task.index] = record
             bar.shard_done(task.size)
     bar.finish()
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 shard', '3 shards'."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _fewer_workers_note(asked: int, used: int, pending: Sequence[Task], plan: Plan) -> str:
+    """Why fewer workers run than --workers asked for: a worker writes whole shards, so
+    there are no more workers than shards left to write; and why there are so few shards."""
+    if used >= asked:
+        return ""
+    compressed = {p.source for t in pending for p in t.pieces if plan.sources[p.source].compression}
+    why = [f"{asked} asked for, at most one per shard to write"]
+    if compressed:
+        why.append("a compressed file (.gz, .zst) cannot be split: each is one shard")
+    if len(compressed) < len(plan.sources):
+        why.append("a smaller --shard-size makes more shards of the other inputs")
+    return f" ({'; '.join(why)})"
 
 
 def _run_here(

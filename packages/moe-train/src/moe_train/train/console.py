@@ -21,11 +21,15 @@ class RunTotals:
     """What the end-of-run summary reports, gathered as the run goes."""
 
     steps: int = 0
-    """Steps this process ran."""
+    """Steps this launch ran."""
+    tokens_here: int = 0
+    """Tokens of the steps this launch ran."""
+    first_step: int = 0
+    """The first step this launch ran (above 1 for a resumed run)."""
+    last_step: int = 0
+    """The run's newest step: its total steps, earlier launches' included."""
     tokens: int = 0
     """Tokens seen by the run so far (a resumed run counts its earlier steps)."""
-    tokens_here: int = 0
-    """Tokens of the steps this process ran."""
     step_seconds: float = 0.0
     peak_mem_bytes: int = 0
     eval_losses: list[float] = field(default_factory=list)
@@ -77,6 +81,8 @@ class Console:
         self._steps_here += 1
         totals = self.totals
         totals.steps += 1
+        totals.first_step = totals.first_step or record.step
+        totals.last_step = record.step
         totals.tokens = record.tokens_seen
         totals.tokens_here += record.tokens
         totals.step_seconds += record.step_time_s
@@ -98,9 +104,17 @@ class Console:
         self.stream.flush()
 
     def summary(self, wall_seconds: float, checkpoint: str | None) -> None:
-        """The end-of-run summary (one line)."""
+        """The end-of-run summary (one line). A resumed run's says what this launch did and
+        where the run as a whole stands: `this launch 2 steps, ... | run total 6 steps, ...`."""
         totals = self.totals
-        parts = [f"{totals.steps} steps in {clock(wall_seconds)}", f"{totals.tokens:,} tokens seen"]
+        here = f"{totals.steps} steps, {totals.tokens_here:,} tokens in {clock(wall_seconds)}"
+        if totals.first_step > 1:
+            parts = [
+                f"this launch {here}",
+                f"run total {totals.last_step} steps, {totals.tokens:,} tokens",
+            ]
+        else:
+            parts = [here]
         if totals.step_seconds:
             mean = totals.tokens_here / totals.step_seconds / self.world_size
             parts.append(f"{mean:,.0f} tok/s per device on average")
@@ -137,6 +151,13 @@ def progress_line(record: StepRecord, max_steps: int, world_size: int, eta: floa
         parts.append(f"hidden imbalance {record.hidden_imbalance_layers} layers")
     parts.append(f"ETA {clock(eta)}")
     return " | ".join(parts)
+
+
+def load_scale(num_experts: int, top_k: int) -> str:
+    """The range of the progress line's `load` (the busiest expert's tokens over the mean,
+    worst MoE layer): 1 when every expert gets as many, num_experts / top_k at most (every
+    token on the same top_k experts: an expert gets at most one copy of a token)."""
+    return f"load from 1.00 (even) to at most {num_experts / top_k:.2f}"
 
 
 def clock(seconds: float) -> str:

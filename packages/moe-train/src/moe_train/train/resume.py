@@ -7,8 +7,9 @@ how that is reported: every resume decision of the trainer, in one place.
   run continues in its own; with resume=auto also a run stopped before its first checkpoint).
   It refuses a config change the saved run does not allow (below), and a start whose saves
   would write over committed checkpoints of later steps.
-- `load_start` (every rank) loads what the start point holds and returns the line that
-  reports it.
+- `load_start` (every rank) loads what the start point holds; `start_rows` are the banner
+  rows that report it, printed only once the load succeeded (the run directory too is made
+  only then: a start that fails on a bad checkpoint writes nothing).
 
 A resumed run must see the same model and the same samples: changes under `model.` and to
 the data keys that decide which tokens a step sees are refused unless
@@ -35,7 +36,7 @@ from moe_checkpoint import (
 from moe_train.config import Change, Config, config_changes
 from moe_train.errors import ConfigError, MoeTrainError
 from moe_train.train.checkpointing import Checkpoints, checkpoint_root
-from moe_train.train.run_dir import prepare_run_dir
+from moe_train.train.run_dir import choose_run_dir
 
 SAMPLE_KEYS = (
     "data.paths",
@@ -87,9 +88,9 @@ class StartPoint:
         return self.resume.state.get(key, default) if self.resume else default
 
     def describe(self) -> str:
-        """How the run starts, for the start banner."""
+        """How the run started, for the start banner (once loaded)."""
         if self.init_from is not None:
-            return f"a new run from the weights of {self.init_from}"
+            return f"a new run, started from the model tensors of {self.init_from}"
         if self.resume is None:
             return "a new run"
         return f"resumed from {self.resume.path} at step {self.resume.step}"
@@ -99,11 +100,11 @@ class StartPoint:
 
 
 def find_start(config: Config) -> StartPoint:
-    """The start point of `config`'s run, its changes checked, its run directory made, and
-    its saves checked not to meet later checkpoints (rank 0).
+    """The start point of `config`'s run, its changes checked, its run directory chosen (not
+    yet made), and its saves checked not to meet later checkpoints (rank 0).
 
     A relaunch that finds this run's checkpoint continues the run: checkpoint.init_from is
-    then moot (and reported as ignored by `load_start`)."""
+    then moot (and reported as ignored by `start_rows`)."""
     resume = _find_resume_point(config)
     init_from = None
     if config.checkpoint.init_from and resume is None:
@@ -187,7 +188,7 @@ def _find_init_checkpoint(config: Config) -> Path:
 
 
 def _open_run_dir(config: Config, resume: ResumePoint | None) -> Path:
-    """The run directory. With resume=auto it is train.run_dir itself, also when a job was
+    """The run directory (not yet made). With resume=auto it is train.run_dir itself, also when a job was
     stopped before its first checkpoint, as long as it holds the same run."""
     auto = config.checkpoint.resume == "auto"
     saved_config = Path(config.train.run_dir) / "config.yaml"
@@ -200,7 +201,7 @@ def _open_run_dir(config: Config, resume: ResumePoint | None) -> Path:
             _check_resume_config(
                 saved, config.to_dict(), saved_config, config.checkpoint.allow_config_change
             )
-    return prepare_run_dir(config.train.run_dir, reuse=auto or resume is not None)
+    return choose_run_dir(config.train.run_dir, reuse=auto or resume is not None)
 
 
 def _read_state(path: Path) -> dict[str, Any]:
@@ -245,28 +246,29 @@ def _is_refused(key: str) -> bool:
 # ---- what is loaded, and how it is reported (every rank) ---------------------------------
 
 
-def load_start(start: StartPoint, checkpoints: Checkpoints) -> str | None:
+def load_start(start: StartPoint, checkpoints: Checkpoints) -> None:
     """Fill this rank's model (with the optimizer and RNG when resuming) from where the run
-    starts; the line that reports it, or None for a new run."""
+    starts; nothing for a new run."""
     if start.resume is not None:
         checkpoints.load(start.resume.path, start.resume.state)
-        return _resume_report(start.resume, checkpoints)
-    if start.init_from is not None:
+    elif start.init_from is not None:
         checkpoints.load_model(start.init_from)
-        return f"started from the model tensors of {start.init_from}"
-    return None
 
 
-def _resume_report(resume: ResumePoint, checkpoints: Checkpoints) -> str:
-    """The checkpoint and step, the config keys changed, a new layout, an ignored init_from."""
-    changes = ", ".join(c.describe() for c in resume.changes)
+def start_rows(start: StartPoint, config: Config, layout: str) -> list[tuple[str, str]]:
+    """The banner rows that say how the run started (after `load_start` succeeded): the run
+    directory and where it started, and for a resumed run what differs from its checkpoint
+    (config keys, the layout, an ignored checkpoint.init_from)."""
+    rows = [("run", f"{start.run_dir} ({start.describe()})")]
+    resume = start.resume
+    if resume is None:
+        return rows
+    notes = [c.describe() for c in resume.changes]
     saved_layout = resume.state.get("topology")
-    layout = checkpoints.runtime.layout.describe()
-    moved = f"; layout {saved_layout} -> {layout}" if saved_layout not in (None, layout) else ""
-    ignored = checkpoints.config.checkpoint.init_from
-    return (
-        f"resumed from {resume.path} at step {resume.step}"
-        + (f"; changed: {changes}" if changes else "")
-        + moved
-        + (f"; checkpoint.init_from={ignored} ignored (resuming)" if ignored else "")
-    )
+    if saved_layout not in (None, layout):
+        notes.append(f"layout {saved_layout} -> {layout}")
+    if config.checkpoint.init_from:
+        notes.append(f"checkpoint.init_from={config.checkpoint.init_from} ignored (resuming)")
+    if notes:
+        rows.append(("changed", ", ".join(notes)))
+    return rows

@@ -9,19 +9,41 @@ from pathlib import Path
 from moe_train.errors import ConfigError
 
 
-def prepare_run_dir(requested: str, *, reuse: bool) -> Path:
-    """The run directory: `requested` when `reuse` (a resumed run continues in it) or when it
-    is free, else the first free `requested.N` (a finished run is never overwritten)."""
+def choose_run_dir(requested: str, *, reuse: bool) -> Path:
+    """The run directory, not yet made: `requested` when `reuse` (a resumed run continues in
+    it) or when it is free, else the first free `requested.N` (a finished run is never
+    overwritten). `create_run_dir` makes it once the run has started, so a start that fails
+    leaves nothing behind; a path that cannot be made is refused here already."""
     path = Path(requested)
+    _check_creatable(path, requested)
     candidate, n = path, 1
-    while not reuse and candidate.exists() and any(candidate.iterdir()):
+    while not reuse and candidate.exists() and (not candidate.is_dir() or any(candidate.iterdir())):
         candidate = path.with_name(f"{path.name}.{n}")
         n += 1
+    return candidate
+
+
+def create_run_dir(path: Path, requested: str) -> None:
+    """Make the run directory `choose_run_dir` chose (and its parents)."""
     try:
-        candidate.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"train.run_dir={requested} cannot be created: {e.strerror}") from e
-    return candidate
+
+
+def _check_creatable(path: Path, requested: str) -> None:
+    """Refuse a run directory that is, or whose nearest existing ancestor is, a file or not
+    writable."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    problem = None
+    if not existing.is_dir():
+        problem = f"{existing} is not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable"
+    if problem:
+        raise ConfigError(f"train.run_dir={requested} cannot be created: {problem}")
 
 
 def truncate_metrics(path: Path, start_step: int) -> None:

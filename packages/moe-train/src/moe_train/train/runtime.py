@@ -8,7 +8,9 @@ else.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,7 +21,8 @@ import torch.distributed as dist
 
 from moe_parallel import Layout, LayoutError, build_layout, check_layout
 from moe_train.config import Config
-from moe_train.errors import ConfigError, MoeTrainError, RankLost
+from moe_train.errors import ConfigError, MoeTrainError, RankLost, on_every_rank
+from moe_train.signals import StopRequests
 from moe_train.train.pipeline import check_pipeline
 
 LOST_PEER_MARKERS = (
@@ -92,7 +95,7 @@ class Runtime:
         status, value = self.broadcast_object(outcome)
         if status == "error":
             error_type, message = value
-            raise error_type(message)
+            raise on_every_rank(error_type(message))
         return value
 
     def raise_if_any(
@@ -106,7 +109,7 @@ class Runtime:
             dist.all_gather_object(errors, error)
         for message in errors:
             if message is not None:
-                raise error_type(message)
+                raise on_every_rank(error_type(message))
 
     def close(self, *, clean: bool) -> None:
         """Leave the process group this runtime joined. After a failure (`clean=False`) no
@@ -171,6 +174,24 @@ def _launcher_number(name: str, default: int) -> int:
         raise ConfigError(f"{name}={os.environ[name]!r} is not a number") from e
 
 
+RANK_0_GRACE_S = 15.0
+"""How long a rank other than 0 waits for rank 0 to report an error they share."""
+
+
+def leave_report_to_rank_0(error: MoeTrainError, stops: StopRequests | None = None) -> None:
+    """Before a rank other than 0 exits on an error every rank raised alike (which rank 0
+    alone prints): wait until the launcher stops this rank, as torchrun does once rank 0 has
+    exited, or for RANK_0_GRACE_S. Exiting at once could get rank 0 stopped by the launcher
+    before it printed the error. `stops`: the stop requests the command listens for (a
+    signal they recorded ends the wait); by default it listens while it waits."""
+    if not error.same_on_every_rank or launched_rank() == 0 or launched_world_size() == 1:
+        return
+    with contextlib.nullcontext(stops) if stops else StopRequests(announce=False) as active:
+        deadline = time.monotonic() + RANK_0_GRACE_S
+        while not active.requested and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 def check_topology(config: Config, world_size: int) -> None:
     """Reject a layout the world size or model cannot use, the same way on every rank: the
     one check of whether a config can start on `world_size` ranks (`moe-train plan` runs it
@@ -202,7 +223,11 @@ def check_topology(config: Config, world_size: int) -> None:
 def start_runtime(config: Config, device: torch.device | None = None) -> Runtime:
     """Check the topology, join the process group when launched by torchrun, build the layout."""
     world_size = launched_world_size()
-    check_topology(config, world_size)
+    try:
+        check_topology(config, world_size)
+    except MoeTrainError as e:  # the same check of the same config on every rank
+        on_every_rank(e)
+        raise
     owns_process_group = world_size > 1 and not dist.is_initialized()
     if owns_process_group:
         local_rank = launched_local_rank()

@@ -49,3 +49,17 @@ def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
     if optim.schedule == "cosine":
         return floor + (optim.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     return floor + (optim.lr - floor) * (1 - progress)  # linear, and wsd's decay
+
+
+def describe_schedule(optim: OptimConfig, max_steps: int) -> str:
+    """The schedule in words for the start banner, with a note when every step of the run is
+    a warmup step (the lr then never decays, and never reaches its peak when the warmup is
+    longer than the run)."""
+    text = f"{optim.schedule} schedule, peak lr {optim.lr:g}"
+    if optim.warmup_steps < max_steps:
+        return text
+    last = lr_at(max_steps - 1, optim, max_steps)
+    return (
+        f"{text}; all {max_steps} steps are warmup, optim.warmup_steps={optim.warmup_steps}: "
+        f"the lr rises to {last:g} and never decays"
+    )

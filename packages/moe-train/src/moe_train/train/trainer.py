@@ -22,7 +22,7 @@ from moe_train.model import Transformer, count_params, flops_per_token
 from moe_train.signals import StopRequests
 from moe_train.train.cadence import Cadence
 from moe_train.train.checkpointing import Checkpoints, checkpoint_root
-from moe_train.train.console import Console
+from moe_train.train.console import Console, load_scale
 from moe_train.train.data_feed import BatchFeed, TokenCounts, describe_sources, open_dataset
 from moe_train.train.evaluate import Evaluator
 from moe_train.train.expert_load import ExpertLoadLog
@@ -30,10 +30,10 @@ from moe_train.train.host_memory import keep_freed_host_memory
 from moe_train.train.manifest import manifest_at, start_manifest, write_manifest
 from moe_train.train.metrics import MetricsLog
 from moe_train.train.peak import peak_flops
-from moe_train.train.resume import ResumePoint, StartPoint, find_start, load_start
-from moe_train.train.run_dir import truncate_metrics
+from moe_train.train.resume import ResumePoint, StartPoint, find_start, load_start, start_rows
+from moe_train.train.run_dir import create_run_dir, truncate_metrics
 from moe_train.train.runtime import Runtime, lost_rank_error, start_runtime
-from moe_train.train.schedule import lr_at
+from moe_train.train.schedule import describe_schedule, lr_at
 from moe_train.train.step import DTYPES, StepResult, StepRunner
 from moe_train.train.step_record import StepRecord
 from moe_train.train.tracking import Trackers, check_tracking_available
@@ -129,8 +129,9 @@ class Trainer:
         """Target tokens trained on from each data source so far (rank 0's count is saved)."""
         if self.already_finished:
             return
+        # Loaded before anything is written: a bad checkpoint leaves no file behind.
+        self._load_start()
         self._open_files()
-        self._resume()
         # Last, so that a setup that fails leaves no tracker run open.
         runtime.on_main(self._open_trackers)
 
@@ -171,14 +172,9 @@ class Trainer:
 
     def _open_files(self) -> None:
         config, runtime = self.config, self.runtime
-        root = checkpoint_root(config, self.run_dir)
-        self.checkpoints = Checkpoints(
-            config, root, self.runner.model, self.runner.optimizer, self.dataset, runtime
-        )
-        if self.resume is not None:
-            self.checkpoints.last_committed = self.resume.path
         self.manifest = None
         if runtime.is_main:
+            create_run_dir(self.run_dir, config.train.run_dir)
             dump_config(config, self.run_dir / "config.yaml")
             truncate_metrics(self.run_dir / "metrics.jsonl", self.start_step)
             previous = self.start.saved("manifest")
@@ -204,13 +200,12 @@ class Trainer:
         data = config.data
         self.tokens_per_step = data.global_batch_size * data.seq_len
         self.step_flops = flops_per_token(config.model, data.seq_len) * self.tokens_per_step
-        self.console.banner(self._banner_rows(root))
+        self.console.banner(self._banner_rows(self.checkpoints.root))
 
     def _banner_rows(self, checkpoint_dir: Path) -> list[tuple[str, str]]:
         config, layout = self.config, self.runtime.layout
         model, moe, data, ckpt = config.model, config.model.moe, config.data, config.checkpoint
         params = count_params(model)
-        start = self.start.describe()
         saves = []
         if ckpt.interval:
             saves.append(f"every {ckpt.interval} steps")
@@ -219,12 +214,12 @@ class Trainer:
         saving = f"{' or '.join(saves)} into {checkpoint_dir}" if saves else "off"
         evaluation = config.eval
         return [
-            ("run", f"{self.run_dir} ({start})"),
+            *start_rows(self.start, config, layout.describe()),
             (
                 "model",
                 f"{params.total / 1e6:.1f}M params, {params.active / 1e6:.1f}M active: "
                 f"{model.n_layers} layers, d_model {model.d_model}, {moe.num_experts} experts "
-                f"top-{moe.top_k}",
+                f"top-{moe.top_k} ({load_scale(moe.num_experts, moe.top_k)})",
             ),
             (
                 "data",
@@ -240,7 +235,7 @@ class Trainer:
             ),
             (
                 "steps",
-                f"{config.train.max_steps} ({config.optim.schedule} schedule, peak lr {config.optim.lr:g})",
+                f"{config.train.max_steps} ({describe_schedule(config.optim, config.train.max_steps)})",
             ),
             ("checkpoints", saving),
             (
@@ -266,12 +261,14 @@ class Trainer:
 
     # ---- resume ------------------------------------------------------------------------
 
-    def _resume(self) -> None:
-        """Load what the run starts from (every rank) and report it."""
-        assert self.checkpoints is not None
-        report = load_start(self.start, self.checkpoints)
-        if report is not None:
-            self.console.message(report)
+    def _load_start(self) -> None:
+        """Load what the run starts from (every rank); the banner reports it."""
+        config = self.config
+        root = checkpoint_root(config, self.run_dir)
+        self.checkpoints = Checkpoints(
+            config, root, self.runner.model, self.runner.optimizer, self.dataset, self.runtime
+        )
+        load_start(self.start, self.checkpoints)
 
     # ---- the loop ----------------------------------------------------------------------
 
