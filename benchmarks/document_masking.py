@@ -6,9 +6,9 @@ one for each run, the built-in data, whose documents are Python modules ending a
 tokenizer's eos id), trains `--steps` steps with masking off and on, alternating over
 `--rounds` rounds; the first `--skip` steps of each run (start-up) are left out. "tok/s" is the
 median over the kept steps; "masked / plain" divides the masked median by the plain one of the
-same config. Masking runs attention with a mask built per micro-batch
-(scaled_dot_product_attention with a boolean mask) instead of the causal kernel; "docs/seq" is
-the mean number of documents (pieces of them) in a training sequence of those steps.
+same config. Masking runs the causal attention kernel once per document (per row, or once
+for all rows that split alike) instead of once per micro-batch; "docs/seq" is the mean number
+of documents (pieces of them) in a training sequence of those steps.
 """
 
 from __future__ import annotations

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.ranks import run_distributed
 from moe_train.cli import main
 from moe_train.config import config_from_dict
 from moe_train.data import TokenDataset, prepare_data
-from moe_train.errors import ConfigError
-from moe_train.model import Transformer, document_ids
+from moe_train.model import Documents, Transformer
 from moe_train.train import train
-from training import small_config_data, small_model_config
+from training import assert_losses_match, small_config_data, small_model_config, train_cases
 
 EOS = 0
 
@@ -54,10 +54,11 @@ def test_masked_loss_and_logits_equal_each_document_run_alone():
     packed, starts = _packed(rng, rows=3, length=49)
     inputs, targets = packed[:, :-1], packed[:, 1:]
     with torch.no_grad():
-        doc_ids = document_ids(inputs, EOS)
-        masked = model(inputs, targets_BS=targets, doc_ids_BS=doc_ids)
+        documents = Documents.of(inputs, EOS)
+        assert [list(e) for e in documents.ends] == [[*s[1:], 48] for s in starts]
+        masked = model(inputs, targets_BS=targets, documents=documents)
         plain = model(inputs, targets_BS=targets)
-        masked_logits = model(inputs, doc_ids_BS=doc_ids)
+        masked_logits = model(inputs, documents=documents)
         total, alone_logits = _each_document_alone(model, inputs, targets, starts)
     reference = total / inputs.numel()
     assert abs(masked.double() - reference) <= 1e-5 * abs(reference), (masked, reference)
@@ -161,8 +162,69 @@ def test_masking_without_an_end_of_document_id_is_one_line(tmp_path, token_file,
     assert not (tmp_path / "r").exists()
 
 
-def test_masking_with_pipeline_stages_is_refused(tmp_path, token_file):
-    data = small_config_data(tmp_path / "r", token_file, parallel={"pp": 2})
-    data["data"]["document_masking"] = True
-    with pytest.raises(ConfigError, match=r"data.document_masking=true does not work with"):
-        config_from_dict(data)
+def test_masking_trains_alike_on_pipeline_and_expert_parallel_layouts(tmp_path):
+    """fp32, 6 steps on short documents: pp2 (1f1b, and interleaved with recompute) and dp2 x
+    ep2 give the single-process losses; evaluation under the pipeline masks as training does."""
+    data_dir = _short_documents(tmp_path)
+    sections = {"model": {"vocab_size": 320, "n_layers": 4}, "data": {"document_masking": True}}
+    eval_section = {"paths": [str(data_dir)], "interval": 3, "batches": 1}
+    single_data = small_config_data(tmp_path / "single", data_dir, **sections)
+    single_data["eval"] = eval_section
+    single = train(config_from_dict(single_data))
+    layouts = {
+        "pp2": {"pp": 2},
+        "pp2_interleaved_recompute": {
+            "pp": 2,
+            "pp_schedule": "interleaved_1f1b",
+            "virtual_stages": 2,
+            "recompute": "full",
+        },
+        "dp2_ep2": {"ep": 2},
+    }
+    cases = {}
+    for name, parallel in layouts.items():
+        cases[name] = small_config_data(tmp_path / name, data_dir, parallel=parallel, **sections)
+        cases[name]["eval"] = eval_section
+    per_rank = run_distributed(train_cases, world_size=2, args=(cases,), timeout=600)
+    for name in layouts:
+        assert_losses_match(f"masked {name}", per_rank[0][name], single.losses)
+        evals = [
+            json.loads(line).get("eval_loss")
+            for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        ]
+        single_evals = [
+            json.loads(line).get("eval_loss")
+            for line in (single.run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert [e for e in evals if e] == pytest.approx([e for e in single_evals if e], rel=1e-5)
+
+
+def test_masking_allocates_nothing_quadratic_in_the_sequence_length():
+    """Forward and backward at 8,192 positions (4 documents): no tensor has S x S elements
+    (the attention scores, or a mask, of one head would)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seq_len = 8192
+
+    class LargestOutput(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor):
+                    LargestOutput.largest = max(LargestOutput.largest, t.numel())
+            return out
+
+    model = Transformer(small_model_config(n_layers=1), seed=0)
+    tokens = torch.randint(1, 64, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    tokens[0, [1000, 3000, 6000]] = EOS
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    documents = Documents.of(inputs, EOS)
+    with LargestOutput():
+        model(inputs, targets_BS=targets, documents=documents).backward()
+    assert LargestOutput.largest < seq_len * seq_len // 16, LargestOutput.largest
+    # The probe sees quadratic tensors where they exist: a boolean mask of the same rows.
+    with LargestOutput():
+        torch.ones(seq_len, seq_len // 16, dtype=torch.bool).tril()
+    assert LargestOutput.largest == seq_len * seq_len // 16

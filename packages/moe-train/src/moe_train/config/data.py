@@ -66,7 +66,7 @@ class DataConfig:
     document_masking: bool = False
     """Keep attention inside each document of a packed sequence (documents end at the data's
     end-of-document id, which prepare-data records): each document is trained on as if it
-    ran alone. Not with pipeline parallelism (parallel.pp > 1)."""
+    ran alone, with memory linear in the sequence length (no S x S mask)."""
 
     def validate(self, path: str) -> None:
         if self.mixture:

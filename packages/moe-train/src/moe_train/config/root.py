@@ -35,11 +35,6 @@ class Config:
     def validate(self) -> None:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate(section.name)
-        if self.data.document_masking and self.parallel.pp > 1:
-            raise ConfigError(
-                f"data.document_masking=true does not work with parallel.pp={self.parallel.pp} "
-                "yet; set parallel.pp=1 or data.document_masking=false"
-            )
         if self.model.tie_embeddings and self.parallel.pp > 1:
             raise ConfigError(
                 "model.tie_embeddings=true cannot be split over pipeline stages (the embedding is "

@@ -1,13 +1,13 @@
 """The reference MoE transformer."""
 
 from moe_train.model.accounting import ParamCounts, count_params, flops_per_token
-from moe_train.model.attention import document_ids, document_mask
 from moe_train.model.dispatchers import (
     DispatcherFactory,
     choose_dispatcher,
     layer_dispatchers,
     local_dispatcher,
 )
+from moe_train.model.documents import Documents
 from moe_train.model.loss import head_lm_loss, lm_loss
 from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput
 from moe_train.model.parallelize import apply_expert_parallel, apply_pipeline_split, materialize
@@ -24,6 +24,7 @@ from moe_train.model.transformer import Transformer
 __all__ = [
     "EXPERT_GEMMS",
     "DispatcherFactory",
+    "Documents",
     "ExpertGemm",
     "MoEFeedForward",
     "ParamCounts",
@@ -39,8 +40,6 @@ __all__ = [
     "apply_recompute",
     "choose_dispatcher",
     "count_params",
-    "document_ids",
-    "document_mask",
     "flops_per_token",
     "head_lm_loss",
     "layer_dispatchers",

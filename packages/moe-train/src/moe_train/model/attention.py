@@ -1,5 +1,5 @@
 """RMSNorm, rotary position embeddings and causal grouped-query attention, optionally kept
-inside each document of a packed sequence.
+inside each document of a packed sequence (`moe_train.model.documents`).
 
 B batch, S positions of this call (T of the keys where they differ), L positions of a KV
 cache (its capacity), H heads (query or key/value), D channels per head (the whole model
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_train.config import RopeScalingConfig
+from moe_train.model.documents import Documents
 from moe_train.model.fused import rms_norm, rotary
 
 QKKernel = Callable[[Tensor, Tensor | None, float, Tensor, Tensor], Tensor]
@@ -91,20 +92,6 @@ def apply_rope(x_BHSD: Tensor, cos_SD: Tensor, sin_SD: Tensor, start: int = 0) -
     return rotary(x_BHSD, *rope_rows(x_BHSD, cos_SD, sin_SD, start))
 
 
-def document_ids(tokens_BS: Tensor, eos_id: int) -> Tensor:
-    """The document of each position of packed sequences [B, S] (int64): documents end at
-    `eos_id`, which belongs to the document it ends."""
-    ends_BS = (tokens_BS == eos_id).long()
-    return torch.cumsum(ends_BS, dim=1) - ends_BS
-
-
-def document_mask(doc_ids_BS: Tensor) -> Tensor:
-    """The attention mask [B, 1, S, S] (True: attend) letting each position see the earlier
-    positions of its own document only (`doc_ids_BS` non-decreasing along each row)."""
-    same_BSS = doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]
-    return same_BSS.tril()[:, None]
-
-
 @dataclass
 class LayerKVCache:
     """One attention layer's keys and values of the positions processed so far, preallocated
@@ -154,11 +141,12 @@ class Attention(nn.Module):
         sin: Tensor,
         cache: LayerKVCache | None = None,
         start: int = 0,
-        mask_B1ST: Tensor | None = None,
+        documents: Documents | None = None,
     ) -> Tensor:
         """Attention over positions `0..start + S`: those of `x_BSD` (`start, start + 1, ...`)
         and, with a `cache`, the `start` earlier ones it holds (the new ones are added to it).
-        `mask_B1ST` (no cache; see `document_mask`) replaces the causal mask."""
+        With `documents` (no cache), each position sees only the earlier ones of its own
+        document."""
         batch, seq_len, d_model = x_BSD.shape
         kv_dim = self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x_BSD).split([d_model, kv_dim, kv_dim], dim=-1)
@@ -169,11 +157,13 @@ class Attention(nn.Module):
             self._norm_rotate(q, self.q_norm, cos, sin, start),
             self._norm_rotate(k, self.k_norm, cos, sin, start),
         )
-        mask, causal = None, True
-        if mask_B1ST is not None:
+        gqa = self.n_kv_heads != self.n_heads
+        if documents is not None:
             if cache is not None:
-                raise ValueError("attention takes a mask or a KV cache, not both")
-            mask, causal = mask_B1ST, False
+                raise ValueError("attention takes documents or a KV cache, not both")
+            attended = documents.attend(q, k, v, gqa=gqa)
+            return self.out(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
+        mask, causal = None, True
         if cache is not None:
             k, v = cache.store(start, k, v)
             if start > 0:
@@ -184,7 +174,7 @@ class Attention(nn.Module):
                     mask = torch.ones(seq_len, start + seq_len, dtype=torch.bool, device=q.device)
                     mask = mask.tril(diagonal=start)
         attended = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
         )
         return self.out(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
 

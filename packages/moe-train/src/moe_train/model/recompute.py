@@ -17,7 +17,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -64,9 +64,7 @@ def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) 
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def run_with_recompute(
-    function: Callable[..., Tensor], mode: RecomputeMode, *args: Tensor
-) -> Tensor:
+def run_with_recompute(function: Callable[..., Tensor], mode: RecomputeMode, *args: Any) -> Tensor:
     """`function(*args)`, storing for backward what `mode` says and recomputing the rest."""
     if mode == "none" or not torch.is_grad_enabled():
         return function(*args)
@@ -74,7 +72,7 @@ def run_with_recompute(
         raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
     calls = 0
 
-    def run_once_recording(*inputs: Tensor) -> Tensor:
+    def run_once_recording(*inputs: Any) -> Tensor:
         nonlocal calls
         calls += 1
         with _side_effects(calls == 1):

@@ -11,13 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from moe_train.config import ModelConfig
-from moe_train.model.attention import (
-    Attention,
-    LayerKVCache,
-    RMSNorm,
-    document_mask,
-    rope_tables,
-)
+from moe_train.model.attention import Attention, LayerKVCache, RMSNorm, rope_tables
+from moe_train.model.documents import Documents
 from moe_train.model.loss import head_lm_loss
 from moe_train.model.moe import Experts, MoEFeedForward, SwiGLU
 from moe_train.model.recompute import RecomputeMode, run_with_recompute
@@ -68,23 +63,23 @@ class Block(nn.Module):
         sin: Tensor,
         cache: LayerKVCache | None = None,
         start: int = 0,
-        mask_B1SS: Tensor | None = None,
+        documents: Documents | None = None,
     ) -> Tensor:
-        """`mask_B1SS` (training, no cache): attention limited to it (see `document_mask`)."""
+        """`documents` (no cache): attention stays inside each document."""
         if cache is not None:  # inference: nothing to recompute
             return self._forward(x_BSD, cos, sin, None, cache, start)
-        return run_with_recompute(self._forward, self.recompute, x_BSD, cos, sin, mask_B1SS)
+        return run_with_recompute(self._forward, self.recompute, x_BSD, cos, sin, documents)
 
     def _forward(
         self,
         x_BSD: Tensor,
         cos: Tensor,
         sin: Tensor,
-        mask_B1SS: Tensor | None = None,
+        documents: Documents | None = None,
         cache: LayerKVCache | None = None,
         start: int = 0,
     ) -> Tensor:
-        attended = self.attn(self.attn_norm(x_BSD), cos, sin, cache, start, mask_B1SS)
+        attended = self.attn(self.attn_norm(x_BSD), cos, sin, cache, start, documents)
         x_BSD = x_BSD + attended
         return x_BSD + self.ffn(self.ffn_norm(x_BSD))
 
@@ -179,24 +174,24 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         *,
         targets_BS: Tensor | None = None,
-        doc_ids_BS: Tensor | None = None,
+        documents: Documents | None = None,
     ) -> Tensor:
         """Logits [B, S, V] of `tokens_BS`; with a `cache`, the tokens continue the
         `cache.length` positions it holds (inference only: see `new_kv_cache`). With
         `targets_BS`, instead the mean next-token cross-entropy of the predictions for them
         (fp32), the head fused into the loss: the logits of all tokens never exist. With
-        `doc_ids_BS` (the document of each position, see `document_ids`), each position
+        `documents` (where the documents of each row end, see `Documents.of`), each position
         attends only to its own document, as if each document ran alone."""
         if self.embed is None or self.head is None or len(self.blocks) != self.config.n_layers:
             raise ValueError("forward needs the whole model; use run_layers on a part of it")
-        if cache is not None and (targets_BS is not None or doc_ids_BS is not None):
-            raise ValueError("forward takes targets or document ids, or a KV cache, not both")
+        if cache is not None and (targets_BS is not None or documents is not None):
+            raise ValueError("forward takes targets or documents, or a KV cache, not both")
         if targets_BS is not None:
-            x_BSD = self.run_layers(tokens_BS, list(self.blocks), embed=True, doc_ids_BS=doc_ids_BS)
+            x_BSD = self.run_layers(tokens_BS, list(self.blocks), embed=True, documents=documents)
             return self.head_loss(x_BSD, targets_BS)
         if cache is None:
             return self.run_layers(
-                tokens_BS, list(self.blocks), embed=True, head=True, doc_ids_BS=doc_ids_BS
+                tokens_BS, list(self.blocks), embed=True, head=True, documents=documents
             )
         start, end = cache.length, cache.length + tokens_BS.shape[1]
         if end > cache.capacity:
@@ -237,16 +232,15 @@ class Transformer(nn.Module):
         *,
         embed: bool = False,
         head: bool = False,
-        doc_ids_BS: Tensor | None = None,
+        documents: Documents | None = None,
     ) -> Tensor:
         """Embed tokens (if `embed`), run the named blocks in order, apply the head (if `head`);
-        with `doc_ids_BS`, attention stays inside each document."""
-        mask_B1SS = document_mask(doc_ids_BS) if doc_ids_BS is not None else None
+        with `documents`, attention stays inside each document."""
         cos, sin = self.rope(x.shape[1])
         if embed:
             x = self.embed(x)
         for layer in layers:
-            x = self.blocks[layer](x, cos, sin, mask_B1SS=mask_B1SS)
+            x = self.blocks[layer](x, cos, sin, documents=documents)
         return self.head(self.norm(x)) if head else x
 
     def moe_layers(self) -> dict[int, MoEFeedForward]:

@@ -22,7 +22,7 @@ from torch import Tensor
 from moe_train.config import Config
 from moe_train.data import TokenDataset
 from moe_train.errors import DataError
-from moe_train.model import document_ids, head_lm_loss
+from moe_train.model import Documents, head_lm_loss
 from moe_train.train.runtime import Runtime
 from moe_train.train.step import StepRunner
 
@@ -61,8 +61,8 @@ class Evaluator:
         try:
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
             for index in range(self.config.eval.batches):
-                for micro in runner.my_micro_batches(self.batch(index)):
-                    loss_sum += self._micro_loss(micro)
+                for micro, documents in runner.my_micro_batches(self.batch(index)):
+                    loss_sum += self._micro_loss(micro, documents)
         finally:
             model.train()
             torch.set_rng_state(cpu_rng)
@@ -71,18 +71,18 @@ class Evaluator:
         total = self.runtime.sum_over_world(loss_sum)
         return total.item() / (runner.num_micro * self.config.eval.batches)
 
-    def _micro_loss(self, micro: Tensor) -> Tensor:
-        """The LM loss of one micro-batch [mbs, seq + 1] (0 on ranks without the head)."""
+    def _micro_loss(self, micro: Tensor, documents: Documents | None) -> Tensor:
+        """The LM loss of one micro-batch [mbs, seq + 1] (0 on ranks without the head), with
+        attention inside its `documents` as in training."""
         runner = self.runner
         if runner.pipeline is None:
-            inputs, eos = micro[:, :-1], runner.document_eos_id
-            doc_ids = document_ids(inputs, eos) if eos is not None else None  # as in training
             with runner.autocast():
-                return runner.model(inputs, targets_BS=micro[:, 1:], doc_ids_BS=doc_ids).double()
-        return _pipeline_micro_loss(runner, micro)  # (document masking refuses pipelines)
+                loss = runner.model(micro[:, :-1], targets_BS=micro[:, 1:], documents=documents)
+                return loss.double()
+        return _pipeline_micro_loss(runner, micro, documents)
 
 
-def _pipeline_micro_loss(runner: StepRunner, micro: Tensor) -> Tensor:
+def _pipeline_micro_loss(runner: StepRunner, micro: Tensor, documents: Documents | None) -> Tensor:
     """Forward of one micro-batch through the pipeline stages in order, hidden states passed
     from stage to stage by point-to-point sends (every rank of a pipeline walks the same
     stage sequence, so each send meets its receive)."""
@@ -102,6 +102,7 @@ def _pipeline_micro_loss(runner: StepRunner, micro: Tensor) -> Tensor:
             if previous != layout.rank:
                 hidden = torch.empty(hidden_shape, dtype=runner.param_dtype, device=micro.device)
                 dist.recv(hidden, src=previous)
+        modules[stage].expect([documents] if documents is not None else None)
         output = modules[stage](inputs if stage == 0 else hidden)
         if stage == plan.num_stages - 1:
             with runner.autocast():

@@ -13,8 +13,9 @@ backward inside their own stage (see `Transformer.set_aux_loss_scale`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,8 @@ from torch import Tensor, nn
 from moe_parallel import Layout
 from moe_train.config import Config
 from moe_train.errors import ConfigError
-from moe_train.model import Transformer, head_lm_loss
+from moe_train.model import Documents, Transformer, head_lm_loss
+from moe_train.train.micro_batches import MicroBatches
 
 
 @dataclass(frozen=True)
@@ -119,10 +121,21 @@ class StageModule(nn.Module):
         self._layer_names = [str(i) for i in layers]
         self._first, self._last = first, last
         self._autocast = autocast
+        self._documents: collections.deque[Documents] | None = None
+
+    def expect(self, documents: Sequence[Documents] | None) -> None:
+        """The documents of the micro-batches the next forwards run, in order (a schedule runs
+        each stage's forwards in micro-batch order); None: attention over whole rows."""
+        self._documents = collections.deque(documents) if documents is not None else None
+
+    def check_all_run(self) -> None:
+        if self._documents:
+            raise RuntimeError(f"{len(self._documents)} micro-batches' documents left unused")
 
     def forward(self, x: Tensor) -> Tensor:
+        documents = self._documents.popleft() if self._documents is not None else None
         with self._autocast():
-            x = self._run(x, self._layer_names, embed=self._first)
+            x = self._run(x, self._layer_names, embed=self._first, documents=documents)
             return self._norm(x) if self._last else x
 
 
@@ -206,20 +219,25 @@ class PipelineRunner:
         self.step_losses.append(loss.detach())
         return loss / self.num_micro_total
 
-    def forward_backward(self, micro_batches: Tensor) -> Tensor:
-        """Forward and backward of this pipeline's micro-batches [n, mbs, seq+1].
+    def forward_backward(self, micro_batches: MicroBatches) -> Tensor:
+        """Forward and backward of this pipeline's micro-batches.
 
         Returns the sum of their LM losses on the rank holding the last stage, else 0.
         """
         self.step_losses = []
+        for stage in self.stages:
+            stage.submod.expect(micro_batches.documents)
+        tokens = micro_batches.tokens
         # Contiguous: the schedule splits these into micro-batches, and some torch versions
         # (2.11) check each one's strides against the stage's static input shape.
-        inputs = micro_batches[:, :, :-1].flatten(0, 1).contiguous()
-        targets = micro_batches[:, :, 1:].flatten(0, 1).contiguous()
+        inputs = tokens[:, :, :-1].flatten(0, 1).contiguous()
+        targets = tokens[:, :, 1:].flatten(0, 1).contiguous()
         args = (inputs,) if self.plan.has_first else ()
         kwargs = {"target": targets} if self.plan.has_last else {}
         self.schedule.step(*args, **kwargs)
-        total = torch.zeros((), dtype=torch.float64, device=micro_batches.device)
+        for stage in self.stages:
+            stage.submod.check_all_run()
+        total = torch.zeros((), dtype=torch.float64, device=tokens.device)
         for loss in self.step_losses:
             total += loss.double()
         return total

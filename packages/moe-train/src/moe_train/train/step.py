@@ -38,11 +38,11 @@ from moe_train.model import (
     apply_param_dtype,
     apply_pipeline_split,
     apply_recompute,
-    document_ids,
     layer_dispatchers,
     materialize,
 )
 from moe_train.model.routing_stats import RoutingStats
+from moe_train.train.micro_batches import MicroBatches
 from moe_train.train.pipeline import PipelineRunner, StagePlan, plan_stages
 from moe_train.train.routing import StepRouting, max_over_mean
 from moe_train.train.runtime import Runtime
@@ -152,22 +152,19 @@ class StepStats:
 
 def accumulate_gradients(
     model: Transformer,
-    micro_batches: torch.Tensor,
+    micro_batches: MicroBatches,
     reducer: TrainingOptimizer,
     autocast: Callable[[], contextlib.AbstractContextManager],
     num_micro: int,
-    eos_id: int | None = None,
 ) -> torch.Tensor:
-    """Forward and backward of each micro-batch [n, mbs, seq+1]; the sum of their LM losses.
-    With `eos_id`, attention stays inside the documents that end at it."""
-    lm_loss_sum = torch.zeros((), device=micro_batches.device, dtype=torch.float64)
-    for index, micro in enumerate(micro_batches):
+    """Forward and backward of each micro-batch; the sum of their LM losses. With their
+    documents, attention stays inside each document."""
+    lm_loss_sum = torch.zeros((), device=micro_batches.tokens.device, dtype=torch.float64)
+    for index, (micro, documents) in enumerate(micro_batches):
         if index == len(micro_batches) - 1:
             reducer.arm()  # gradient reductions overlap this last backward
-        inputs = micro[:, :-1]
-        doc_ids = document_ids(inputs, eos_id) if eos_id is not None else None
         with autocast():
-            loss = model(inputs, targets_BS=micro[:, 1:], doc_ids_BS=doc_ids)
+            loss = model(micro[:, :-1], targets_BS=micro[:, 1:], documents=documents)
         # Every micro-batch of the step weighs 1/num_micro, on whichever rank it is; the MoE
         # auxiliary losses ride along (see Transformer.set_aux_loss_scale).
         (loss / num_micro).backward()
@@ -318,19 +315,19 @@ class StepRunner:
         mbs = self.config.data.micro_batch_size
         return self.first_micro * mbs, (self.first_micro + self.my_micro) * mbs
 
-    def my_micro_batches(self, batch: torch.Tensor) -> torch.Tensor:
-        """This rank's micro-batches [n, mbs, seq+1] of a step's global batch, on its device."""
+    def my_micro_batches(self, batch: torch.Tensor) -> MicroBatches:
+        """This rank's micro-batches of a step's global batch (on the host), on its device."""
         start, stop = self.my_rows
         return self.as_micro_batches(batch[start:stop])
 
-    def as_micro_batches(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a global batch ([my_rows' length, seq+1]) as its micro-batches
-        [n, mbs, seq+1] on its device (a copy that overlaps compute from pinned memory)."""
+    def as_micro_batches(self, rows: torch.Tensor) -> MicroBatches:
+        """This rank's rows of a global batch ([my_rows' length, seq+1], on the host) as its
+        micro-batches on its device, with their documents under data.document_masking."""
         data = self.config.data
-        micro_batches = rows.view(self.my_micro, data.micro_batch_size, data.seq_len + 1)
-        return micro_batches.to(self.runtime.device, non_blocking=rows.is_pinned())
+        shape = (self.my_micro, data.micro_batch_size, data.seq_len + 1)
+        return MicroBatches.of(rows, shape, self.runtime.device, self.document_eos_id)
 
-    def forward_backward(self, micro_batches: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
         """Gradients of this rank's micro-batches; the sum of their LM losses it computed."""
         if self.pipeline is not None:
             return self.pipeline.forward_backward(micro_batches)
@@ -340,7 +337,6 @@ class StepRunner:
             self.optimizer,
             self.autocast,
             self.num_micro,
-            self.document_eos_id,
         )
 
     def reduce_and_clip(self) -> float:
@@ -361,9 +357,8 @@ class StepRunner:
         """One step on a global batch (this rank trains on its `my_rows`)."""
         return self.train_on(self.my_micro_batches(batch), lr)
 
-    def train_on(self, micro_batches: torch.Tensor, lr: float) -> StepResult:
-        """One step, this rank training on `micro_batches` [n, mbs, seq+1] (its share of the
-        global batch). A step whose global loss or gradient norm is not finite is skipped:
+    def train_on(self, micro_batches: MicroBatches, lr: float) -> StepResult:
+        """One step, this rank training on `micro_batches` (its share of the global batch). A step whose global loss or gradient norm is not finite is skipped:
         nothing is updated (every rank sees the same global figures, so every rank decides
         the same)."""
         lm_loss_sum = self.forward_backward(micro_batches)
