@@ -75,6 +75,23 @@ CASES = {
             }
         },
     ),
+    # Node-limited routing (4 groups, 2 per token) with scaled combine weights.
+    "glm4_moe_groups_scaled": (
+        "Glm4MoeForCausalLM",
+        {
+            "model": {
+                "moe": {
+                    "router": "sigmoid",
+                    "num_experts": 8,
+                    "top_k": 3,
+                    "n_group": 4,
+                    "topk_group": 2,
+                    "routed_scaling_factor": 2.5,
+                    "bias_update_rate": 0.01,
+                }
+            }
+        },
+    ),
     "glm4_moe_no_qk_norm_no_shared": (
         "Glm4MoeForCausalLM",
         {"model": {"qk_norm": False, "moe": {"router": "sigmoid", "normalize_topk": False}}},

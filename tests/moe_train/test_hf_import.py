@@ -85,6 +85,22 @@ HF_MODELS = {
             },
         },
     ),
+    # Node-limited routing: 8 experts in 4 groups, each token in the 2 best groups, scaled.
+    "glm4_moe_groups": (
+        "Glm4MoeConfig",
+        {
+            **COMMON,
+            "n_routed_experts": 8,
+            "n_shared_experts": 0,
+            "first_k_dense_replace": 0,
+            "norm_topk_prob": True,
+            "num_experts_per_tok": 3,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0},
+        },
+    ),
     # No shared experts (transformers builds an empty shared MLP), no QK-norm, unnormalised.
     "glm4_moe_no_shared": (
         "Glm4MoeConfig",
@@ -293,23 +309,6 @@ def _refused(tmp_path: Path, capsys, hf_dir: Path, option: str) -> None:
     ("config_class", "kwargs", "option"),
     [
         ("Glm4MoeConfig", {}, "partial_rotary_factor=0.5"),  # GLM-4-MoE's default
-        (
-            "Glm4MoeConfig",
-            {
-                "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0},
-                "routed_scaling_factor": 2.5,
-            },
-            "routed_scaling_factor=2.5",
-        ),
-        (
-            "Glm4MoeConfig",
-            {
-                "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0},
-                "n_group": 2,
-                "topk_group": 1,
-            },
-            "topk_group=1",
-        ),
         ("Qwen3MoeConfig", {"use_sliding_window": True, "sliding_window": 16}, "sliding_window=16"),
         ("Qwen3MoeConfig", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
         ("Qwen3MoeConfig", {"attention_bias": True}, "attention_bias=True"),

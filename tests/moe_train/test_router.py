@@ -168,3 +168,74 @@ def test_router_logits_are_fp32_under_autocast():
     assert out.z_loss.item() == pytest.approx(expected, rel=1e-6), (
         f"{out.z_loss.item()} vs {expected}"
     )
+
+
+@pytest.mark.parametrize("router_kind", ["sigmoid", "softmax"])
+def test_node_limited_routing_picks_top_k_inside_the_best_groups(router_kind):
+    """8 experts in 4 groups of 2, top-3 inside each token's 2 best groups (ranked by the sum
+    of their two selection scores), weights normalised then scaled by 2.5: against a plain
+    per-token reference."""
+    config = MoEConfig(num_experts=8, top_k=3, router=router_kind, n_group=4, topk_group=2,
+                       routed_scaling_factor=2.5)  # fmt: skip
+    router = Router(d_model=6, config=config)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        router.gate.weight.normal_()
+        router.expert_bias.normal_(0, 0.1)
+    x = torch.randn(64, 6)
+    out = router(x)
+    logits = x.double() @ router.gate.weight.double().T
+    scores = logits.sigmoid() if router_kind == "sigmoid" else logits.softmax(dim=-1)
+    for token in range(64):
+        selection = (scores[token] + router.expert_bias.double()).tolist()
+        groups = sorted(range(4), key=lambda g: -(selection[2 * g] + selection[2 * g + 1]))[:2]
+        allowed = [e for g in groups for e in (2 * g, 2 * g + 1)]
+        chosen = sorted(allowed, key=lambda e: -selection[e])[:3]
+        assert sorted(out.topk_idx_TK[token].tolist()) == sorted(chosen), token
+        assert len({e // 2 for e in chosen}) <= 2
+        weights = scores[token, out.topk_idx_TK[token]]
+        expected = 2.5 * weights / weights.sum()
+        torch.testing.assert_close(out.topk_weight_TK[token].double(), expected, rtol=1e-5, atol=0)
+
+
+def test_a_trained_run_routes_each_token_to_at_most_topk_group_groups(make_config, tmp_path):
+    """A real run (2 steps, one process), 8 experts in 4 groups, top-2 inside 1 group: both
+    experts of every token of every forward lie in one group, and the loss trains."""
+    from unittest import mock
+
+    from moe_train.train import train
+
+    seen: list[torch.Tensor] = []
+    forward = Router.forward
+
+    def recording(self, x_TD):
+        out = forward(self, x_TD)
+        seen.append(out.topk_idx_TK.detach().clone())
+        return out
+
+    moe = {"num_experts": 8, "top_k": 2, "router": "sigmoid", "n_group": 4, "topk_group": 1,
+           "routed_scaling_factor": 2.0, "bias_update_rate": 0.01}  # fmt: skip
+    config = make_config(tmp_path, train={"max_steps": 2}, model={"moe": moe})
+    with mock.patch.object(Router, "forward", recording):
+        result = train(config)
+    assert seen and all(math.isfinite(loss) for loss in result.losses)
+    for topk_idx_TK in seen:
+        group_TK = topk_idx_TK // 2
+        assert torch.equal(group_TK[:, 0], group_TK[:, 1])
+
+
+@pytest.mark.parametrize(
+    ("moe", "message"),
+    [
+        ({"num_experts": 8, "n_group": 3}, r"n_group=3 must divide model\.moe\.num_experts=8"),
+        ({"num_experts": 8, "n_group": 4, "topk_group": 5}, r"topk_group=5 must be between 1"),
+        ({"num_experts": 4, "n_group": 4, "topk_group": 2}, r"leaves 1 expert per group"),
+        ({"num_experts": 8, "top_k": 4, "n_group": 4, "topk_group": 1}, r"fewer than"),
+        ({"routed_scaling_factor": 0.0}, r"routed_scaling_factor=0\.0 must be positive"),
+    ],
+)
+def test_group_settings_that_cannot_route_name_their_key(moe, message, make_config, tmp_path):
+    from moe_train.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        make_config(tmp_path, model={"moe": moe})

@@ -33,6 +33,16 @@ class MoEConfig:
     """Cap on token copies per expert as a multiple of the even share; None means dropless."""
     random_routing: bool = False
     """Route each token to top_k experts drawn uniformly at random (for system benchmarks)."""
+    n_group: int = 1
+    """Groups the experts are split into, in order (experts [g * E / n_group, (g + 1) * E /
+    n_group) form group g); with topk_group < n_group each token uses experts of at most
+    topk_group groups (node-limited routing, as DeepSeek-V3 and GLM-4.5 route)."""
+    topk_group: int = 1
+    """Groups each token may use: the groups with the highest sums of their two best selection
+    scores (scores plus the balancing bias); top_k experts are then chosen inside them."""
+    routed_scaling_factor: float = 1.0
+    """Factor on the routed experts' combine weights (after normalize_topk), as DeepSeek-V3
+    and GLM-4.5 scale them."""
     group_alignment: int = 32
     """Pad each expert's group of rows with zero rows to a multiple of this, so grouped GEMM
     shapes repeat and libraries reuse their compiled kernels; 1 turns padding off."""
@@ -47,10 +57,37 @@ class MoEConfig:
         _non_negative(
             self, path, "shared_experts", "lb_loss_weight", "z_loss_weight", "bias_update_rate"
         )
+        self._validate_groups(path)
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ConfigError(
                 f"{path}.capacity_factor={self.capacity_factor} must be positive, "
                 f"or null for dropless routing"
+            )
+
+    def _validate_groups(self, path: str) -> None:
+        """n_group, topk_group and routed_scaling_factor."""
+        _positive(self, path, "n_group", "routed_scaling_factor")
+        if self.num_experts % self.n_group:
+            raise ConfigError(
+                f"{path}.n_group={self.n_group} must divide {path}.num_experts={self.num_experts}"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(
+                f"{path}.topk_group={self.topk_group} must be between 1 and "
+                f"{path}.n_group={self.n_group}"
+            )
+        if self.topk_group == self.n_group:
+            return  # every group is used: no group limit
+        per_group = self.num_experts // self.n_group
+        if per_group < 2:
+            raise ConfigError(
+                f"{path}.n_group={self.n_group} leaves {per_group} expert per group; groups are "
+                f"ranked by their two best scores, so each needs at least 2 experts"
+            )
+        if self.topk_group * per_group < self.top_k:
+            raise ConfigError(
+                f"{path}.topk_group={self.topk_group} groups of {per_group} experts hold fewer than "
+                f"{path}.top_k={self.top_k} experts"
             )
 
 

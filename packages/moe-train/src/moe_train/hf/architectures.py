@@ -15,9 +15,9 @@ feed-forwards `down(silu(gate(x)) * up(x))`, a final RMSNorm and a bias-free hea
 - `Glm4MoeForCausalLM`: sigmoid router whose selection adds `e_score_correction_bias` and whose
   combine weights do not, `norm_topk_prob`, `n_shared_experts` ungated SwiGLU experts of width
   `n_shared_experts * moe_intermediate_size`, optional per-head QK-norm (`use_qk_norm`),
-  dense-first layers (`first_k_dense_replace`). Exported with `n_group = topk_group = 1` (no
-  group restriction), `routed_scaling_factor = 1` and `partial_rotary_factor = 1` (RoPE on the
-  whole head).
+  dense-first layers (`first_k_dense_replace`), group-limited routing (`n_group`,
+  `topk_group`) and `routed_scaling_factor`. Exported with `partial_rotary_factor = 1` (RoPE on
+  the whole head).
 
 OLMoE (`OlmoeForCausalLM`) is no target: its QK-norm always normalises the whole q and k
 projections (all heads together), which our per-head QK-norm equals only for one query and one
@@ -92,6 +92,13 @@ def choose_architecture(config: Config, expert_bias_nonzero: bool) -> Architectu
             raise ExportError(
                 "model.moe.bias_update_rate: the softmax router's selection bias is not zero; "
                 "no exported architecture adds a bias to softmax routing (Qwen3-MoE has none)"
+            )
+        if moe.topk_group < moe.n_group or moe.routed_scaling_factor != 1.0:
+            raise ExportError(
+                f"model.moe.n_group={moe.n_group}, topk_group={moe.topk_group}, "
+                f"routed_scaling_factor={moe.routed_scaling_factor} with "
+                "model.moe.router='softmax': Qwen3-MoE routes over all experts unscaled; "
+                "group-limited or scaled routing exports only with router='sigmoid' (GLM-4-MoE)"
             )
         if moe.shared_experts:
             raise ExportError(
@@ -186,9 +193,9 @@ def _glm4_moe(config: Config) -> Architecture:
         "n_routed_experts": model.moe.num_experts,
         "n_shared_experts": model.moe.shared_experts,
         "first_k_dense_replace": model.dense_layers,
-        "routed_scaling_factor": 1.0,
-        "n_group": 1,
-        "topk_group": 1,
+        "routed_scaling_factor": model.moe.routed_scaling_factor,
+        "n_group": model.moe.n_group,
+        "topk_group": model.moe.topk_group,
         "use_qk_norm": model.qk_norm,
         "partial_rotary_factor": 1.0,
         "num_nextn_predict_layers": 0,

@@ -219,12 +219,11 @@ def _model_section(hf: Any, path: Path, *, glm: bool) -> dict[str, Any]:
         "normalize_topk": bool(hf.norm_topk_prob),
     }
     if glm:
-        if hf.routed_scaling_factor != 1.0:
-            raise _refuse(path, "routed_scaling_factor", hf.routed_scaling_factor,
-                          "our combine weights are not scaled (1.0)")  # fmt: skip
-        if hf.topk_group != hf.n_group:
-            raise _refuse(path, "topk_group", hf.topk_group, f"our router picks from all "
-                          f"experts (topk_group = n_group = {hf.n_group})")  # fmt: skip
+        moe |= {
+            "n_group": hf.n_group,
+            "topk_group": hf.topk_group,
+            "routed_scaling_factor": float(hf.routed_scaling_factor),
+        }
         model |= {"qk_norm": bool(hf.use_qk_norm), "dense_layers": hf.first_k_dense_replace}
         moe |= {"num_experts": hf.n_routed_experts, "shared_experts": hf.n_shared_experts}
         moe["router"] = "sigmoid"

@@ -1,7 +1,8 @@
 """The mixture-of-experts feed-forward block: router, SwiGLU experts, dispatch and combine.
 
 Shape suffixes: B batch, S sequence, D model width, T tokens (B x S), K top-k, E experts,
-F token copies (T x K), P rows of the experts' input, H expert hidden width, O 2 x H.
+F token copies (T x K), P rows of the experts' input, H expert hidden width, O 2 x H,
+G expert groups, X experts per group, C groups chosen per token.
 """
 
 from collections.abc import Callable
@@ -62,6 +63,18 @@ class RouterOutput:
     """Router z-loss mean(logsumexp(logits)^2) (unweighted, fp32 scalar)."""
 
 
+def limit_to_groups(selection_TE: Tensor, n_group: int, topk_group: int) -> Tensor:
+    """`selection_TE` with the experts outside each token's `topk_group` best groups set to
+    -inf: the experts split in order into `n_group` groups, ranked by the sum of their two
+    best selection scores."""
+    tokens, experts = selection_TE.shape
+    grouped_TGX = selection_TE.view(tokens, n_group, experts // n_group)
+    group_score_TG = grouped_TGX.topk(2, dim=-1).values.sum(dim=-1)
+    chosen_TC = group_score_TG.topk(topk_group, dim=-1).indices
+    kept_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, chosen_TC, True)
+    return grouped_TGX.masked_fill(~kept_TG[:, :, None], float("-inf")).view(tokens, experts)
+
+
 class Router(nn.Module):
     """Scores experts per token in fp32 and picks the top k.
 
@@ -91,10 +104,14 @@ class Router(nn.Module):
             topk_idx_TK = noise_TE.topk(config.top_k, dim=-1).indices
         else:
             selection_TE = scores_TE.detach() + self.expert_bias
+            if config.topk_group < config.n_group:
+                selection_TE = limit_to_groups(selection_TE, config.n_group, config.topk_group)
             topk_idx_TK = selection_TE.topk(config.top_k, dim=-1).indices
         topk_weight_TK = scores_TE.gather(1, topk_idx_TK)
         if config.normalize_topk:
             topk_weight_TK = topk_weight_TK / topk_weight_TK.sum(dim=-1, keepdim=True)
+        if config.routed_scaling_factor != 1.0:
+            topk_weight_TK = topk_weight_TK * config.routed_scaling_factor
 
         num_tokens = x_TD.shape[0]
         expert_of_copy_F = topk_idx_TK.flatten()

@@ -22,7 +22,11 @@ class MicroBatches:
 
     @classmethod
     def of(
-        cls, rows: torch.Tensor, shape: tuple[int, int, int], device: torch.device, eos_id: int | None
+        cls,
+        rows: torch.Tensor,
+        shape: tuple[int, int, int],
+        device: torch.device,
+        eos_id: int | None,
     ) -> MicroBatches:
         """`rows` (on the host) viewed as micro-batches of `shape` and copied to `device`
         (overlapping compute from pinned memory); with `eos_id`, the documents of each."""
