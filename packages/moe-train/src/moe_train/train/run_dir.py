@@ -7,21 +7,29 @@ import os
 from pathlib import Path
 
 from moe_train.errors import ConfigError
+from moe_train.train.run_lock import take_run_lock
+from moe_train.train.runtime import launch_id
 
 
 def prepare_run_dir(requested: str, *, reuse: bool) -> Path:
-    """The run directory: `requested` when `reuse` (a resumed run continues in it) or when it
-    is free, else the first free `requested.N` (a finished run is never overwritten)."""
+    """The run directory, its lock taken (`run_lock`): `requested` when `reuse` (a resumed
+    run continues in it) or when it is free, else the first free `requested.N` (a finished run
+    is never overwritten; of two launches that find the same one free, one goes on to the
+    next)."""
     path = Path(requested)
     candidate, n = path, 1
-    while not reuse and candidate.exists() and any(candidate.iterdir()):
+    while True:
+        if reuse or not (candidate.exists() and any(candidate.iterdir())):
+            try:
+                candidate.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(
+                    f"train.run_dir={requested} cannot be created: {e.strerror}"
+                ) from e
+            if take_run_lock(candidate, launch=launch_id(), busy_is_error=reuse):
+                return candidate
         candidate = path.with_name(f"{path.name}.{n}")
         n += 1
-    try:
-        candidate.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"train.run_dir={requested} cannot be created: {e.strerror}") from e
-    return candidate
 
 
 def truncate_metrics(path: Path, start_step: int) -> None:
