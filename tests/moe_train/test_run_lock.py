@@ -145,7 +145,7 @@ def test_two_fresh_launches_that_find_the_same_directory_free_use_two(tmp_path, 
         prepare_run_dir(str(tmp_path / "run"), reuse=True)
 
 
-def test_train_refuses_a_live_run_dir_writing_nothing_and_takes_over_a_stale_one(
+def test_train_refuses_a_live_run_dir_writing_nothing_takes_over_a_stale_one_readers_never_lock(
     tmp_path, make_config, capsys
 ):
     config = make_config(tmp_path, train={"max_steps": 2}, checkpoint={"resume": "auto"})
@@ -165,6 +165,12 @@ def test_train_refuses_a_live_run_dir_writing_nothing_and_takes_over_a_stale_one
     assert "took over the stale lock of" in err and "node-17" in err
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
     assert not (run / LOCK_NAME).exists()  # released at the end
+
+    # Readers never lock: they read a run that is training.
+    live = _plant_lock(run, age_s=0)
+    assert main(["inspect", str(run / "checkpoints" / "step_00000002")]) == 0
+    assert main(["plot", str(run), "--out", str(tmp_path / "plots")]) == 0
+    assert (run / LOCK_NAME).read_bytes() == live
 
 
 def test_the_launchers_loss_is_a_stop_request_only_when_watched(monkeypatch, capsys):
