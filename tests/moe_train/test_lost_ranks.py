@@ -9,6 +9,7 @@ import pytest
 from launch import children, finish, start_ranks, start_torchrun, wait_for_records, write_config
 from moe_train.cli import main
 from moe_train.errors import RankLost
+from moe_train.train.run_lock import LOCK_NAME
 
 SLACK_S = 30
 """What the issue allows beyond parallel.timeout_s for the survivors to exit."""
@@ -48,6 +49,8 @@ def test_a_killed_rank_makes_the_survivor_exit_with_one_line(tmp_path, token_fil
     ranks[killed].wait()
     _assert_one_lost_rank_line(survivor, "another rank was lost")
     _assert_checkpoints_intact(tmp_path / "job")
+    # A surviving rank 0 released the run directory's lock; a killed one could not.
+    assert (tmp_path / "job" / LOCK_NAME).exists() == (killed == 0)
 
 
 @pytest.mark.slow
@@ -63,6 +66,7 @@ def test_a_rank_that_stops_answering_is_given_up_after_timeout_s(tmp_path, token
         ranks[1].wait()
     _assert_one_lost_rank_line(survivor, f"did not answer within parallel.timeout_s={timeout_s}")
     _assert_checkpoints_intact(tmp_path / "job")
+    assert not (tmp_path / "job" / LOCK_NAME).exists()
 
 
 FAILS_ON_RANK_1 = textwrap.dedent(

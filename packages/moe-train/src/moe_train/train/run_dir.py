@@ -7,28 +7,44 @@ import os
 from pathlib import Path
 
 from moe_train.errors import ConfigError
+from moe_train.train.run_lock import take_run_lock
+from moe_train.train.runtime import launch_id
 
 
 def choose_run_dir(requested: str, *, reuse: bool) -> Path:
-    """The run directory, not yet made: `requested` when `reuse` (a resumed run continues in
-    it) or when it is free, else the first free `requested.N` (a finished run is never
-    overwritten). `create_run_dir` makes it once the run has started, so a start that fails
-    leaves nothing behind; a path that cannot be made is refused here already."""
+    """The run directory, its lock taken (`run_lock`): `requested` when `reuse` (a resumed
+    run continues in it) or when it is free, else the first free `requested.N` (a finished run
+    is never overwritten; of two launches that find the same one free, one goes on to the
+    next). A directory made here holds only the lock until the run starts, and is removed with
+    the lock if the start fails, so a failed start leaves nothing behind."""
     path = Path(requested)
     _check_creatable(path, requested)
     candidate, n = path, 1
-    while not reuse and candidate.exists() and (not candidate.is_dir() or any(candidate.iterdir())):
+    while True:
+        taken = candidate.exists() and (not candidate.is_dir() or any(candidate.iterdir()))
+        if reuse or not taken:
+            made_from = _outermost_missing(candidate)
+            try:
+                candidate.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(
+                    f"train.run_dir={requested} cannot be created: {e.strerror}"
+                ) from e
+            lock = take_run_lock(
+                candidate, launch=launch_id(), busy_is_error=reuse, made_from=made_from
+            )
+            if lock:
+                return candidate
         candidate = path.with_name(f"{path.name}.{n}")
         n += 1
-    return candidate
 
 
-def create_run_dir(path: Path, requested: str) -> None:
-    """Make the run directory `choose_run_dir` chose (and its parents)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"train.run_dir={requested} cannot be created: {e.strerror}") from e
+def _outermost_missing(path: Path) -> Path | None:
+    """The outermost of `path` and its parents that does not exist (None: `path` exists)."""
+    missing = None
+    while not path.exists() and path != path.parent:
+        missing, path = path, path.parent
+    return missing
 
 
 def _check_creatable(path: Path, requested: str) -> None:

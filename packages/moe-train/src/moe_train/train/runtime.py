@@ -2,8 +2,8 @@
 
 torchrun (or a cluster launcher) tells each process its place through the WORLD_SIZE, RANK
 and LOCAL_RANK environment variables, and the job through MASTER_ADDR, MASTER_PORT and
-TORCHELASTIC_RUN_ID; they are the launcher's contract, read here (`launched_*`) and nowhere
-else.
+TORCHELASTIC_RUN_ID (which torchrun alone sets); they are the launcher's contract, read here
+(`launched_*`, `launch_id`) and nowhere else.
 """
 
 from __future__ import annotations
@@ -165,6 +165,14 @@ def launch_id() -> str:
     port and run id; empty outside a launch)."""
     keys = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
     return "|".join(os.environ.get(key, "") for key in keys)
+
+
+def launched_by_torchrun() -> bool:
+    """Whether torchrun (its elastic agent) started this process. Its workers live in
+    sessions of their own, so nothing ends them when torchrun alone dies: the trainer then
+    watches for the loss of its parent. A cluster launcher's scheduler ends a job's processes
+    itself, and a process started by hand may outlive the shell that started it (nohup)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def _launcher_number(name: str, default: int) -> int:

@@ -31,8 +31,9 @@ from moe_train.train.manifest import manifest_at, start_manifest, write_manifest
 from moe_train.train.metrics import MetricsLog
 from moe_train.train.peak import peak_flops
 from moe_train.train.resume import ResumePoint, StartPoint, find_start, load_start, start_rows
-from moe_train.train.run_dir import create_run_dir, truncate_metrics
-from moe_train.train.runtime import Runtime, lost_rank_error, start_runtime
+from moe_train.train.run_dir import truncate_metrics
+from moe_train.train.run_lock import release_held_locks
+from moe_train.train.runtime import Runtime, launched_by_torchrun, lost_rank_error, start_runtime
 from moe_train.train.schedule import describe_schedule, lr_at
 from moe_train.train.step import DTYPES, StepResult, StepRunner
 from moe_train.train.step_record import StepRecord
@@ -54,7 +55,8 @@ class TrainResult:
     end_step: int = 0
     """Steps done when it ended: train.max_steps, or fewer when a signal stopped it."""
     stopped_by: str | None = None
-    """The signal that stopped the run before train.max_steps (e.g. 'SIGTERM'), or None."""
+    """What stopped the run before train.max_steps (a signal's name, e.g. 'SIGTERM', or the
+    exit of the launcher), or None."""
     checkpoint: Path | None = None
     """The newest committed checkpoint of the run when it ended, if any."""
     already_finished: bool = False
@@ -89,6 +91,7 @@ def train(
     try:
         with contextlib.nullcontext(stops) if stops else StopRequests() as active:
             active.announce_on(runtime.is_main)
+            active.watch_launcher(launched_by_torchrun())
             trainer = Trainer(config, runtime, active, stop_at_step)
             result = trainer.run()
         clean = True
@@ -101,7 +104,10 @@ def train(
         where = f"; the newest checkpoint is {last}" if last else ""
         raise type(lost)(f"{lost}{where}") from e
     finally:
-        runtime.close(clean=clean)
+        try:
+            runtime.close(clean=clean)
+        finally:
+            release_held_locks()  # the run directory's lock, taken with it (rank 0)
 
 
 class Trainer:
@@ -123,6 +129,8 @@ class Trainer:
         self.start_step = self.start.step
         self.skipped_steps = int(self.start.saved("skipped_steps", 0))
         self.bad_streak = 0
+        self.stop_code = 0
+        """The ranks' agreed stop code of the last step (`StopRequests.code`'s maximum)."""
         self.losses: list[float] = []
         saved_counts = self.start.saved("tokens_per_source")
         self.tokens_seen = TokenCounts.before(self.dataset, config, self.start_step, saved_counts)
@@ -174,7 +182,6 @@ class Trainer:
         config, runtime = self.config, self.runtime
         self.manifest = None
         if runtime.is_main:
-            create_run_dir(self.run_dir, config.train.run_dir)
             dump_config(config, self.run_dir / "config.yaml")
             truncate_metrics(self.run_dir / "metrics.jsonl", self.start_step)
             previous = self.start.saved("manifest")
@@ -286,7 +293,7 @@ class Trainer:
                     done = step
                     self._check_bad_streak(step, result)
                     if stop:
-                        stopped_by = self.stops.signal_name or "a signal on another rank"
+                        stopped_by = self.stops.describe(self.stop_code)
                     self._save(step, final=stop or step == self.end_step, time_due=time_due)
                     if stop:
                         break
@@ -345,10 +352,11 @@ class Trainer:
                 step_time,
                 self.feed.wait_s,
                 float(peak_mem),
-                float(self.stops.requested),
+                float(self.stops.code),
                 float(time_due),
             ]
         )
+        self.stop_code = int(stop)
         stop = stop > 0 and step < self.end_step
         logged = self.cadence.logs(step, final=stop or step == self.end_step)
         if self.expert_load is not None and logged and result.stats.routing is not None:
