@@ -67,6 +67,11 @@ class DataConfig:
     """Keep attention inside each document of a packed sequence (documents end at the data's
     end-of-document id, which prepare-data records): each document is trained on as if it
     ran alone. Not with pipeline parallelism (parallel.pp > 1)."""
+    label_mask: bool = False
+    """Train only on the tokens the data's label mask marks (an assistant's replies: see
+    `prepare-data --format chat`); every data path must have a mask, and so must eval.paths.
+    The step's loss is the mean over the marked target tokens of the whole global batch.
+    false trains on every token, mask or not."""
 
     def validate(self, path: str) -> None:
         if self.mixture:

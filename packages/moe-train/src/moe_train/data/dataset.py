@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moe_train.data.builtin import BUILTIN_STDLIB, builtin_dataset_dir
+from moe_train.data.labels import encode_masked
 from moe_train.data.prepare import partial_dir
 from moe_train.data.token_files import (
     TokenStream,
@@ -47,6 +48,8 @@ class TokenSource:
     """Declared by meta.json, or the largest id + 1 for a .npy or headerless file."""
     eos_id: int | None
     """End-of-document id when known (prepared directories)."""
+    mask: TokenStream | None = None
+    """Its label mask (1: trained on), when it is a prepared directory that has one."""
 
     @property
     def num_tokens(self) -> int:
@@ -66,9 +69,12 @@ class TokenDataset:
         *,
         cache_dir: Path | None = None,
         stream: int | None = None,
+        label_mask: bool = False,
     ) -> None:
         """Open each of `paths`; `cache_dir` is where builtin:stdlib is prepared on first use;
-        `stream` (for one source of a mixture) gives the dataset shuffles of its own."""
+        `stream` (for one source of a mixture) gives the dataset shuffles of its own;
+        `label_mask`: read each source's label mask into the windows (see
+        `moe_train.data.labels`; every source must have one)."""
         if isinstance(paths, str | Path):
             paths = [paths]
         if seq_len < 1:
@@ -78,6 +84,10 @@ class TokenDataset:
         self.seq_len = seq_len
         self._stream = () if stream is None else (stream,)
         self.sources = [_open_source(path, cache_dir) for path in paths]
+        self.label_mask = label_mask
+        """Whether windows carry the label mask (untrained tokens stored as -1 - id)."""
+        if label_mask:
+            _check_masks(self.sources)
 
         eos_ids = sorted({s.eos_id for s in self.sources if s.eos_id is not None})
         if len(eos_ids) > 1:
@@ -133,7 +143,11 @@ class TokenDataset:
             raise IndexError(f"sequence {index} out of range 0..{self.num_sequences - 1}")
         source_index = int(np.searchsorted(self._window_ends, index, side="right"))
         start = (index - int(self._window_starts[source_index])) * self.seq_len
-        return self.sources[source_index].tokens.read(start, start + self.seq_len + 1)
+        source = self.sources[source_index]
+        ids = source.tokens.read(start, start + self.seq_len + 1)
+        if self.label_mask and source.mask is not None:
+            return encode_masked(ids, source.mask.read(start, start + self.seq_len + 1))
+        return ids
 
     @property
     def source_names(self) -> list[str]:
@@ -246,6 +260,16 @@ def check_batch_args(step: int, global_batch_size: int, seed: int) -> None:
         raise DataError(f"train.seed={seed} must be >= 0")
 
 
+def _check_masks(sources: Sequence[TokenSource]) -> None:
+    for source in sources:
+        if source.mask is None:
+            raise DataError(
+                f"data.label_mask=true but data.paths entry {source.path} has no label mask; "
+                "prepare it with `moe-train prepare-data --format chat` (or prompt-completion), "
+                "or set data.label_mask=false"
+            )
+
+
 def _open_source(path: str | Path, cache_dir: Path | None) -> TokenSource:
     """Open one `data.paths` entry, checking it against its metadata."""
     if isinstance(path, str) and path.startswith("builtin:"):
@@ -282,4 +306,4 @@ def _open_source(path: str | Path, cache_dir: Path | None) -> TokenSource:
 
 def _prepared_source(name: str, directory: Path) -> TokenSource:
     prepared = open_prepared_dir(directory)
-    return TokenSource(name, prepared.tokens, prepared.vocab_size, prepared.eos_id)
+    return TokenSource(name, prepared.tokens, prepared.vocab_size, prepared.eos_id, prepared.mask)

@@ -78,15 +78,22 @@ class MixedDataset:
     weight; the same reading interface as `TokenDataset`."""
 
     def __init__(
-        self, sources: Sequence[MixtureSource], seq_len: int, *, cache_dir: Path | None = None
+        self,
+        sources: Sequence[MixtureSource],
+        seq_len: int,
+        *,
+        cache_dir: Path | None = None,
+        label_mask: bool = False,
     ) -> None:
-        """Open every source's paths; `cache_dir` as for `TokenDataset`."""
+        """Open every source's paths; `cache_dir` and `label_mask` as for `TokenDataset`."""
         if not sources:
             raise DataError("data.mixture is empty; give at least one source")
         self.seq_len = seq_len
         self.mixture = list(sources)
         self.parts = [
-            TokenDataset(source.paths, seq_len, cache_dir=cache_dir, stream=index + 1)
+            TokenDataset(
+                source.paths, seq_len, cache_dir=cache_dir, stream=index + 1, label_mask=label_mask
+            )
             for index, source in enumerate(sources)
         ]
         weights = np.array([s.weight for s in sources], dtype=np.float64)
@@ -206,8 +213,10 @@ def open_training_data(
     seq_len: int,
     *,
     cache_dir: Path | None = None,
+    label_mask: bool = False,
 ) -> TokenDataset | MixedDataset:
-    """The training data: the `mixture` when it has sources, else `paths` shuffled as one."""
+    """The training data: the `mixture` when it has sources, else `paths` shuffled as one;
+    `label_mask` as for `TokenDataset`."""
     if mixture:
-        return MixedDataset(mixture, seq_len, cache_dir=cache_dir)
-    return TokenDataset(paths, seq_len, cache_dir=cache_dir)
+        return MixedDataset(mixture, seq_len, cache_dir=cache_dir, label_mask=label_mask)
+    return TokenDataset(paths, seq_len, cache_dir=cache_dir, label_mask=label_mask)

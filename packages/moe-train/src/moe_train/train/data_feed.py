@@ -29,6 +29,7 @@ def open_dataset(config: Config) -> TokenDataset | MixedDataset:
         mixture,
         data.seq_len,
         cache_dir=Path(data.cache_dir) if data.cache_dir else None,
+        label_mask=data.label_mask,
     )
     if dataset.vocab_size > config.model.vocab_size:
         raise DataError(

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from moe_parallel import Layout
 from moe_train.config import Config
+from moe_train.data.labels import inputs_and_targets
 from moe_train.errors import ConfigError
 from moe_train.model import Transformer, head_lm_loss
 
@@ -160,6 +161,8 @@ class PipelineRunner:
         self._autocast = autocast
         self._head_weight = model.head.weight if plan.has_last else None
         self.step_losses: list[Tensor] = []
+        self.loss_normalizer: Tensor | None = None
+        """The step's `accumulate_gradients` normalizer (None: the batch has no mask)."""
         data, model_config = config.data, config.model
         micro_shape = (data.micro_batch_size, data.seq_len)
         # Shapes and dtypes of what stages exchange (static: no shape-inference pass). Hidden
@@ -202,20 +205,28 @@ class PipelineRunner:
 
     def _loss(self, normed_BSD: Tensor, targets: Tensor) -> Tensor:
         with self._autocast():
-            loss = head_lm_loss(normed_BSD, self._head_weight, targets)
+            loss = head_lm_loss(normed_BSD, self._head_weight, targets, self.loss_normalizer)
         self.step_losses.append(loss.detach())
         return loss / self.num_micro_total
 
-    def forward_backward(self, micro_batches: Tensor) -> Tensor:
-        """Forward and backward of this pipeline's micro-batches [n, mbs, seq+1].
+    def forward_backward(
+        self, micro_batches: Tensor, loss_normalizer: Tensor | None = None
+    ) -> Tensor:
+        """Forward and backward of this pipeline's micro-batches [n, mbs, seq+1]
+        (`loss_normalizer`: they carry a label mask, see `accumulate_gradients`).
 
         Returns the sum of their LM losses on the rank holding the last stage, else 0.
         """
         self.step_losses = []
+        self.loss_normalizer = loss_normalizer
+        if loss_normalizer is None:
+            inputs, targets = micro_batches[:, :, :-1], micro_batches[:, :, 1:]
+        else:
+            inputs, targets = inputs_and_targets(micro_batches)
         # Contiguous: the schedule splits these into micro-batches, and some torch versions
         # (2.11) check each one's strides against the stage's static input shape.
-        inputs = micro_batches[:, :, :-1].flatten(0, 1).contiguous()
-        targets = micro_batches[:, :, 1:].flatten(0, 1).contiguous()
+        inputs = inputs.flatten(0, 1).contiguous()
+        targets = targets.flatten(0, 1).contiguous()
         args = (inputs,) if self.plan.has_first else ()
         kwargs = {"target": targets} if self.plan.has_last else {}
         self.schedule.step(*args, **kwargs)

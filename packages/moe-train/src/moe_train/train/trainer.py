@@ -393,6 +393,7 @@ class Trainer:
             skipped_steps=self.skipped_steps,
             tokens_seen=step * self.tokens_per_step,
             tokens_per_source=self.tokens_seen.for_metrics(),
+            trained_tokens=stats.trained_tokens or 0,
             time=time.time(),
             eval_loss=eval_loss,
             tokens=self.tokens_per_step,
