@@ -34,17 +34,25 @@ def save_masked_tokens(
     return directory
 
 
-def conversation_like(num_tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Byte-like ids of a learnable repeating text and a mask of uneven "replies": runs of
-    trained tokens of random lengths between longer untrained runs (some windows have none)."""
+def conversation_like(
+    num_tokens: int, seed: int = 0, lengths: tuple[int, int] = (6, 30), long_every: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and mask of documents like conversations: each a prompt (not trained on), a
+    reply (trained on) and the end-of-document id 0 (not trained on), of random lengths in
+    `lengths`; with `long_every`, every such document is 3 times the longest instead.
+    The ids come from a learnable repeating text (never 0)."""
     rng = np.random.default_rng(seed)
     text = np.frombuffer(b"user: what is 2+2? assistant: it is 4.\n" * 8, dtype=np.uint8)
-    ids = np.resize(text.astype(np.int64), num_tokens)
-    mask = np.zeros(num_tokens, dtype=np.uint8)
-    position = 0
-    while position < num_tokens:
-        position += int(rng.integers(5, 80))
-        length = int(rng.integers(1, 30))
-        mask[position : position + length] = 1
-        position += length
-    return ids, mask
+    ids, mask = [], []
+    total = count = 0
+    while total < num_tokens:
+        count += 1
+        length = int(rng.integers(*lengths))
+        if long_every and count % long_every == 0:
+            length = 3 * lengths[1]
+        reply = int(rng.integers(1, length - 1))
+        start = int(rng.integers(0, text.size - length))
+        ids.append(np.append(text[start : start + length - 1].astype(np.int64), 0))
+        mask.append(np.concatenate([np.zeros(length - 1 - reply), np.ones(reply), [0]]))
+        total += length
+    return np.concatenate(ids)[:num_tokens], np.concatenate(mask).astype(np.uint8)[:num_tokens]

@@ -169,7 +169,9 @@ def test_chat_ids_equal_transformers_and_mask_covers_assistant_spans(tmp_path, f
             c for (s, e), m in zip(offsets, mask, strict=True) if m for c in range(s, e)
         }
         span_chars = {c for s, e in spans for c in range(s, e)}
-        assert trained_chars == span_chars, [text[s:e] for (s, e), m in zip(offsets, mask) if m]
+        assert trained_chars == span_chars, [
+            text[s:e] for (s, e), m in zip(offsets, mask, strict=True) if m
+        ]
         assert eos_mask == 0, "the end-of-document id after a conversation is not trained on"
 
 

@@ -8,7 +8,7 @@ from masked_data import conversation_like, save_masked_tokens
 
 from moe_train.config import config_from_dict
 from moe_train.data import TokenDataset
-from moe_train.data.labels import IGNORE_INDEX, inputs_and_targets
+from moe_train.data.labels import IGNORE_INDEX, encode_masked, inputs_and_targets
 from moe_train.errors import DataError
 from moe_train.model import head_lm_loss
 from moe_train.model import loss as loss_module
@@ -108,17 +108,43 @@ def test_mask_file_that_does_not_match_its_tokens_is_named(tmp_path):
     assert "mask-000000.bin holds 497 bytes" in message and "500 tokens" in message, message
 
 
-def test_windows_carry_the_mask_and_only_when_asked(tmp_path):
-    ids, mask = conversation_like(500)
+def test_windows_pack_whole_documents_with_their_mask(tmp_path):
+    ids, mask = conversation_like(3000, long_every=7)
     data_dir = save_masked_tokens(tmp_path / "chat", ids, mask)
-    masked = TokenDataset([str(data_dir)], 16, label_mask=True).sequence(3)
-    plain = TokenDataset([str(data_dir)], 16).sequence(3)
-    window = slice(3 * 16, 4 * 16 + 1)
-    assert plain.tolist() == ids[window].tolist()
-    inputs, targets = inputs_and_targets(torch.from_numpy(masked)[None])
-    assert inputs[0].tolist() == ids[window][:-1].tolist()
-    expected = np.where(mask[window][1:] == 1, ids[window][1:], IGNORE_INDEX)
-    assert targets[0].tolist() == expected.tolist()
+    ends = np.append(np.flatnonzero(ids == 0) + 1, len(ids) if ids[-1] else [])
+    lengths = np.diff(ends, prepend=0)
+    long_documents = int((lengths > 33).sum())
+    assert long_documents > 5
+    plain = TokenDataset([str(data_dir)], 32)
+    assert plain.sequence(3).tolist() == ids[3 * 32 : 4 * 32 + 1].tolist(), "no mask: as before"
+    for split in (False, True):
+        dataset = TokenDataset([str(data_dir)], 32, label_mask=True, split_long_examples=split)
+        want_counts = (0, long_documents) if split else (long_documents, 0)
+        assert (dataset.skipped_long, dataset.split_long) == want_counts
+        packed = dataset.packed[0]
+        assert (packed.lengths <= 33).all()
+        if not split:  # every window begins and ends at document boundaries
+            assert set(packed.starts.tolist()) <= set((ends - lengths).tolist())
+            assert set((packed.starts + packed.lengths).tolist()) <= set(ends.tolist())
+        kept = lengths.sum() if split else lengths[lengths <= 33].sum()
+        assert packed.lengths.sum() == kept
+        for index, (start, length) in enumerate(zip(packed.starts, packed.lengths, strict=True)):
+            padding = np.zeros(33 - length, dtype=np.int64)
+            want = encode_masked(
+                np.concatenate([ids[start : start + length], padding]),
+                np.concatenate([mask[start : start + length], padding]),
+            )
+            assert dataset.sequence(index).tolist() == want.tolist()
+
+
+def test_too_long_documents_only_are_refused_in_one_line(tmp_path):
+    ids, mask = conversation_like(500, lengths=(40, 60))
+    whole = np.flatnonzero(ids == 0)[-1] + 1
+    ids, mask = ids[:whole], mask[:whole]
+    data_dir = save_masked_tokens(tmp_path / "chat", ids, mask)
+    with pytest.raises(DataError, match=r"every document of data.paths is longer than "):
+        TokenDataset([str(data_dir)], 32, label_mask=True)
+    assert TokenDataset([str(data_dir)], 32, label_mask=True, split_long_examples=True).split_long
 
 
 STEPS = 20
@@ -150,8 +176,7 @@ def test_layouts_reproduce_single_process_masked_losses(tmp_path):
     from moe_train.train import read_metrics, train
     from training import assert_losses_match, train_cases
 
-    ids, mask = conversation_like(20000, seed=1)
-    ids[::97] = 0  # end-of-document ids, for document masking
+    ids, mask = conversation_like(20000, seed=1, long_every=11)
     data_dir = save_masked_tokens(tmp_path / "chat", ids, mask)
     cases, references = {}, {}
     for name, parallel in LAYOUTS.items():
@@ -173,3 +198,13 @@ def test_layouts_reproduce_single_process_masked_losses(tmp_path):
         assert [s for s, _ in evals] == [s for s, _ in want_evals] == [10, 20]
         assert_losses_match(f"{name} eval", [e for _, e in evals], [e for _, e in want_evals])
     assert single.losses[-1] < single.losses[0] - 0.5, "the masked run learns"
+
+
+def test_split_long_examples_needs_the_label_mask(tmp_path):
+    from moe_train.errors import ConfigError
+
+    data = small_config_data(
+        tmp_path / "run", tmp_path / "x.npy", data={"split_long_examples": True}
+    )
+    with pytest.raises(ConfigError, match=r"^data.split_long_examples=true applies to packed"):
+        config_from_dict(data)

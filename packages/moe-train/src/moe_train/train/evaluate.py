@@ -36,7 +36,11 @@ class Evaluator:
         data, evaluation = config.data, config.eval
         cache_dir = Path(data.cache_dir) if data.cache_dir else None
         self.dataset = TokenDataset(
-            evaluation.paths, data.seq_len, cache_dir=cache_dir, label_mask=data.label_mask
+            evaluation.paths,
+            data.seq_len,
+            cache_dir=cache_dir,
+            label_mask=data.label_mask,
+            split_long_examples=data.split_long_examples,
         )
         if self.dataset.vocab_size > config.model.vocab_size:
             raise DataError(

@@ -229,7 +229,7 @@ class Trainer:
             (
                 "data",
                 f"{describe_sources(data)}: {data.global_batch_size} x {data.seq_len} = "
-                f"{self.tokens_per_step:,} tokens per step",
+                f"{self.tokens_per_step:,} tokens per step" + self._packing_note(),
             ),
             (
                 "layout",
@@ -252,6 +252,20 @@ class Trainer:
                 else "off",
             ),
         ]
+
+    def _packing_note(self) -> str:
+        """With data.label_mask: how documents longer than a sequence were handled."""
+        if not self.config.data.label_mask:
+            return ""
+        note = "; whole documents packed, trained on the label mask"
+        if self.dataset.skipped_long:
+            note += (
+                f"; {self.dataset.skipped_long:,} documents longer than data.seq_len+1 "
+                "skipped (data.split_long_examples=true cuts them instead)"
+            )
+        if self.dataset.split_long:
+            note += f"; {self.dataset.split_long:,} documents longer than a sequence cut"
+        return note
 
     def _open_trackers(self) -> None:
         """TensorBoard and W&B, as asked (rank 0; its errors reach every rank via on_main)."""
