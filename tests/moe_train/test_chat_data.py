@@ -260,6 +260,7 @@ def test_cli_prepares_chat_and_trains_on_it_and_refuses_a_bad_row(tmp_path, fami
     from launch import run_cli
     from moe_train.cli import main
     from moe_train.train import read_metrics
+    from moe_train.train.manifest import check_data_files
     from training import CONFIGS
 
     directory, _ = families["qwen"]
@@ -269,21 +270,40 @@ def test_cli_prepares_chat_and_trains_on_it_and_refuses_a_bad_row(tmp_path, fami
     args = ["prepare-data", str(rows), "--out", str(out), "--format", "chat"]
     assert main([*args, "--tokenizer", str(directory)]) == 0
     assert "60 conversations" in capsys.readouterr().out
+    _, documents = _documents(out, json.loads((out / "meta.json").read_text())["eos_id"])
+    longest = max(len(ids) + 1 for ids, _, _ in documents)
+    seq_len = longest - 2  # the longest conversations do not fit a sequence
     overrides = [
         f"--data.paths=[{out}]",
         "--data.label_mask=true",
         "--data.document_masking=true",
-        "--data.seq_len=64",
+        f"--data.seq_len={seq_len}",
         "--model.vocab_size=512",
         "--model.n_layers=1",
         "--train.max_steps=2",
-        "--train.progress=false",
         "--train.peak_flops=1e11",
         f"--train.run_dir={tmp_path / 'run'}",
     ]
     assert main(["train", str(CONFIGS / "tiny.yaml"), *overrides]) == 0
     rows_written = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert 0 < rows_written[-1]["trained_tokens"] < 16 * 64
+    assert 0 < rows_written[-1]["trained_tokens"] < 16 * seq_len
+    banner = "".join(capsys.readouterr())
+    too_long = sum(len(ids) + 1 > seq_len + 1 for ids, _, _ in documents)
+    assert 0 < too_long < len(documents)
+    assert (
+        f"whole documents packed, trained on the label mask; {too_long} documents longer than "
+        "data.seq_len+1 skipped (data.split_long_examples=true cuts them instead)"
+    ) in banner, banner
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert [f["file"] for f in manifest["data"][0]["files"]] == [
+        shard_file_name(0),
+        mask_file_name(0),
+    ]
+    mask_path = out / mask_file_name(0)
+    flipped = bytearray(mask_path.read_bytes())
+    flipped[5] ^= 1
+    mask_path.write_bytes(bytes(flipped))
+    assert [p.split(" ")[0] for p in check_data_files(manifest)] == [str(mask_path)]
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n" + "{}\n")
