@@ -323,3 +323,30 @@ def test_cli_prepares_chat_and_trains_on_it_and_refuses_a_bad_row(tmp_path, fami
     ]
     assert not (tmp_path / "nothing").exists()
     assert not (tmp_path / ".nothing.partial").exists()
+
+
+def test_compressed_and_saved_dataset_rows_read_like_json_lines(tmp_path, families):
+    import gzip
+
+    directory, _ = families["llama"]
+    rows = [{"messages": c} for c in CONVERSATIONS]
+    rows[1]["messages"] = [dict(m) for m in rows[1]["messages"]]
+    rows[1]["messages"][0]["name"] = "ann"  # tables give every message a name, null here
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    inputs = {"jsonl": tmp_path / "chat.jsonl", "gzip": tmp_path / "chat.jsonl.gz"}
+    inputs["jsonl"].write_text(text)
+    inputs["gzip"].write_bytes(gzip.compress(text.encode()))
+    zstandard = pytest.importorskip("zstandard")
+    inputs["zstd"] = tmp_path / "chat.jsonl.zst"
+    inputs["zstd"].write_bytes(zstandard.ZstdCompressor().compress(text.encode()))
+    datasets = pytest.importorskip("datasets")
+    inputs["saved"] = tmp_path / "saved"
+    datasets.Dataset.from_list(rows).save_to_disk(str(inputs["saved"]))
+    results = {}
+    for name, path in inputs.items():
+        meta = prepare_conversations([path], tmp_path / f"out-{name}", str(directory))
+        _, documents = _documents(tmp_path / f"out-{name}", meta["eos_id"])
+        results[name] = [(ids.tolist(), mask.tolist()) for ids, mask, _ in documents]
+    assert len(results["jsonl"]) == 3
+    for name in inputs:
+        assert results[name] == results["jsonl"], name

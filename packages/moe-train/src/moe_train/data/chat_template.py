@@ -133,12 +133,17 @@ def _compile(source: str, origin: str) -> Any:
 
 
 def check_messages(messages: Any, needs_assistant: bool = True) -> list[dict[str, Any]]:
-    """`messages` as a list of {role, content} dicts; RowError naming what is wrong."""
+    """`messages` as a list of {role, content} dicts (null values dropped); RowError naming
+    what is wrong."""
     if not isinstance(messages, list) or not messages:
         raise RowError("its messages are not a non-empty list of {role, content} objects")
+    if not all(isinstance(message, dict) for message in messages):
+        index = next(i for i, m in enumerate(messages) if not isinstance(m, dict))
+        raise RowError(f"message {index} is not an object with role and content")
+    # Keys whose value is null are dropped, as transformers drops them (tables fill every
+    # message with every key any message has).
+    messages = [{k: v for k, v in message.items() if v is not None} for message in messages]
     for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RowError(f"message {index} is not an object with role and content")
         role = message.get("role")
         if role not in ROLES:
             raise RowError(f"message {index} has role {role!r}; expected one of {', '.join(ROLES)}")
