@@ -31,6 +31,20 @@ LLAMA_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
     "{% endif %}"
 )
+QWEN3_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.reasoning_content %}"
+    "{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{- message.content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA_SPECIALS = [
     "<|begin_of_text|>",
@@ -62,6 +76,21 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "You are welcome."},
     ],
 ]
+
+
+def _with_reasoning(conversation):
+    """The conversation with reasoning on its assistant replies, under the names datasets
+    use (`thinking`, `reasoning_content`)."""
+    replies = 0
+    messages = []
+    for message in conversation:
+        message = dict(message)
+        if message["role"] == "assistant":
+            replies += 1
+            key = "thinking" if replies % 2 else "reasoning_content"
+            message[key] = f"Let me think ({replies})."
+        messages.append(message)
+    return messages
 
 
 def _tokenizer_dir(directory, specials, eos, template, in_config, bos=None):
@@ -98,6 +127,10 @@ def families(tmp_path_factory):
             _tokenizer_dir(root / "qwen", QWEN_SPECIALS, "<|im_end|>", QWEN_TEMPLATE, False),
             "<|endoftext|>",
         ),
+        "qwen3": (
+            _tokenizer_dir(root / "qwen3", QWEN_SPECIALS, "<|im_end|>", QWEN3_TEMPLATE, False),
+            "<|endoftext|>",
+        ),
         "llama": (
             _tokenizer_dir(
                 root / "llama",
@@ -117,7 +150,19 @@ def _reference_text_and_spans(family, messages):
     assistant reply's content (as rendered: trimmed where the template trims it) and its
     end-of-turn token."""
     text, spans = "", []
-    if family == "qwen":
+    if family == "qwen3":  # a reply's span holds its reasoning too
+        for m in messages:
+            text += f"<|im_start|>{m['role']}\n"
+            start = len(text)
+            if m["role"] == "assistant":
+                reasoning = m.get("reasoning_content") or m.get("thinking")
+                text += f"<think>\n{reasoning}\n</think>\n\n" if reasoning else ""
+                text += m["content"] + "<|im_end|>"
+                spans.append((start, len(text)))
+            else:
+                text += m["content"] + "<|im_end|>"
+            text += "\n"
+    elif family == "qwen":
         if messages[0]["role"] != "system":
             text += "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
         for m in messages:
@@ -147,17 +192,20 @@ def _documents(out, eos_id):
     return meta, [(ids[s:e], mask[s:e], mask[e]) for s, e in zip(starts, ends, strict=True)]
 
 
-@pytest.mark.parametrize("family", ["qwen", "llama"])
+@pytest.mark.parametrize("family", ["qwen", "qwen3", "llama"])
 def test_chat_ids_equal_transformers_and_mask_covers_assistant_spans(tmp_path, families, family):
     directory, separator = families[family]
+    conversations = CONVERSATIONS
+    if family == "qwen3":
+        conversations = [_with_reasoning(c) for c in CONVERSATIONS]
     rows = tmp_path / "chat.jsonl"
-    rows.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    rows.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
     meta = prepare_conversations([rows], tmp_path / "out", str(directory))
     hf = transformers.AutoTokenizer.from_pretrained(str(directory))
     assert meta["eos_id"] == hf.convert_tokens_to_ids(separator) and meta["label_mask"] is True
     _, documents = _documents(tmp_path / "out", meta["eos_id"])
-    assert len(documents) == len(CONVERSATIONS) == meta["num_documents"]
-    for messages, (ids, mask, eos_mask) in zip(CONVERSATIONS, documents, strict=True):
+    assert len(documents) == len(conversations) == meta["num_documents"]
+    for messages, (ids, mask, eos_mask) in zip(conversations, documents, strict=True):
         encoded = hf.apply_chat_template(messages, tokenize=True)
         want_ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         assert ids.tolist() == list(want_ids)

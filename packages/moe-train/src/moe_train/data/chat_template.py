@@ -8,9 +8,13 @@ templates (a sandbox with trim_blocks, lstrip_blocks, loop controls; `raise_exce
 (`bos_token`, `eos_token`, ...) as variables, so no transformers install is needed.
 
 Which tokens are trained on is decided on the rendered text: each assistant message's
-content is found, in order, in the text, and its span runs through the end-of-turn token that
-follows it (the first special token after the content); tokens whose character offsets
-overlap a span are trained on.
+content is found, in order, in the text; its span starts where the template's generation
+prompt for it ends (when the conversation before it renders as a prefix of the text: then
+reasoning rendered before the content is part of the reply), else at the content, and runs
+through the end-of-turn token that follows (the first special token after the content).
+Tokens whose character offsets overlap a span are trained on. Messages' reasoning is also
+given under `reasoning_content` and `thinking`, the names templates read, as transformers
+gives it.
 """
 
 from __future__ import annotations
@@ -80,20 +84,52 @@ class ChatTemplate:
         self.source = source
         self._template = _compile(source, self.origin)
 
-    def render(self, messages: Sequence[dict[str, Any]]) -> str:
-        """The conversation's text, as `apply_chat_template(messages, tokenize=False)`."""
+    def render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool = False) -> str:
+        """The conversation's text, as `apply_chat_template(messages, tokenize=False,
+        add_generation_prompt=generation_prompt)`."""
         import jinja2
 
         try:
             return self._template.render(
-                messages=list(messages),
+                messages=[_alias_reasoning(message) for message in messages],
                 tools=None,
                 documents=None,
-                add_generation_prompt=False,
+                add_generation_prompt=generation_prompt,
                 **self.special_tokens,
             )
         except jinja2.TemplateError as e:
             raise RowError(f"the chat template ({self.origin}) refused it: {e}") from e
+
+    def reply_starts(self, messages: Sequence[dict[str, Any]], text: str) -> dict[int, int]:
+        """Where in `text` (the whole conversation rendered) each assistant reply begins,
+        when the template renders the conversation before it, with the generation prompt,
+        as a prefix of `text` (then a reply's reasoning, rendered before its content, is
+        part of it); replies it does not are left out."""
+        starts = {}
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant" or index == 0:
+                continue
+            try:
+                prefix = self.render(messages[:index], generation_prompt=True)
+            except RowError:
+                continue
+            if text.startswith(prefix):
+                starts[index] = len(prefix)
+        return starts
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """A message with its reasoning (under any of its usual names) also under
+    `reasoning_content` and `thinking`, the names templates read, as transformers does."""
+    reasoning = next(
+        (message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None
+    )
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _compile(source: str, origin: str) -> Any:
@@ -155,10 +191,16 @@ def check_messages(messages: Any, needs_assistant: bool = True) -> list[dict[str
 
 
 def assistant_spans(
-    text: str, messages: Sequence[dict[str, Any]], special_tokens: Sequence[str]
+    text: str,
+    messages: Sequence[dict[str, Any]],
+    special_tokens: Sequence[str],
+    reply_starts: dict[int, int] | None = None,
 ) -> list[tuple[int, int]]:
     """Character spans (start, end) of each assistant message's content in `text` and the
-    end-of-turn token after it (the first of `special_tokens` that follows)."""
+    end-of-turn token after it (the first of `special_tokens` that follows). A span starts
+    earlier, at `reply_starts[index]` (see `ChatTemplate.reply_starts`), when that lies
+    between the end of the message before and the content."""
+    reply_starts = reply_starts or {}
     spans, cursor = [], 0
     for index, message in enumerate(messages):
         found = _find_content(text, message["content"], cursor)
@@ -171,7 +213,8 @@ def assistant_spans(
                 "chat template renders, so its tokens cannot be found"
             )
         turn_end = _end_of_turn(text, found[1], special_tokens)
-        spans.append((found[0], turn_end))
+        start = reply_starts.get(index, found[0])
+        spans.append((start if cursor <= start <= found[0] else found[0], turn_end))
         cursor = turn_end
     return spans
 

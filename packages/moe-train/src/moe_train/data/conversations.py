@@ -128,7 +128,8 @@ class Conversations:
         ids, offsets = tokenizer.encode_with_offsets(text)
         if self.train_on == "all":
             return ids, np.ones(ids.size, dtype=np.uint8)
-        spans = assistant_spans(text, messages, tokenizer.special_token_texts())
+        starts = template.reply_starts(messages, text)
+        spans = assistant_spans(text, messages, tokenizer.special_token_texts(), starts)
         mask = tokens_in_spans(offsets, spans[skip_assistants:])
         if not mask.any():
             raise RowError("its assistant messages hold no tokens to train on")
