@@ -12,6 +12,7 @@ from moe_train.data.labels import IGNORE_INDEX, encode_masked, inputs_and_target
 from moe_train.errors import DataError
 from moe_train.model import head_lm_loss
 from moe_train.model import loss as loss_module
+from moe_train.train.evaluate import Evaluator
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
 from training import small_config_data
@@ -50,6 +51,7 @@ def _config(data_dir, run_dir, micro_batch_size):
             data_dir,
             data={"label_mask": True, "micro_batch_size": micro_batch_size},
             train={"max_steps": 1},
+            eval={"paths": [str(data_dir)], "interval": 1, "batches": 2},
         )
     )
 
@@ -81,7 +83,13 @@ def test_step_loss_is_the_global_token_mean_whatever_the_micro_batch(tmp_path):
         batch = dataset.batch(0, config.data.global_batch_size, config.train.seed)
         trained = int((batch[:, 1:] >= 0).sum())
         assert 0 < trained < batch[:, 1:].numel()
-        runner = StepRunner(config, start_runtime(config, torch.device("cpu")))
+        runtime = start_runtime(config, torch.device("cpu"))
+        runner = StepRunner(config, runtime)
+        evaluator = Evaluator(config, runner, runtime)
+        eval_batch = torch.cat([evaluator.batch(0), evaluator.batch(1)])
+        want_eval, _ = _reference_loss(runner, eval_batch)
+        got_eval = evaluator.evaluate()
+        assert abs(got_eval - want_eval) <= 1e-6 * want_eval, (mbs, got_eval, want_eval)
         want, mean_of_means = _reference_loss(runner, batch)
         result = runner.train_step(batch, lr=1e-3)
         assert result.stats.trained_tokens == trained
@@ -90,6 +98,20 @@ def test_step_loss_is_the_global_token_mean_whatever_the_micro_batch(tmp_path):
         assert not abs(mean_of_means - want) <= 1e-4, "the batch must tell the two means apart"
         losses[mbs] = result.stats.lm_loss
     assert max(losses.values()) - min(losses.values()) <= 1e-6 * losses[1], losses
+
+
+def test_a_mixture_of_masked_sources_carries_the_masks(tmp_path):
+    from moe_train.data import MixedDataset, MixtureSource
+
+    sources = []
+    for index in range(2):
+        ids, mask = conversation_like(1500, seed=index)
+        path = save_masked_tokens(tmp_path / f"chat{index}", ids, mask)
+        sources.append(MixtureSource(f"s{index}", [str(path)], 1.0))
+    mixed = MixedDataset(sources, 32, label_mask=True)
+    rows = mixed.batch(0, 8, 0)
+    assert (rows < 0).any() and (rows >= 0).any()
+    assert [part.packed is not None for part in mixed.parts] == [True, True]
 
 
 def test_label_mask_needs_masked_data(tmp_path):
