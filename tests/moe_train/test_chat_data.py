@@ -246,8 +246,9 @@ def test_train_on_all_and_prompt_completion(tmp_path, families):
     meta = prepare_conversations(
         [conversational], tmp_path / "pcm", str(directory), data_format="prompt-completion"
     )
-    _, [(ids, mask, _)] = _documents(tmp_path / "pcm", meta["eos_id"])
+    _, [(ids, mask, eos_mask)] = _documents(tmp_path / "pcm", meta["eos_id"])
     assert hf.decode(ids[mask == 1]) == "4<|im_end|>", "only the completion's reply"
+    assert eos_mask == 0
 
 
 def _parquet(path, rows):

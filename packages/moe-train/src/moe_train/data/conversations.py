@@ -91,7 +91,8 @@ class Conversations:
             end_trained = self.train_on == "all"
         else:
             ids, mask = self._prompt_completion(row.get("prompt"), row.get("completion"))
-            end_trained = True
+            # After a text completion the end-of-document id is what ends it: trained on.
+            end_trained = self.train_on == "all" or isinstance(row.get("prompt"), str)
         ids = np.append(ids.astype(np.int64), self.tokenizer.eos_id)
         return ids, np.append(mask, np.uint8(end_trained))
 
