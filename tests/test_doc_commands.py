@@ -62,6 +62,17 @@ COMMANDS: dict[str, Run | Skip] = {
     "torchrun --nproc-per-node 2 -m moe_train.cli train configs/tiny.yaml --parallel.ep=2": Skip(
         TWO_PROCESSES
     ),
+    "moe-train prepare-data chats.jsonl --format chat --tokenizer path/to/hf-model --out data/chat": (
+        Skip(
+            "needs a chat model's tokenizer directory; tests/moe_train/test_chat_data.py runs "
+            "the command on ones built locally"
+        )
+    ),
+    "moe-train train config.yaml --data.paths=[data/chat] --data.label_mask=true "
+    "--data.document_masking=true": Skip(
+        "trains on the prepared conversations above; tests/moe_train/test_label_mask.py trains "
+        "with a label mask and document masking"
+    ),
     "pytest": Skip(TESTS_RUN_BY_CI),
     "pytest -m not slow": Skip(TESTS_RUN_BY_CI),
     "ruff check": Skip("the linter; .ci/run runs it"),

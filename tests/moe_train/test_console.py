@@ -29,6 +29,7 @@ def _record(step: int, **extra) -> StepRecord:
         "skipped_steps": 0,
         "tokens_seen": step * 1000,
         "tokens_per_source": {},
+        "trained_tokens": 2000,
         "time": 1.8e9,
         "tokens": 1000,
     }

@@ -67,6 +67,16 @@ class DataConfig:
     """Keep attention inside each document of a packed sequence (documents end at the data's
     end-of-document id, which prepare-data records): each document is trained on as if it
     ran alone, with memory linear in the sequence length (no S x S mask)."""
+    label_mask: bool = False
+    """Train only on the tokens the data's label mask marks (an assistant's replies: see
+    `prepare-data --format chat`); every data path must have a mask, and so must eval.paths.
+    The step's loss is the mean over the marked target tokens of the whole global batch.
+    false trains on every token, mask or not. With it, sequences are packed from whole
+    documents (conversations), padded with untrained end-of-document ids; add
+    data.document_masking so that each attends only to itself."""
+    split_long_examples: bool = False
+    """With data.label_mask: cut a document longer than data.seq_len + 1 tokens into
+    sequence-sized pieces; false skips it (the run's banner says how many were)."""
 
     def validate(self, path: str) -> None:
         if self.mixture:
@@ -79,6 +89,11 @@ class DataConfig:
             except ValueError as e:
                 raise ConfigError(f"{path}.paths[{index}]={entry!r}: {e}") from e
         _positive(self, path, "seq_len", "global_batch_size", "micro_batch_size")
+        if self.split_long_examples and not self.label_mask:
+            raise ConfigError(
+                f"{path}.split_long_examples=true applies to packed documents, which need "
+                f"{path}.label_mask=true; set it or leave split_long_examples false"
+            )
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"{path}.micro_batch_size={self.micro_batch_size} must divide "

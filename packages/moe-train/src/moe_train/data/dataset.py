@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moe_train.data.builtin import BUILTIN_STDLIB, builtin_dataset_dir
+from moe_train.data.labels import encode_masked
+from moe_train.data.packing import PackedWindows, document_ends, pack_documents
 from moe_train.data.prepare import partial_dir
 from moe_train.data.token_files import (
     TokenStream,
@@ -47,6 +49,8 @@ class TokenSource:
     """Declared by meta.json, or the largest id + 1 for a .npy or headerless file."""
     eos_id: int | None
     """End-of-document id when known (prepared directories)."""
+    mask: TokenStream | None = None
+    """Its label mask (1: trained on), when it is a prepared directory that has one."""
 
     @property
     def num_tokens(self) -> int:
@@ -66,9 +70,15 @@ class TokenDataset:
         *,
         cache_dir: Path | None = None,
         stream: int | None = None,
+        label_mask: bool = False,
+        split_long_examples: bool = False,
     ) -> None:
         """Open each of `paths`; `cache_dir` is where builtin:stdlib is prepared on first use;
-        `stream` (for one source of a mixture) gives the dataset shuffles of its own."""
+        `stream` (for one source of a mixture) gives the dataset shuffles of its own;
+        `label_mask`: read each source's label mask into the windows (see
+        `moe_train.data.labels`; every source must have one) and pack whole documents into
+        the windows (`moe_train.data.packing`; `split_long_examples` cuts those longer than
+        a window instead of skipping them)."""
         if isinstance(paths, str | Path):
             paths = [paths]
         if seq_len < 1:
@@ -78,6 +88,14 @@ class TokenDataset:
         self.seq_len = seq_len
         self._stream = () if stream is None else (stream,)
         self.sources = [_open_source(path, cache_dir) for path in paths]
+        self.label_mask = label_mask
+        """Whether windows carry the label mask (untrained tokens stored as -1 - id)."""
+        self.packed: list[PackedWindows] | None = None
+        """Each source's windows of whole documents (with label_mask), else None: windows
+        start every seq_len tokens."""
+        if label_mask:
+            _check_masks(self.sources)
+            self.packed = [_pack(s, seq_len + 1, split_long_examples) for s in self.sources]
 
         eos_ids = sorted({s.eos_id for s in self.sources if s.eos_id is not None})
         if len(eos_ids) > 1:
@@ -90,12 +108,21 @@ class TokenDataset:
         """End-of-document id, when any source declares one."""
 
         windows_per_source = np.array(
-            [max(0, (s.num_tokens - 1) // seq_len) for s in self.sources], dtype=np.int64
+            [len(p.starts) for p in self.packed]
+            if self.packed is not None
+            else [max(0, (s.num_tokens - 1) // seq_len) for s in self.sources],
+            dtype=np.int64,
         )
         self._window_ends = np.cumsum(windows_per_source)
         self._window_starts = self._window_ends - windows_per_source
         self.num_sequences = int(self._window_ends[-1])
         """Windows in one epoch."""
+        if self.num_sequences == 0 and self.packed is not None:
+            raise DataError(
+                f"every document of data.paths is longer than data.seq_len+1 = {seq_len + 1} "
+                f"tokens ({self.skipped_long} skipped); raise data.seq_len or set "
+                "data.split_long_examples=true"
+            )
         if self.num_sequences == 0:
             raise DataError(
                 f"data.paths hold {self.num_tokens} tokens (largest source "
@@ -111,6 +138,16 @@ class TokenDataset:
     def vocab_size(self) -> int:
         """The largest vocab_size over the sources."""
         return max(s.vocab_size for s in self.sources)
+
+    @property
+    def skipped_long(self) -> int:
+        """Documents left out of packed windows for being longer than one."""
+        return sum(p.skipped for p in self.packed) if self.packed is not None else 0
+
+    @property
+    def split_long(self) -> int:
+        """Documents cut into pieces for being longer than a packed window."""
+        return sum(p.split for p in self.packed) if self.packed is not None else 0
 
     @property
     def num_tokens(self) -> int:
@@ -132,8 +169,25 @@ class TokenDataset:
         if not 0 <= index < self.num_sequences:
             raise IndexError(f"sequence {index} out of range 0..{self.num_sequences - 1}")
         source_index = int(np.searchsorted(self._window_ends, index, side="right"))
-        start = (index - int(self._window_starts[source_index])) * self.seq_len
-        return self.sources[source_index].tokens.read(start, start + self.seq_len + 1)
+        offset = index - int(self._window_starts[source_index])
+        source = self.sources[source_index]
+        if self.packed is not None:
+            return self._packed_window(source, self.packed[source_index], offset)
+        start = offset * self.seq_len
+        ids = source.tokens.read(start, start + self.seq_len + 1)
+        if self.label_mask and source.mask is not None:
+            return encode_masked(ids, source.mask.read(start, start + self.seq_len + 1))
+        return ids
+
+    def _packed_window(self, source: TokenSource, packed: PackedWindows, offset: int) -> np.ndarray:
+        """Packed window `offset` of `source`, padded with untrained end-of-document ids."""
+        start, length = int(packed.starts[offset]), int(packed.lengths[offset])
+        assert source.mask is not None and source.eos_id is not None
+        ids = np.full(self.seq_len + 1, source.eos_id, dtype=np.int64)
+        trained = np.zeros(self.seq_len + 1, dtype=np.uint8)
+        ids[:length] = source.tokens.read(start, start + length)
+        trained[:length] = source.mask.read(start, start + length)
+        return encode_masked(ids, trained)
 
     @property
     def source_names(self) -> list[str]:
@@ -246,6 +300,26 @@ def check_batch_args(step: int, global_batch_size: int, seed: int) -> None:
         raise DataError(f"train.seed={seed} must be >= 0")
 
 
+def _check_masks(sources: Sequence[TokenSource]) -> None:
+    for source in sources:
+        if source.mask is None:
+            raise DataError(
+                f"data.label_mask=true but data.paths entry {source.path} has no label mask; "
+                "prepare it with `moe-train prepare-data --format chat` (or prompt-completion), "
+                "or set data.label_mask=false"
+            )
+
+
+def _pack(source: TokenSource, window: int, split_long: bool) -> PackedWindows:
+    """The packed windows of a masked source (whose documents end at its eos_id)."""
+    if source.eos_id is None:
+        raise DataError(
+            f"data.paths entry {source.path} declares no end-of-document id, so its documents "
+            "cannot be packed; prepare it with moe-train prepare-data"
+        )
+    return pack_documents(document_ends(source.tokens, source.eos_id), window, split_long)
+
+
 def _open_source(path: str | Path, cache_dir: Path | None) -> TokenSource:
     """Open one `data.paths` entry, checking it against its metadata."""
     if isinstance(path, str) and path.startswith("builtin:"):
@@ -282,4 +356,4 @@ def _open_source(path: str | Path, cache_dir: Path | None) -> TokenSource:
 
 def _prepared_source(name: str, directory: Path) -> TokenSource:
     prepared = open_prepared_dir(directory)
-    return TokenSource(name, prepared.tokens, prepared.vocab_size, prepared.eos_id)
+    return TokenSource(name, prepared.tokens, prepared.vocab_size, prepared.eos_id, prepared.mask)

@@ -78,15 +78,29 @@ class MixedDataset:
     weight; the same reading interface as `TokenDataset`."""
 
     def __init__(
-        self, sources: Sequence[MixtureSource], seq_len: int, *, cache_dir: Path | None = None
+        self,
+        sources: Sequence[MixtureSource],
+        seq_len: int,
+        *,
+        cache_dir: Path | None = None,
+        label_mask: bool = False,
+        split_long_examples: bool = False,
     ) -> None:
-        """Open every source's paths; `cache_dir` as for `TokenDataset`."""
+        """Open every source's paths; `cache_dir`, `label_mask` and `split_long_examples` as
+        for `TokenDataset`."""
         if not sources:
             raise DataError("data.mixture is empty; give at least one source")
         self.seq_len = seq_len
         self.mixture = list(sources)
         self.parts = [
-            TokenDataset(source.paths, seq_len, cache_dir=cache_dir, stream=index + 1)
+            TokenDataset(
+                source.paths,
+                seq_len,
+                cache_dir=cache_dir,
+                stream=index + 1,
+                label_mask=label_mask,
+                split_long_examples=split_long_examples,
+            )
             for index, source in enumerate(sources)
         ]
         weights = np.array([s.weight for s in sources], dtype=np.float64)
@@ -122,6 +136,16 @@ class MixedDataset:
         ends = np.cumsum([len(part.sources) for part in self.parts])
         sums = np.add.reduceat(tokens_per_path, ends - ends[0]) if len(ends) else []
         return {name: int(total) for name, total in zip(self.mixture_names, sums, strict=True)}
+
+    @property
+    def skipped_long(self) -> int:
+        """Documents left out of packed windows for being longer than one."""
+        return sum(part.skipped_long for part in self.parts)
+
+    @property
+    def split_long(self) -> int:
+        """Documents cut into pieces for being longer than a packed window."""
+        return sum(part.split_long for part in self.parts)
 
     @property
     def vocab_size(self) -> int:
@@ -206,8 +230,12 @@ def open_training_data(
     seq_len: int,
     *,
     cache_dir: Path | None = None,
+    label_mask: bool = False,
+    split_long_examples: bool = False,
 ) -> TokenDataset | MixedDataset:
-    """The training data: the `mixture` when it has sources, else `paths` shuffled as one."""
+    """The training data: the `mixture` when it has sources, else `paths` shuffled as one;
+    `label_mask` and `split_long_examples` as for `TokenDataset`."""
+    masking = {"label_mask": label_mask, "split_long_examples": split_long_examples}
     if mixture:
-        return MixedDataset(mixture, seq_len, cache_dir=cache_dir)
-    return TokenDataset(paths, seq_len, cache_dir=cache_dir)
+        return MixedDataset(mixture, seq_len, cache_dir=cache_dir, **masking)
+    return TokenDataset(paths, seq_len, cache_dir=cache_dir, **masking)

@@ -103,7 +103,7 @@ def make_plan(
     """Check the inputs' ids against the dtype and cut the inputs into shards."""
     npy_max = {i: _npy_max_id(s) for i, s in enumerate(sources) if s.kind == "npy"}
     vocab_size = max([tokenizer.vocab_size, *(highest + 1 for highest in npy_max.values())])
-    dtype = _choose_dtype(dtype, vocab_size, tokenizer)
+    dtype = choose_dtype(dtype, vocab_size, tokenizer)
     limit = int(np.iinfo(dtype).max)
     for index, highest in npy_max.items():
         if highest > limit:
@@ -153,7 +153,8 @@ def _npy_max_id(source: InputFile) -> int:
     return highest
 
 
-def _choose_dtype(requested: str | None, vocab_size: int, tokenizer: Tokenizer) -> str:
+def choose_dtype(requested: str | None, vocab_size: int, tokenizer: Tokenizer) -> str:
+    """The token dtype: `requested`, or for None/"auto" the smallest that holds every id."""
     if requested in (None, "auto"):
         dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     elif requested in TOKEN_DTYPES:

@@ -75,7 +75,7 @@ def prepare_data(
     `PreparationStopped`, keeping finished shards for the next run of the same command.
     """
     out_dir = Path(out_dir)
-    _check_out_dir_free(out_dir)
+    check_out_dir_free(out_dir)
     if workers < 1:
         raise DataError(f"--workers={workers} must be at least 1")
     tokenizer_impl = load_tokenizer(tokenizer)
@@ -88,9 +88,9 @@ def prepare_data(
     )
     work_dir = partial_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(work_dir):
+    with locked_work_dir(work_dir):
         meta = _prepare_in(work_dir, plan, tokenizer_impl, workers, progress)
-        _check_out_dir_free(out_dir)
+        check_out_dir_free(out_dir)
         try:
             os.rename(work_dir, out_dir)
         except OSError as e:
@@ -214,7 +214,7 @@ def _finish(work_dir: Path, meta: dict[str, Any]) -> None:
         os.close(directory)
 
 
-def _check_out_dir_free(out_dir: Path) -> None:
+def check_out_dir_free(out_dir: Path) -> None:
     if out_dir.is_dir():
         if any(out_dir.iterdir()):
             raise DataError(
@@ -225,7 +225,7 @@ def _check_out_dir_free(out_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def _locked(work_dir: Path) -> Iterator[None]:
+def locked_work_dir(work_dir: Path) -> Iterator[None]:
     """Create `work_dir` if needed and hold its lock: one preparation at a time writes there."""
     try:
         work_dir.mkdir(exist_ok=True)

@@ -10,7 +10,7 @@ from moe_train.data.pieces import BATCH_DOCUMENTS, Piece, TextBatch
 from moe_train.errors import DataError
 
 
-def _pyarrow() -> Any:
+def pyarrow_module() -> Any:
     try:
         import pyarrow
         import pyarrow.parquet
@@ -23,7 +23,7 @@ def _pyarrow() -> Any:
 
 
 def _string_column_index(schema: Any, source: InputFile, field: str) -> int:
-    pa = _pyarrow()
+    pa = pyarrow_module()
     index = schema.get_field_index(field)
     if index < 0:
         names = ", ".join(schema.names[:8])
@@ -42,7 +42,7 @@ def _string_column_index(schema: Any, source: InputFile, field: str) -> int:
 
 def parquet_row_groups(source: InputFile, field: str) -> list[tuple[int, int]]:
     """(rows, bytes of the text column) per row group; checks the file and the column."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     try:
         metadata = pa.parquet.ParquetFile(source.path).metadata
         _string_column_index(metadata.schema.to_arrow_schema(), source, field)
@@ -62,7 +62,7 @@ def parquet_row_groups(source: InputFile, field: str) -> list[tuple[int, int]]:
 
 def arrow_record_batches(source: InputFile, field: str) -> list[tuple[int, int]]:
     """(rows, bytes of the text column) per record batch of a saved dataset's arrow file."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     try:
         with pa.memory_map(str(source.path)) as mapped:
             reader = pa.ipc.open_stream(mapped)
@@ -85,7 +85,7 @@ def _column_texts(column: Any, source: InputFile, field: str, first_row: int) ->
 
 def read_parquet(source: InputFile, piece: Piece, text_field: str) -> Iterator[TextBatch]:
     """The `text_field` column of `piece`'s row groups, a batch of rows at a time."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     try:
         parquet = pa.parquet.ParquetFile(source.path)
         groups = list(range(piece.start, piece.stop))
@@ -100,7 +100,7 @@ def read_parquet(source: InputFile, piece: Piece, text_field: str) -> Iterator[T
 
 def read_arrow(source: InputFile, piece: Piece, text_field: str) -> Iterator[TextBatch]:
     """The `text_field` column of `piece`'s record batches of a saved dataset's arrow file."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     try:
         with pa.memory_map(str(source.path)) as mapped:
             reader = pa.ipc.open_stream(mapped)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from moe_train.data.labels import LABEL_MASK_KEY, mask_file_of
 from moe_train.errors import DataError
 
 FORMAT = "moe-stack-tokens-v2"
@@ -148,6 +149,8 @@ class PreparedDir:
     vocab_size: int
     eos_id: int | None
     meta: dict[str, Any]
+    mask: TokenStream | None = None
+    """The label mask, one uint8 per token (1: trained on), when the directory has one."""
 
 
 def open_token_array(path: Path) -> np.ndarray:
@@ -230,7 +233,24 @@ def open_prepared_dir(directory: Path) -> PreparedDir:
             f"{meta_path} says num_tokens={meta['num_tokens']} but its shards hold {total}; "
             "prepare the data again"
         )
-    return PreparedDir(TokenStream(parts), meta["vocab_size"], meta["eos_id"], meta)
+    mask = _open_masks(directory, listing) if meta.get(LABEL_MASK_KEY) else None
+    return PreparedDir(TokenStream(parts), meta["vocab_size"], meta["eos_id"], meta, mask)
+
+
+def _open_masks(directory: Path, listing: list[dict[str, Any]]) -> TokenStream:
+    """The mask shards beside the token shards, one byte per token each."""
+    parts = []
+    for entry in listing:
+        path = directory / mask_file_of(entry["file"])
+        size = path.stat().st_size if path.is_file() else None
+        if size != entry["num_tokens"]:
+            found = "is missing" if size is None else f"holds {size} bytes"
+            raise DataError(
+                f"{path} {found} but its tokens {entry['file']} hold {entry['num_tokens']} "
+                f"tokens (one mask byte each); prepare the data again"
+            )
+        parts.append(TokenFile(path, np.dtype(np.uint8), entry["num_tokens"]))
+    return TokenStream(parts)
 
 
 def _open_shard(directory: Path, entry: dict[str, Any], dtype: np.dtype) -> TokenFile:

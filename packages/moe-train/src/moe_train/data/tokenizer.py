@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -100,9 +101,12 @@ class HFTokenizer:
             if eos_id is not None:
                 break
         if eos_id is None:
+            eos_id = _configured_eos_id(self._tokenizer, path.parent)
+        if eos_id is None:
             raise DataError(
                 f"tokenizer file {path} has no end-of-document token; "
-                f"it needs one of {', '.join(EOS_NAMES)}"
+                f"it needs one of {', '.join(EOS_NAMES)} (or an eos_token in the "
+                "tokenizer_config.json beside it)"
             )
         self.eos_id: int = eos_id
         self.vocab_size = max(self.vocab_size, eos_id + 1)
@@ -116,6 +120,18 @@ class HFTokenizer:
         encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
         return [np.asarray(encoding.ids, dtype=np.uint32) for encoding in encodings]
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of `text` (uint32, no special tokens added, those in the text matched) and
+        each token's character span in it (int64 [tokens, 2]: start, end)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=np.uint32), offsets
+
+    def special_token_texts(self) -> list[str]:
+        """The text of each special added token (such as an end-of-turn token)."""
+        added = self._tokenizer.get_added_tokens_decoder().values()
+        return [token.content for token in added if token.special]
+
     def decode(self, ids: Any) -> str:
         """Text of `ids`, skipping special tokens (eos included)."""
         ids_list = [int(i) for i in np.asarray(ids).reshape(-1)]
@@ -123,6 +139,18 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.name!r})"
+
+
+def _configured_eos_id(tokenizer: Any, directory: Path) -> int | None:
+    """The id of the eos_token that `directory`'s tokenizer_config.json names, if any."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    token = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(token, dict):
+        token = token.get("content")
+    return tokenizer.token_to_id(token) if isinstance(token, str) else None
 
 
 def load_tokenizer(spec: str | Path | None) -> ByteTokenizer | HFTokenizer:

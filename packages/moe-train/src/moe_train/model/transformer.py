@@ -175,20 +175,23 @@ class Transformer(nn.Module):
         *,
         targets_BS: Tensor | None = None,
         documents: Documents | None = None,
+        loss_normalizer: Tensor | None = None,
     ) -> Tensor:
         """Logits [B, S, V] of `tokens_BS`; with a `cache`, the tokens continue the
         `cache.length` positions it holds (inference only: see `new_kv_cache`). With
         `targets_BS`, instead the mean next-token cross-entropy of the predictions for them
         (fp32), the head fused into the loss: the logits of all tokens never exist. With
         `documents` (where the documents of each row end, see `Documents.of`), each position
-        attends only to its own document, as if each document ran alone."""
+        attends only to its own document, as if each document ran alone. With
+        `loss_normalizer`, the loss is instead the sum over the targets that are not
+        IGNORE_INDEX divided by it (see `head_lm_loss`)."""
         if self.embed is None or self.head is None or len(self.blocks) != self.config.n_layers:
             raise ValueError("forward needs the whole model; use run_layers on a part of it")
         if cache is not None and (targets_BS is not None or documents is not None):
             raise ValueError("forward takes targets or documents, or a KV cache, not both")
         if targets_BS is not None:
             x_BSD = self.run_layers(tokens_BS, list(self.blocks), embed=True, documents=documents)
-            return self.head_loss(x_BSD, targets_BS)
+            return self.head_loss(x_BSD, targets_BS, loss_normalizer)
         if cache is None:
             return self.run_layers(
                 tokens_BS, list(self.blocks), embed=True, head=True, documents=documents
@@ -205,11 +208,13 @@ class Transformer(nn.Module):
         cache.length = end
         return self.head(self.norm(x_BSD))
 
-    def head_loss(self, x_BSD: Tensor, targets_BS: Tensor) -> Tensor:
-        """The final norm, the head and the mean cross-entropy, fused (see `forward`)."""
+    def head_loss(
+        self, x_BSD: Tensor, targets_BS: Tensor, normalizer: Tensor | None = None
+    ) -> Tensor:
+        """The final norm, the head and the cross-entropy, fused (see `forward`)."""
         if self.head is None:
             raise ValueError("head_loss needs the module holding the head (the last stage)")
-        return head_lm_loss(self.norm(x_BSD), self.head.weight, targets_BS)
+        return head_lm_loss(self.norm(x_BSD), self.head.weight, targets_BS, normalizer)
 
     def new_kv_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         """An empty KV cache for `batch` sequences of up to `capacity` positions, in `dtype`

@@ -29,6 +29,8 @@ def open_dataset(config: Config) -> TokenDataset | MixedDataset:
         mixture,
         data.seq_len,
         cache_dir=Path(data.cache_dir) if data.cache_dir else None,
+        label_mask=data.label_mask,
+        split_long_examples=data.split_long_examples,
     )
     if dataset.vocab_size > config.model.vocab_size:
         raise DataError(

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from moe_train.config import Config
 from moe_train.data import TokenDataset
+from moe_train.data.labels import inputs_and_targets, trained_targets
 from moe_train.errors import DataError
 from moe_train.model import Documents, head_lm_loss
 from moe_train.train.runtime import Runtime
@@ -34,7 +35,13 @@ class Evaluator:
         self.config, self.runner, self.runtime = config, runner, runtime
         data, evaluation = config.data, config.eval
         cache_dir = Path(data.cache_dir) if data.cache_dir else None
-        self.dataset = TokenDataset(evaluation.paths, data.seq_len, cache_dir=cache_dir)
+        self.dataset = TokenDataset(
+            evaluation.paths,
+            data.seq_len,
+            cache_dir=cache_dir,
+            label_mask=data.label_mask,
+            split_long_examples=data.split_long_examples,
+        )
         if self.dataset.vocab_size > config.model.vocab_size:
             raise DataError(
                 f"eval.paths hold token ids up to {self.dataset.vocab_size - 1} but "
@@ -53,45 +60,68 @@ class Evaluator:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean token loss over eval.batches global batches (the same on every rank)."""
+        """Mean token loss over eval.batches global batches (the same on every rank); with
+        data.label_mask, the mean over the trained targets of all of them."""
         runner, model = self.runner, self.runner.model
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        masked = self.config.data.label_mask
+        # With a mask, micro-batch losses are sums (normalizer 1) and the targets are counted.
+        normalizer = torch.ones((), device=self.runtime.device) if masked else None
+        totals = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
         model.eval()
         try:
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
             for index in range(self.config.eval.batches):
                 for micro, documents in runner.my_micro_batches(self.batch(index)):
-                    loss_sum += self._micro_loss(micro, documents)
+                    totals[0] += self._micro_loss(micro, documents, normalizer)
+                    if masked:
+                        totals[1] += trained_targets(micro)
         finally:
             model.train()
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-        total = self.runtime.sum_over_world(loss_sum)
-        return total.item() / (runner.num_micro * self.config.eval.batches)
+        loss_sum, trained = self.runtime.sum_over_world(totals).tolist()
+        if masked:  # the pp ranks of a data-parallel rank count the same rows
+            return loss_sum / max(trained / self.runtime.layout.pp, 1.0)
+        return loss_sum / (runner.num_micro * self.config.eval.batches)
 
-    def _micro_loss(self, micro: Tensor, documents: Documents | None) -> Tensor:
+    def _micro_loss(
+        self, micro: Tensor, documents: Documents | None, normalizer: Tensor | None
+    ) -> Tensor:
         """The LM loss of one micro-batch [mbs, seq + 1] (0 on ranks without the head), with
-        attention inside its `documents` as in training."""
+        attention inside its `documents` as in training; with `normalizer`, it carries a
+        label mask (see `head_lm_loss`)."""
         runner = self.runner
+        if normalizer is None:
+            inputs, targets = micro[:, :-1], micro[:, 1:]
+        else:
+            inputs, targets = inputs_and_targets(micro)
         if runner.pipeline is None:
             with runner.autocast():
-                loss = runner.model(micro[:, :-1], targets_BS=micro[:, 1:], documents=documents)
-                return loss.double()
-        return _pipeline_micro_loss(runner, micro, documents)
+                return runner.model(
+                    inputs, targets_BS=targets, documents=documents, loss_normalizer=normalizer
+                ).double()
+        return _pipeline_micro_loss(runner, inputs, targets, normalizer, documents)
 
 
-def _pipeline_micro_loss(runner: StepRunner, micro: Tensor, documents: Documents | None) -> Tensor:
+def _pipeline_micro_loss(
+    runner: StepRunner,
+    inputs: Tensor,
+    targets: Tensor,
+    normalizer: Tensor | None,
+    documents: Documents | None,
+) -> Tensor:
     """Forward of one micro-batch through the pipeline stages in order, hidden states passed
     from stage to stage by point-to-point sends (every rank of a pipeline walks the same
     stage sequence, so each send meets its receive)."""
     pipeline, layout = runner.pipeline, runner.runtime.layout
     plan = pipeline.plan
     modules = {stage: s.submod for stage, s in zip(plan.stages, pipeline.stages, strict=True)}
-    inputs, targets = micro[:, :-1].contiguous(), micro[:, 1:]
+    inputs = inputs.contiguous()
+    device = inputs.device
     hidden_shape = (*inputs.shape, runner.config.model.d_model)
-    loss = torch.zeros((), dtype=torch.float64, device=micro.device)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
     hidden: Tensor | None = None
     for stage in range(plan.num_stages):
         owner = dist.get_global_rank(layout.pp_group, stage % layout.pp)
@@ -100,13 +130,14 @@ def _pipeline_micro_loss(runner: StepRunner, micro: Tensor, documents: Documents
         if stage > 0:
             previous = dist.get_global_rank(layout.pp_group, (stage - 1) % layout.pp)
             if previous != layout.rank:
-                hidden = torch.empty(hidden_shape, dtype=runner.param_dtype, device=micro.device)
+                hidden = torch.empty(hidden_shape, dtype=runner.param_dtype, device=device)
                 dist.recv(hidden, src=previous)
         modules[stage].expect([documents] if documents is not None else None)
         output = modules[stage](inputs if stage == 0 else hidden)
         if stage == plan.num_stages - 1:
             with runner.autocast():
-                loss += head_lm_loss(output, runner.model.head.weight, targets).double()
+                weight = runner.model.head.weight
+                loss += head_lm_loss(output, weight, targets, normalizer).double()
             continue
         hidden = output.contiguous()
         following = dist.get_global_rank(layout.pp_group, (stage + 1) % layout.pp)

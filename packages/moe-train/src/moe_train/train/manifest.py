@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from moe_train.config import Config
+from moe_train.data.labels import mask_file_of
 from moe_train.data.readers import file_sha256
 
 MANIFEST_FILE = "manifest.json"
@@ -119,6 +120,11 @@ def data_facts(entry: str, directory: Path, cache_dir: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
         if "shards" in meta:
             files = [{"file": s["file"], "sha256": s["sha256"]} for s in meta["shards"]]
+            files += [  # label masks (prepare-data --format chat) beside the tokens
+                {"file": mask_file_of(s["file"]), "sha256": s["mask_sha256"]}
+                for s in meta["shards"]
+                if "mask_sha256" in s
+            ]
         else:  # a single-file directory of an earlier release
             digest = known_sha256(directory / "tokens.bin", cache_dir)
             files = [{"file": "tokens.bin", "sha256": digest}]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_train.data.labels import inputs_and_targets
 from moe_train.model import Documents
 
 
@@ -32,8 +33,10 @@ class MicroBatches:
         (overlapping compute from pinned memory); with `eos_id`, the documents of each."""
         micro_batches = rows.view(shape)
         documents = None
-        if eos_id is not None:
-            documents = tuple(Documents.of(micro[:, :-1], eos_id) for micro in micro_batches)
+        if eos_id is not None:  # (inputs_and_targets reads the ids under a label mask too)
+            documents = tuple(
+                Documents.of(inputs_and_targets(micro)[0], eos_id) for micro in micro_batches
+            )
         return cls(micro_batches.to(device, non_blocking=rows.is_pinned()), documents)
 
     def __len__(self) -> int:

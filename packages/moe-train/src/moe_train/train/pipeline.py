@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from moe_parallel import Layout
 from moe_train.config import Config
+from moe_train.data.labels import inputs_and_targets
 from moe_train.errors import ConfigError
 from moe_train.model import Documents, Transformer, head_lm_loss
 from moe_train.train.micro_batches import MicroBatches
@@ -173,6 +174,8 @@ class PipelineRunner:
         self._autocast = autocast
         self._head_weight = model.head.weight if plan.has_last else None
         self.step_losses: list[Tensor] = []
+        self.loss_normalizer: Tensor | None = None
+        """The step's `accumulate_gradients` normalizer (None: the batch has no mask)."""
         data, model_config = config.data, config.model
         micro_shape = (data.micro_batch_size, data.seq_len)
         # Shapes and dtypes of what stages exchange (static: no shape-inference pass). Hidden
@@ -215,23 +218,31 @@ class PipelineRunner:
 
     def _loss(self, normed_BSD: Tensor, targets: Tensor) -> Tensor:
         with self._autocast():
-            loss = head_lm_loss(normed_BSD, self._head_weight, targets)
+            loss = head_lm_loss(normed_BSD, self._head_weight, targets, self.loss_normalizer)
         self.step_losses.append(loss.detach())
         return loss / self.num_micro_total
 
-    def forward_backward(self, micro_batches: MicroBatches) -> Tensor:
-        """Forward and backward of this pipeline's micro-batches.
+    def forward_backward(
+        self, micro_batches: MicroBatches, loss_normalizer: Tensor | None = None
+    ) -> Tensor:
+        """Forward and backward of this pipeline's micro-batches (`loss_normalizer`: they
+        carry a label mask, see `accumulate_gradients`).
 
         Returns the sum of their LM losses on the rank holding the last stage, else 0.
         """
         self.step_losses = []
+        self.loss_normalizer = loss_normalizer
         for stage in self.stages:
             stage.submod.expect(micro_batches.documents)
         tokens = micro_batches.tokens
+        if loss_normalizer is None:
+            inputs, targets = tokens[:, :, :-1], tokens[:, :, 1:]
+        else:
+            inputs, targets = inputs_and_targets(tokens)
         # Contiguous: the schedule splits these into micro-batches, and some torch versions
         # (2.11) check each one's strides against the stage's static input shape.
-        inputs = tokens[:, :, :-1].flatten(0, 1).contiguous()
-        targets = tokens[:, :, 1:].flatten(0, 1).contiguous()
+        inputs = inputs.flatten(0, 1).contiguous()
+        targets = targets.flatten(0, 1).contiguous()
         args = (inputs,) if self.plan.has_first else ()
         kwargs = {"target": targets} if self.plan.has_last else {}
         self.schedule.step(*args, **kwargs)

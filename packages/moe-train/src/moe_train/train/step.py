@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from moe_parallel import (
     decay_matrices,
 )
 from moe_train.config import Config
+from moe_train.data.labels import inputs_and_targets, trained_targets
 from moe_train.errors import ConfigError
 from moe_train.model import (
     DispatcherFactory,
@@ -144,6 +145,9 @@ class StepStats:
     routing: StepRouting | None = None
     """Per-layer routing counts and balancing scores over the global batch (on the host),
     or None without MoE layers."""
+    trained_tokens: int | None = None
+    """Target tokens the loss is computed over, the whole global batch (every target
+    without data.label_mask; the marked ones with it)."""
 
     @property
     def finite(self) -> bool:
@@ -156,15 +160,24 @@ def accumulate_gradients(
     reducer: TrainingOptimizer,
     autocast: Callable[[], contextlib.AbstractContextManager],
     num_micro: int,
+    loss_normalizer: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Forward and backward of each micro-batch; the sum of their LM losses. With their
-    documents, attention stays inside each document."""
+    documents, attention stays inside each document. With `loss_normalizer`, the
+    micro-batches carry a label mask (`moe_train.data.labels`) and each one's loss is its sum
+    over trained targets divided by the normalizer."""
     lm_loss_sum = torch.zeros((), device=micro_batches.tokens.device, dtype=torch.float64)
     for index, (micro, documents) in enumerate(micro_batches):
         if index == len(micro_batches) - 1:
             reducer.arm()  # gradient reductions overlap this last backward
+        if loss_normalizer is None:
+            inputs, targets = micro[:, :-1], micro[:, 1:]
+        else:
+            inputs, targets = inputs_and_targets(micro)
         with autocast():
-            loss = model(micro[:, :-1], targets_BS=micro[:, 1:], documents=documents)
+            loss = model(
+                inputs, targets_BS=targets, documents=documents, loss_normalizer=loss_normalizer
+            )
         # Every micro-batch of the step weighs 1/num_micro, on whichever rank it is; the MoE
         # auxiliary losses ride along (see Transformer.set_aux_loss_scale).
         (loss / num_micro).backward()
@@ -327,17 +340,35 @@ class StepRunner:
         shape = (self.my_micro, data.micro_batch_size, data.seq_len + 1)
         return MicroBatches.of(rows, shape, self.runtime.device, self.document_eos_id)
 
-    def forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
-        """Gradients of this rank's micro-batches; the sum of their LM losses it computed."""
+    def forward_backward(
+        self, micro_batches: MicroBatches, loss_normalizer: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Gradients of this rank's micro-batches; the sum of their LM losses it computed
+        (`loss_normalizer`: see `accumulate_gradients`)."""
         if self.pipeline is not None:
-            return self.pipeline.forward_backward(micro_batches)
+            return self.pipeline.forward_backward(micro_batches, loss_normalizer)
         return accumulate_gradients(
             self.model,
             micro_batches,
             self.optimizer,
             self.autocast,
             self.num_micro,
+            loss_normalizer,
         )
+
+    def trained_tokens(self, micro_batches: MicroBatches) -> torch.Tensor:
+        """The step's trained target tokens over the whole global batch, from the label mask
+        of this rank's `micro_batches` (an int64 tensor on every rank)."""
+        count = trained_targets(micro_batches.tokens).reshape(1)
+        # One all-reduce of one number: each rank reads only its own rows. The pp ranks of a
+        # data-parallel rank read the same rows, so the world's sum counts them pp times.
+        return self.runtime.sum_over_world(count)[0] // self.runtime.layout.pp
+
+    def loss_normalizer(self, trained_tokens: torch.Tensor) -> torch.Tensor:
+        """Each micro-batch's share of the step's trained tokens: with its loss the sum over
+        its trained targets divided by this, the mean of the micro-batch losses (what the
+        step reports and backward weighs) is the mean over the global batch's tokens."""
+        return trained_tokens.clamp_min(1).float() / self.num_micro
 
     def reduce_and_clip(self) -> float:
         """Finish the gradient reduction and clip globally; returns the norm before clipping."""
@@ -358,12 +389,19 @@ class StepRunner:
         return self.train_on(self.my_micro_batches(batch), lr)
 
     def train_on(self, micro_batches: MicroBatches, lr: float) -> StepResult:
-        """One step, this rank training on `micro_batches` (its share of the global batch). A step whose global loss or gradient norm is not finite is skipped:
-        nothing is updated (every rank sees the same global figures, so every rank decides
+        """One step, this rank training on `micro_batches` (its share of the global batch).
+        A step whose global loss or gradient norm is not finite is skipped: nothing is updated (every rank sees the same global figures, so every rank decides
         the same)."""
-        lm_loss_sum = self.forward_backward(micro_batches)
+        data = self.config.data
+        if data.label_mask:
+            trained = self.trained_tokens(micro_batches)
+            lm_loss_sum = self.forward_backward(micro_batches, self.loss_normalizer(trained))
+            trained_tokens = int(trained)
+        else:
+            lm_loss_sum = self.forward_backward(micro_batches)
+            trained_tokens = data.global_batch_size * data.seq_len
         grad_norm = self.reduce_and_clip()
-        stats = self.step_stats(lm_loss_sum)
+        stats = replace(self.step_stats(lm_loss_sum), trained_tokens=trained_tokens)
         applied = stats.finite and math.isfinite(grad_norm)
         if applied:
             self.apply(lr, stats)

@@ -23,7 +23,8 @@ class StepRecord:
     step: int
     """Optimizer steps done, this one included."""
     loss: float
-    """LM loss, mean over the step's micro-batches."""
+    """LM loss, mean over the step's micro-batches (with data.label_mask, over the trained
+    target tokens of the global batch)."""
     lb_loss: float
     """Unweighted load-balancing loss, mean over micro-batches and MoE layers."""
     z_loss: float
@@ -54,6 +55,9 @@ class StepRecord:
     """Tokens of every step so far."""
     tokens_per_source: dict[str, int]
     """Target tokens trained on so far, per data source."""
+    trained_tokens: int
+    """Target tokens this step's loss is the mean over, the whole global batch: all of them,
+    or with data.label_mask those the mask marks."""
     time: float
     """Unix time at the end of the step."""
     eval_loss: float | None = None

@@ -231,7 +231,7 @@ class Trainer:
             (
                 "data",
                 f"{describe_sources(data)}: {data.global_batch_size} x {data.seq_len} = "
-                f"{self.tokens_per_step:,} tokens per step",
+                f"{self.tokens_per_step:,} tokens per step" + self._packing_note(),
             ),
             (
                 "layout",
@@ -254,6 +254,20 @@ class Trainer:
                 else "off",
             ),
         ]
+
+    def _packing_note(self) -> str:
+        """With data.label_mask: how documents longer than a sequence were handled."""
+        if not self.config.data.label_mask:
+            return ""
+        note = "; whole documents packed, trained on the label mask"
+        if self.dataset.skipped_long:
+            note += (
+                f"; {self.dataset.skipped_long:,} documents longer than data.seq_len+1 "
+                "skipped (data.split_long_examples=true cuts them instead)"
+            )
+        if self.dataset.split_long:
+            note += f"; {self.dataset.split_long:,} documents longer than a sequence cut"
+        return note
 
     def _open_trackers(self) -> None:
         """TensorBoard and W&B, as asked (rank 0; its errors reach every rank via on_main)."""
@@ -398,6 +412,7 @@ class Trainer:
             skipped_steps=self.skipped_steps,
             tokens_seen=step * self.tokens_per_step,
             tokens_per_source=self.tokens_seen.for_metrics(),
+            trained_tokens=stats.trained_tokens or 0,
             time=time.time(),
             eval_loss=eval_loss,
             tokens=self.tokens_per_step,
