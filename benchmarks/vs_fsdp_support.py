@@ -42,6 +42,7 @@ from moe_train.config import Config, config_from_dict
 from moe_train.data import TokenDataset
 from moe_train.model import Transformer, apply_expert_gemm
 from moe_train.train.host_memory import allocated_host_bytes, keep_freed_host_memory
+from moe_train.train.micro_batches import MicroBatches
 from moe_train.train.runtime import Runtime, start_runtime
 from moe_train.train.schedule import lr_at
 from moe_train.train.step import (
@@ -188,10 +189,12 @@ class FsdpRunner:
     def train_step(self, batch: torch.Tensor, lr: float) -> StepResult:
         """One step on a global batch (this rank's micro-batches of it), as `StepRunner`'s."""
         data = self.config.data
-        micro_batches = batch.view(self.num_micro, data.micro_batch_size, data.seq_len + 1)
-        mine = micro_batches[self.first_micro : self.first_micro + self.my_micro]
+        rows_per_rank = self.my_micro * data.micro_batch_size
+        rows = batch[self.first_micro * data.micro_batch_size :][:rows_per_rank]
+        shape = (self.my_micro, data.micro_batch_size, data.seq_len + 1)
+        mine = MicroBatches.of(rows, shape, self.runtime.device, None)
         lm_loss_sum = accumulate_gradients(
-            self.model, mine.to(self.runtime.device), _NoReducer(), self.autocast, self.num_micro
+            self.model, mine, _NoReducer(), self.autocast, self.num_micro
         )
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
         grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
