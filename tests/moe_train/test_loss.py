@@ -71,5 +71,5 @@ def test_the_model_forward_with_targets_is_the_loss_of_its_logits():
     fused = model(tokens[:, :-1], targets_BS=tokens[:, 1:])
     plain = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
     torch.testing.assert_close(fused, plain, rtol=1e-6, atol=0)
-    with pytest.raises(ValueError, match="targets or document ids, or a KV cache, not both"):
+    with pytest.raises(ValueError, match="targets or documents, or a KV cache, not both"):
         model(tokens[:, :-1], model.new_kv_cache(2, 16), targets_BS=tokens[:, 1:])

@@ -153,7 +153,7 @@ def _run(
         f"preparing {_count(len(plan.sources), 'input file')} ({total_bytes / 1e6:,.1f} MB) "
         f"into {_count(len(plan.tasks), 'shard')} of about {plan.shard_bytes / 1e6:,.1f} MB "
         f"with {_count(workers, 'worker')}{_fewer_workers_note(asked, workers, pending, plan)}"
-        + (f"; {_count(len(records), 'shard')} finished earlier kept" if records else "")
+        + (f"; {_kept(len(records))}" if records else "")
     )
     if workers == 1:
         finished = _run_here(pending, plan, work_dir, tokenizer, bar)
@@ -165,6 +165,11 @@ def _run(
             records[task.index] = record
             bar.shard_done(task.size)
     bar.finish()
+
+
+def _kept(shards: int) -> str:
+    """'1 shard finished earlier is kept', '4 shards finished earlier are kept'."""
+    return f"{_count(shards, 'shard')} finished earlier {'is' if shards == 1 else 'are'} kept"
 
 
 def _count(n: int, noun: str) -> str:
