@@ -12,8 +12,10 @@ how that is reported: every resume decision of the trainer, in one place.
 
 A resumed run must see the same model and the same samples: changes under `model.` and to
 the data keys that decide which tokens a step sees are refused unless
-checkpoint.allow_config_change=true; every other change (steps, layout, optimizer, precision,
-checkpointing, logging) is allowed and reported. checkpoint.init_from needs the same model.
+checkpoint.allow_config_change=true, and so is a change of optim.name (the saved optimizer
+state does not fit another optimizer; allowed, the new one starts with fresh state); every
+other change (steps, layout, optimizer settings, precision, checkpointing, logging) is allowed
+and reported. checkpoint.init_from needs the same model.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class ResumePoint:
     @property
     def step(self) -> int:
         return int(self.state["step"])
+
+    @property
+    def switches_optimizer(self) -> bool:
+        """Whether optim.name changed (allowed): the optimizer then starts afresh."""
+        return any(c.key == "optim.name" for c in self.changes)
 
 
 @dataclass(frozen=True)
@@ -132,10 +139,26 @@ def _find_resume_point(config: Config) -> ResumePoint | None:
     state = _read_state(path)
     if not isinstance(state.get("config"), dict) or "step" not in state:
         raise MoeTrainError(f"{path}/trainer_state.json holds no step or config to resume")
-    changes = _check_resume_config(
-        state["config"], config.to_dict(), path, config.checkpoint.allow_config_change
-    )
+    allow = config.checkpoint.allow_config_change
+    changes = _check_resume_config(state["config"], config.to_dict(), path, allow)
+    switch = _optimizer_switch(state["config"], config)
+    if switch is not None and not allow:
+        raise ConfigError(
+            f"optim.name={switch.now} differs from {switch.saved} in {path}: the saved "
+            f"optimizer state does not fit it; restore optim.name={switch.saved}, or set "
+            "checkpoint.allow_config_change=true to start the new optimizer's state fresh"
+        )
+    if switch is not None and switch not in changes:
+        changes.append(switch)
     return ResumePoint(path, state, changes)
+
+
+def _optimizer_switch(saved: dict[str, Any], config: Config) -> Change | None:
+    """The change of optim.name from the saved config (one saved before the key existed ran
+    AdamW), or None."""
+    saved_optim = saved.get("optim")
+    before = saved_optim.get("name", "adamw") if isinstance(saved_optim, dict) else "adamw"
+    return None if before == config.optim.name else Change("optim.name", before, config.optim.name)
 
 
 def _find_resume_checkpoint(config: Config) -> Path | None:
@@ -243,7 +266,8 @@ def load_start(start: StartPoint, checkpoints: Checkpoints) -> str | None:
     """Fill this rank's model (with the optimizer and RNG when resuming) from where the run
     starts; the line that reports it, or None for a new run."""
     if start.resume is not None:
-        checkpoints.load(start.resume.path, start.resume.state)
+        switched = start.resume.switches_optimizer
+        checkpoints.load(start.resume.path, start.resume.state, with_optimizer=not switched)
         return _resume_report(start.resume, checkpoints)
     if start.init_from is not None:
         checkpoints.load_model(start.init_from)
@@ -258,9 +282,11 @@ def _resume_report(resume: ResumePoint, checkpoints: Checkpoints) -> str:
     layout = checkpoints.runtime.layout.describe()
     moved = f"; layout {saved_layout} -> {layout}" if saved_layout not in (None, layout) else ""
     ignored = checkpoints.config.checkpoint.init_from
+    fresh = f"; {checkpoints.config.optim.name} starts with fresh optimizer state"
     return (
         f"resumed from {resume.path} at step {resume.step}"
         + (f"; changed: {changes}" if changes else "")
+        + (fresh if resume.switches_optimizer else "")
         + moved
         + (f"; checkpoint.init_from={ignored} ignored (resuming)" if ignored else "")
     )
