@@ -18,7 +18,7 @@ STEPS = 20
 SAVED_AT = 10
 
 
-def _data(token_file, run_dir, optim=None, checkpoint=None, **parallel) -> dict:
+def _data(token_file, run_dir, optim=None, checkpoint=None, precision=None, **parallel) -> dict:
     """A dense first layer, then an MoE layer with a shared expert; Muon with its iteration
     in FP32 (bfloat16 rounding would tell the layouts' summation orders apart)."""
     return small_config_data(
@@ -29,6 +29,7 @@ def _data(token_file, run_dir, optim=None, checkpoint=None, **parallel) -> dict:
         optim={"name": "muon", "muon_ns_dtype": "float32", "lr": 0.02, **(optim or {})},
         train={"max_steps": STEPS},
         checkpoint=checkpoint or {},
+        precision=precision or {},
         parallel=parallel,
     )
 
@@ -153,3 +154,25 @@ def test_build_optimizer_gives_replicated_muon(shared_token_file, tmp_path):
     assert optimizer.ns_dtype == torch.float32 and optimizer.adamw_lr_ratio == 0.5
     hidden = sum(p.numel() for n, p in model.named_parameters() if is_hidden_matrix(n, p))
     assert optimizer.state_bytes() == 4 * hidden, "one FP32 buffer per Muon element, once built"
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_planner_counts_muon_state_as_the_optimizer_holds_it(
+    shared_token_file, tmp_path, param_dtype
+):
+    from moe_parallel import single_process_layout
+    from moe_train.model import apply_param_dtype
+    from moe_train.plan.memory import _rank_memory
+    from moe_train.train.step import DTYPES, build_optimizer
+
+    precision = {"param_dtype": param_dtype, "compute_dtype": param_dtype}
+    data = _data(shared_token_file, tmp_path, precision=precision)
+    config = config_from_dict(data)
+    model = Transformer(config.model)
+    apply_param_dtype(model, DTYPES[param_dtype])
+    optimizer = build_optimizer(model, config, single_process_layout())
+    optimizer.load_state(0, lambda requests: [torch.zeros(r.numel) for r in requests])
+    assert _rank_memory(config, 1, 0).optimizer == optimizer.state_bytes()
+    adamw = config_from_dict({**data, "optim": {**data["optim"], "name": "adamw"}})
+    hidden = sum(p.numel() for n, p in model.named_parameters() if is_hidden_matrix(n, p))
+    assert _rank_memory(adamw, 1, 0).optimizer - _rank_memory(config, 1, 0).optimizer == 4 * hidden
