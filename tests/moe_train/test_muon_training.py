@@ -176,3 +176,27 @@ def test_planner_counts_muon_state_as_the_optimizer_holds_it(
     adamw = config_from_dict({**data, "optim": {**data["optim"], "name": "adamw"}})
     hidden = sum(p.numel() for n, p in model.named_parameters() if is_hidden_matrix(n, p))
     assert _rank_memory(adamw, 1, 0).optimizer - _rank_memory(config, 1, 0).optimizer == 4 * hidden
+
+
+def test_planner_times_the_newton_schulz_iterations(shared_token_file, tmp_path):
+    from moe_train.plan.hardware import DEVICES
+    from moe_train.plan.roofline import newton_schulz_flops, step_time
+    from moe_train.plan.traffic import Traffic
+
+    config = config_from_dict(_data(shared_token_file, tmp_path))
+    expected = 0
+    for name, p in Transformer(config.model).named_parameters():
+        if is_hidden_matrix(name, p):
+            matrices = p.reshape(-1, *p.shape[-2:])
+            m, n = sorted(p.shape[-2:])
+            expected += matrices.shape[0] * 5 * (4 * m * m * n + 2 * m**3)
+    assert newton_schulz_flops(config) == expected
+    adamw = config_from_dict(_data(shared_token_file, tmp_path, optim={"name": "adamw"}))
+    assert newton_schulz_flops(adamw) == 0
+    device, traffic = next(iter(DEVICES.values())), Traffic(wire={})
+    muon_time, adamw_time = (
+        step_time(config, 1, device, traffic),
+        step_time(adamw, 1, device, traffic),
+    )
+    assert muon_time.optimizer_s > 0 and adamw_time.optimizer_s == 0
+    assert muon_time.total_s == pytest.approx(adamw_time.total_s + muon_time.optimizer_s)
