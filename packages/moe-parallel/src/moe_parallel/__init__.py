@@ -27,6 +27,7 @@ from moe_parallel.layout import (
     check_layout,
     single_process_layout,
 )
+from moe_parallel.replicated_muon import ReplicatedMuon
 from moe_parallel.replicated_optimizer import ReplicatedAdamW, TrainingOptimizer
 
 try:
@@ -40,6 +41,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "ReplicatedAdamW",
+    "ReplicatedMuon",
     "StatePiece",
     "StateRequest",
     "TrainingOptimizer",

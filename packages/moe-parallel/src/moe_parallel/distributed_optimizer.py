@@ -57,12 +57,22 @@ class StatePiece(NamedTuple):
     param: Tensor
     """FP32 master weights (what a checkpoint stores as the model tensor); for FP32
     parameters a view of the parameter itself."""
-    exp_avg: Tensor
-    exp_avg_sq: Tensor
+    exp_avg: Tensor | None = None
+    """AdamW's first moment (None where Muon updates the parameter)."""
+    exp_avg_sq: Tensor | None = None
+    """AdamW's second moment (None where Muon updates the parameter)."""
+    momentum: Tensor | None = None
+    """Muon's momentum buffer (None where AdamW updates the parameter)."""
+
+    def moments(self) -> dict[str, Tensor]:
+        """The optimizer state tensors it holds, by kind (the `StateRequest` kind)."""
+        kinds = ("exp_avg", "exp_avg_sq", "momentum")
+        return {k: getattr(self, k) for k in kinds if getattr(self, k) is not None}
 
 
 class StateRequest(NamedTuple):
-    """Elements ``[flat_start, flat_start + numel)`` of state `kind` (one of `STATE_KINDS`)
+    """Elements ``[flat_start, flat_start + numel)`` of state `kind` (one of `STATE_KINDS`,
+    or `momentum` for a parameter that Muon updates)
     of the local parameter `name`, in the same coordinates as `StatePiece`."""
 
     kind: str

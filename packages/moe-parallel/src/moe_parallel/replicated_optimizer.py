@@ -23,7 +23,6 @@ import torch
 from torch import Tensor, nn
 
 from moe_parallel.distributed_optimizer import (
-    STATE_KINDS,
     StatePiece,
     StateRequest,
     decay_matrices,
@@ -90,19 +89,24 @@ class ReplicatedAdamW:
         self._masters = _fp32_masters(self._named, self._reducer)
         self._low = [(p, self._masters[id(p)]) for _, p in self._named if id(p) in self._masters]
         updated = {id(p): self._masters.get(id(p), p) for _, p in self._named}
-        self._adamw = torch.optim.AdamW(
-            [
-                {"params": [updated[id(p)] for n, p in self._named if decays(n, p)]},
-                {
-                    "params": [updated[id(p)] for n, p in self._named if not decays(n, p)],
-                    "weight_decay": 0.0,
-                },
-            ],
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            fused=True,
+        adamw_named = self._adamw_named()
+        self._adamw = (
+            torch.optim.AdamW(
+                [
+                    {"params": [updated[id(p)] for n, p in adamw_named if decays(n, p)]},
+                    {
+                        "params": [updated[id(p)] for n, p in adamw_named if not decays(n, p)],
+                        "weight_decay": 0.0,
+                    },
+                ],
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                fused=True,
+            )
+            if adamw_named
+            else None
         )
         self.step_count = 0
         """Optimizer steps taken (AdamW's `step`, the same for every parameter)."""
@@ -124,12 +128,18 @@ class ReplicatedAdamW:
     def step(self, lr: float | None = None) -> None:
         """One AdamW step (with learning rate `lr` from now on, if given); low-precision
         parameters then receive their FP32 masters, rounded."""
+        self._adamw_step(lr)
+        self._write_masters()
+        self.step_count += 1
+
+    def _adamw_step(self, lr: float | None) -> None:
+        """AdamW on the parameters it updates, at `lr` from now on if given."""
+        if self._adamw is None:
+            return
         if lr is not None:
             for group in self._adamw.param_groups:
                 group["lr"] = lr
         self._adamw.step()
-        self._write_masters()
-        self.step_count += 1
 
     def zero_grad(self) -> None:
         """Clear the gradients (the reducer keeps its persistent buffers)."""
@@ -162,7 +172,7 @@ class ReplicatedAdamW:
         master weights of low-precision parameters (4 bytes an element)."""
         moments = sum(
             state[kind].numel() * state[kind].element_size()
-            for state in self._adamw.state.values()
+            for state in (self._adamw.state.values() if self._adamw else ())
             for kind in MOMENTS
             if kind in state
         )
@@ -177,14 +187,12 @@ class ReplicatedAdamW:
         for name, p in self._named:
             owner = layout.edp_rank == 0 if is_expert_parameter(p) else layout.dp_rank == 0
             if owner:
-                state = self._state(p)
                 pieces.append(
                     StatePiece(
                         name,
                         0,
                         self._masters.get(id(p), p).detach().view(-1),
-                        state["exp_avg"].view(-1),
-                        state["exp_avg_sq"].view(-1),
+                        **{k: t.view(-1) for k, t in self._moments(name, p).items()},
                     )
                 )
         return pieces
@@ -200,14 +208,24 @@ class ReplicatedAdamW:
         requests, targets = [], []
         for name, p in self._named:
             master = self._masters.get(id(p))
-            for kind in MOMENTS if master is None else STATE_KINDS:
+            state = {"param": master} if master is not None else {}
+            for kind, target in (state | self._moments(name, p)).items():
                 requests.append(StateRequest(kind, name, 0, p.numel()))
-                targets.append(master if kind == "param" else self._state(p)[kind])
+                targets.append(target)
         fill_from_read(requests, read(requests), targets)
-        for _, p in self._named:
-            self._state(p)["step"].fill_(step)
+        for state in self._adamw.state.values() if self._adamw else ():
+            state["step"].fill_(step)
         self._write_masters()
         self.step_count = step
+
+    def _adamw_named(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters that AdamW updates (all of them here)."""
+        return self._named
+
+    def _moments(self, name: str, p: nn.Parameter) -> dict[str, Tensor]:
+        """The optimizer state of `p` by `StateRequest` kind (its AdamW moments here)."""
+        state = self._state(p)
+        return {kind: state[kind] for kind in MOMENTS}
 
     def _state(self, p: nn.Parameter) -> dict[str, Tensor]:
         """AdamW's state of `p` (of its master, if it has one), created as torch creates it

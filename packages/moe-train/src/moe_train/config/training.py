@@ -12,8 +12,23 @@ from moe_train.errors import ConfigError
 
 @dataclass(kw_only=True)
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW on every parameter. muon: Muon (momentum orthogonalised by a Newton-Schulz
+    iteration, scaled to AdamW's update size) on the hidden matrices (attention projections,
+    dense and shared-expert FFN matrices, each routed expert's matrices on their own), AdamW
+    on the embedding, output head, norms and router. Not with
+    parallel.distributed_optimizer yet."""
     lr: float = 1e-3
-    """Peak learning rate of AdamW."""
+    """Peak learning rate: AdamW's, or with name=muon Muon's (its updates are scaled to the
+    size of AdamW's, so the same value fits both; see adamw_lr_ratio)."""
+    adamw_lr_ratio: float = 1.0
+    """With name=muon: the learning rate of the AdamW-updated parameters, as a multiple of
+    the scheduled lr (the schedule applies to both)."""
+    muon_momentum: float = 0.95
+    """With name=muon: Muon's (Nesterov) momentum coefficient."""
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """With name=muon: the dtype of the five Newton-Schulz iterations (momentum and weights
+    stay FP32)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW (beta1, beta2)."""
     eps: float = 1e-8
@@ -39,14 +54,12 @@ class OptimConfig:
     """Clip the global gradient norm to this; null turns clipping off."""
 
     def validate(self, path: str) -> None:
-        _positive(self, path, "lr", "eps")
+        _positive(self, path, "lr", "eps", "adamw_lr_ratio")
         _non_negative(self, path, "weight_decay", "warmup_steps")
-        schedules = typing.get_args(typing.get_type_hints(OptimConfig)["schedule"])
-        if self.schedule not in schedules:
-            raise ConfigError(
-                f"{path}.schedule={self.schedule!r} must be one of "
-                f"{', '.join(repr(s) for s in schedules)}"
-            )
+        for key in ("name", "schedule", "muon_ns_dtype"):
+            _one_of(self, path, key)
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"{path}.muon_momentum={self.muon_momentum} must be in [0, 1)")
         if self.decay_steps is not None and self.decay_steps < 2:
             raise ConfigError(
                 f"{path}.decay_steps={self.decay_steps} must be at least 2 (the decay's first "
@@ -70,6 +83,16 @@ class OptimConfig:
             raise ConfigError(
                 f"{path}.grad_clip={self.grad_clip} must be positive, or null for no clipping"
             )
+
+
+def _one_of(config: OptimConfig, path: str, key: str) -> None:
+    """Refuse a value of a Literal-typed field outside its choices."""
+    choices = typing.get_args(typing.get_type_hints(OptimConfig)[key])
+    value = getattr(config, key)
+    if value not in choices:
+        raise ConfigError(
+            f"{path}.{key}={value!r} must be one of {', '.join(repr(c) for c in choices)}"
+        )
 
 
 @dataclass(kw_only=True)

@@ -28,6 +28,9 @@ class RankParams:
     dense feed-forwards, embedding, head)."""
     expert: int
     """The rank's routed experts, replicated over the expert-data-parallel group."""
+    hidden_matrices: int = 0
+    """Of the above, the elements of the hidden matrices (attention projections, dense and
+    shared-expert FFNs, routed experts): what optim.name=muon updates with Muon."""
 
     @property
     def total(self) -> int:
@@ -84,19 +87,23 @@ def rank_params(config: Config, pp_rank: int) -> RankParams:
     head_dim = d // model.n_heads
     kv = model.n_kv_heads * head_dim
     stages = plan_stages(model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
-    dense = expert = 0
+    dense = expert = matrices = 0
     for layer in stages.layers:
-        dense += d * (d + 2 * kv) + d * d + 2 * d + (2 * head_dim if model.qk_norm else 0)
+        attention = d * (d + 2 * kv) + d * d
+        dense += attention + 2 * d + (2 * head_dim if model.qk_norm else 0)
         if layer < model.dense_layers:
-            dense += 3 * d * model.dense_hidden
+            ffn = 3 * d * model.dense_hidden
+            dense += ffn
         else:
-            dense += d * moe.num_experts + 3 * d * moe.shared_experts * moe.expert_hidden
+            ffn = 3 * d * moe.shared_experts * moe.expert_hidden
+            dense += d * moe.num_experts + ffn
             expert += moe.num_experts // parallel.ep * 3 * d * moe.expert_hidden
+        matrices += attention + ffn
     if stages.has_first:
         dense += model.vocab_size * d
     if stages.has_last:
         dense += d + (0 if model.tie_embeddings else model.vocab_size * d)
-    return RankParams(dense=dense, expert=expert)
+    return RankParams(dense=dense, expert=expert, hidden_matrices=matrices + expert)
 
 
 def in_flight_micro_batches(config: Config, dp: int, pp_rank: int) -> float:
@@ -140,7 +147,10 @@ def _rank_memory(config: Config, world_size: int, pp_rank: int) -> MemoryPredict
         gradients = FP32 * (params.total if low_precision else sharded)
         before = 0 if low_precision else FP32 * params.total
     else:
-        optimizer = 2 * FP32 * params.total + (FP32 * params.total if low_precision else 0)
+        # AdamW: two moments an element; Muon: one momentum buffer on the hidden matrices.
+        muon = params.hidden_matrices if config.optim.name == "muon" else 0
+        moments = 2 * params.total - muon
+        optimizer = FP32 * moments + (FP32 * params.total if low_precision else 0)
         gradients = FP32 * params.total
         before = 0
     stages = plan_stages(config.model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)

@@ -3,7 +3,7 @@
 Compute runs at a fixed fraction of the device's matmul peak; the expert-parallel exchanges
 sit on the critical path (each MoE layer waits for its tokens); gradient reductions overlap
 the backward and only what outlasts it shows; the distributed optimizer's all-gather follows
-the step; a pipeline adds its bubble.
+the step; a pipeline adds its bubble; Muon adds its Newton-Schulz iterations.
 
 Two floors keep a small model's figure from running to millions of tokens per second: the
 blocks' compute takes no less than their operators take to be issued one by one (eager
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_parallel.muon import NS_STEPS
 from moe_train.config import Config
 from moe_train.model.accounting import count_params, flops_per_token
 from moe_train.plan.hardware import Device
@@ -42,6 +43,10 @@ order that collective libraries report for small messages within a node."""
 BACKWARD_SHARE = 2 / 3
 """Share of a step's compute in the backward (two of the three matmuls per weight)."""
 
+FP32_SLOWDOWN = 8.0
+"""How many times longer an FP32 matrix product takes than a bf16 one (no tensor cores for
+FP32 unless TF32 is on): a planning constant, for optim.muon_ns_dtype=float32."""
+
 
 @dataclass(frozen=True)
 class StepTime:
@@ -52,10 +57,19 @@ class StepTime:
     """Gradient reductions and parameter gathers that do not overlap the backward."""
     bubble_s: float
     pipeline_s: float
+    optimizer_s: float = 0.0
+    """Muon's Newton-Schulz iterations (zero for AdamW, whose step the roofline leaves out)."""
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.exchange_s + self.reduction_s + self.bubble_s + self.pipeline_s
+        return (
+            self.compute_s
+            + self.exchange_s
+            + self.reduction_s
+            + self.bubble_s
+            + self.pipeline_s
+            + self.optimizer_s
+        )
 
 
 def step_time(config: Config, world_size: int, device: Device, traffic: Traffic) -> StepTime:
@@ -86,7 +100,37 @@ def step_time(config: Config, world_size: int, device: Device, traffic: Traffic)
         chunks = parallel.virtual_stages if parallel.pp_schedule == "interleaved_1f1b" else 1
         bubble = (parallel.pp - 1) / (chunks * num_micro)
     busy = compute_s + exchange_s
-    return StepTime(compute_s, exchange_s, reduction_s, bubble * busy, pipeline_s)
+    optimizer_s = newton_schulz_flops(config) / parallel.pp / (device.bf16_tflops * 1e12)
+    if config.optim.muon_ns_dtype == "float32":
+        optimizer_s *= FP32_SLOWDOWN
+    optimizer_s /= MATMUL_EFFICIENCY
+    return StepTime(compute_s, exchange_s, reduction_s, bubble * busy, pipeline_s, optimizer_s)
+
+
+def newton_schulz_flops(config: Config) -> float:
+    """FLOPs of one Muon step's Newton-Schulz iterations over the hidden matrices of all
+    layers (the routed experts of one expert-parallel rank), zero with optim.name=adamw.
+    Per iteration on an m x n matrix (m <= n): X X^T, its square and the product with X,
+    4 m^2 n + 2 m^3."""
+    if config.optim.name != "muon":
+        return 0.0
+    model, moe = config.model, config.model.moe
+    d, kv = model.d_model, model.n_kv_heads * (model.d_model // model.n_heads)
+    attention = [(d + 2 * kv, d), (d, d)]
+    shapes = [(model.n_layers, *shape) for shape in attention]  # (count, rows, columns)
+    moe_layers = model.n_layers - model.dense_layers
+    if model.dense_layers:
+        dense_ffn = [(2 * model.dense_hidden, d), (d, model.dense_hidden)]
+        shapes += [(model.dense_layers, *shape) for shape in dense_ffn]
+    shared = moe.shared_experts * moe.expert_hidden
+    shapes += [(moe_layers, 2 * shared, d), (moe_layers, d, shared)] if shared else []
+    experts = moe_layers * moe.num_experts // config.parallel.ep
+    shapes += [(experts, d, 2 * moe.expert_hidden), (experts, moe.expert_hidden, d)]
+    flops = 0.0
+    for count, rows, cols in shapes:
+        m, n = min(rows, cols), max(rows, cols)
+        flops += count * NS_STEPS * (4 * m * m * n + 2 * m**3)
+    return flops
 
 
 def operator_floor_s(config: Config, dp: int) -> float:

@@ -75,11 +75,15 @@ class Checkpoints:
     def enabled(self) -> bool:
         return self.config.checkpoint.enabled
 
-    def load(self, path: Path, trainer_state: dict[str, Any]) -> None:
+    def load(
+        self, path: Path, trainer_state: dict[str, Any], *, with_optimizer: bool = True
+    ) -> None:
         """Fill the model, optimizer and RNG from `path` (its `trainer_state`, read once by
         rank 0, holds the RNG state), checking every byte read; a failure on any rank raises
-        the same one-line error on every rank."""
-        error = load_training_state(path, self.model, self.optimizer, self.runtime.layout)
+        the same one-line error on every rank. Without `with_optimizer` the optimizer starts
+        at step 0 with fresh state (master weights from the model tensors)."""
+        load = load_training_state if with_optimizer else load_model_state
+        error = load(path, self.model, self.optimizer, self.runtime.layout)
         self.runtime.raise_if_any(error)
         restore_rng_state(trainer_state["rng"])
         self.last_committed = path

@@ -13,9 +13,11 @@ how that is reported: every resume decision of the trainer, in one place.
 
 A resumed run must see the same model and the same samples: changes under `model.` and to
 the data keys that decide which tokens a step sees are refused unless
-checkpoint.allow_config_change=true; every other change (steps, layout, optimizer, precision,
-checkpointing, logging) is allowed and reported. checkpoint.init_from needs the same model,
-but for how positions are encoded (model.rope_theta, model.rope_scaling.*).
+checkpoint.allow_config_change=true, and so is a change of optim.name (the saved optimizer
+state does not fit another optimizer; allowed, the new one starts with fresh state); every
+other change (steps, layout, optimizer settings, precision, checkpointing, logging) is allowed
+and reported. checkpoint.init_from needs the same model, but for how positions are encoded
+(model.rope_theta, model.rope_scaling.*).
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class ResumePoint:
     @property
     def step(self) -> int:
         return int(self.state["step"])
+
+    @property
+    def switches_optimizer(self) -> bool:
+        """Whether optim.name changed (allowed): the optimizer then starts afresh."""
+        return any(c.key == "optim.name" for c in self.changes)
 
 
 @dataclass(frozen=True)
@@ -137,10 +144,26 @@ def _find_resume_point(config: Config) -> ResumePoint | None:
     state = _read_state(path)
     if not isinstance(state.get("config"), dict) or "step" not in state:
         raise MoeTrainError(f"{path}/trainer_state.json holds no step or config to resume")
-    changes = _check_resume_config(
-        state["config"], config.to_dict(), path, config.checkpoint.allow_config_change
-    )
+    allow = config.checkpoint.allow_config_change
+    changes = _check_resume_config(state["config"], config.to_dict(), path, allow)
+    switch = _optimizer_switch(state["config"], config)
+    if switch is not None and not allow:
+        raise ConfigError(
+            f"optim.name={switch.now} differs from {switch.saved} in {path}: the saved "
+            f"optimizer state does not fit it; restore optim.name={switch.saved}, or set "
+            "checkpoint.allow_config_change=true to start the new optimizer's state fresh"
+        )
+    if switch is not None and switch not in changes:
+        changes.append(switch)
     return ResumePoint(path, state, changes)
+
+
+def _optimizer_switch(saved: dict[str, Any], config: Config) -> Change | None:
+    """The change of optim.name from the saved config (one saved before the key existed ran
+    AdamW), or None."""
+    saved_optim = saved.get("optim")
+    before = saved_optim.get("name", "adamw") if isinstance(saved_optim, dict) else "adamw"
+    return None if before == config.optim.name else Change("optim.name", before, config.optim.name)
 
 
 def _find_resume_checkpoint(config: Config) -> Path | None:
@@ -250,7 +273,8 @@ def load_start(start: StartPoint, checkpoints: Checkpoints) -> None:
     """Fill this rank's model (with the optimizer and RNG when resuming) from where the run
     starts; nothing for a new run."""
     if start.resume is not None:
-        checkpoints.load(start.resume.path, start.resume.state)
+        switched = start.resume.switches_optimizer
+        checkpoints.load(start.resume.path, start.resume.state, with_optimizer=not switched)
     elif start.init_from is not None:
         checkpoints.load_model(start.init_from)
 
@@ -267,6 +291,8 @@ def start_rows(start: StartPoint, config: Config, layout: str) -> list[tuple[str
     saved_layout = resume.state.get("topology")
     if saved_layout not in (None, layout):
         notes.append(f"layout {saved_layout} -> {layout}")
+    if resume.switches_optimizer:
+        notes.append(f"{config.optim.name} starts with fresh optimizer state")
     if config.checkpoint.init_from:
         notes.append(f"checkpoint.init_from={config.checkpoint.init_from} ignored (resuming)")
     if notes:

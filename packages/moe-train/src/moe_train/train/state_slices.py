@@ -1,7 +1,8 @@
 """What a checkpoint holds of a rank's training state: global tensors, whatever the layout.
 
 Tensor names: the model's own (`blocks.3.ffn.experts.w_down_EHD`, with every expert) and
-`optim.exp_avg.<param>`, `optim.exp_avg_sq.<param>`, `optim.step.<param>` for AdamW. Owners:
+`optim.exp_avg.<param>`, `optim.exp_avg_sq.<param>` for AdamW (`optim.momentum.<param>` for
+a parameter that Muon updates), `optim.step.<param>`. Owners:
 dense tensors are written by dp rank 0; expert tensors by the ranks of expert-data-parallel
 rank 0, each its own experts' rows. Every rank loads what it holds.
 """
@@ -20,8 +21,6 @@ from torch import Tensor, nn
 from moe_checkpoint import CheckpointError, OwnedSlice, SliceRequest, load_into, load_slices
 from moe_parallel import Layout, StateRequest, TrainingOptimizer, is_expert_parameter
 from moe_train.model import Transformer
-
-OPTIM_STATES = ("exp_avg", "exp_avg_sq")
 
 
 def category_of(name: str) -> str:
@@ -72,13 +71,10 @@ def _optimizer_slices(
             slices.append(
                 OwnedSlice(piece.name, global_shape, offset + piece.flat_start, piece.param)
             )
-        for key in OPTIM_STATES:
+        for key, tensor in piece.moments().items():
             slices.append(
                 OwnedSlice(
-                    f"optim.{key}.{piece.name}",
-                    global_shape,
-                    offset + piece.flat_start,
-                    getattr(piece, key),
+                    f"optim.{key}.{piece.name}", global_shape, offset + piece.flat_start, tensor
                 )
             )
     if layout.dp_rank == 0:  # one scalar per parameter: written once

@@ -23,9 +23,11 @@ from moe_parallel import (
     DistributedAdamW,
     Layout,
     ReplicatedAdamW,
+    ReplicatedMuon,
     StateRequest,
     TrainingOptimizer,
     decay_matrices,
+    is_expert_parameter,
 )
 from moe_train.config import Config
 from moe_train.data.labels import inputs_and_targets, trained_targets
@@ -52,23 +54,41 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build_optimizer(model: nn.Module, config: Config, layout: Layout) -> TrainingOptimizer:
-    """AdamW with weight decay on matrices only (not norms, not biases), which also reduces
-    the gradients over the replicas.
+    """The optimizer of optim.name, with weight decay on matrices only (not norms, not
+    biases), which also reduces the gradients over the replicas.
 
-    With `parallel.distributed_optimizer` its FP32 state is sharded over each gradient
+    AdamW: with `parallel.distributed_optimizer` its FP32 state is sharded over each gradient
     reduction group (gradients reduce-scattered); otherwise every replica holds it whole.
+    Muon: on the hidden matrices (`is_hidden_matrix`), AdamW on the rest; state whole on
+    every replica.
     """
     optim = config.optim
+    common = {
+        "lr": optim.lr,
+        "betas": tuple(optim.betas),
+        "eps": optim.eps,
+        "weight_decay": optim.weight_decay,
+        "decays": decay_matrices,
+    }
+    if optim.name == "muon":
+        return ReplicatedMuon(
+            model,
+            layout,
+            orthogonalized=is_hidden_matrix,
+            momentum=optim.muon_momentum,
+            ns_dtype=DTYPES[optim.muon_ns_dtype],
+            adamw_lr_ratio=optim.adamw_lr_ratio,
+            **common,
+        )
     optimizer_class = DistributedAdamW if config.parallel.distributed_optimizer else ReplicatedAdamW
-    return optimizer_class(
-        model,
-        layout,
-        lr=optim.lr,
-        betas=tuple(optim.betas),
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
-        decays=decay_matrices,
-    )
+    return optimizer_class(model, layout, **common)
+
+
+def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
+    """Whether Muon updates `param`: a matrix of a block (attention projections, FFN and
+    shared-expert matrices) or an expert stack, not the embedding, the head or a router."""
+    expected_dims = 3 if is_expert_parameter(param) else 2
+    return param.dim() == expected_dims and name.startswith("blocks.") and ".router." not in name
 
 
 def build_rank_model(
