@@ -173,6 +173,7 @@ def test_an_error_every_rank_raises_alike_is_printed_by_rank_0_alone(capsys, mon
     from moe_train.train import runtime
 
     monkeypatch.setattr(runtime, "RANK_0_GRACE_S", 0.1)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # as torchrun starts its ranks
     args = ["train", str(CONFIGS / "tiny.yaml"), "--parallel.ep=3"]
     for rank, printed in [("1", ""), ("0", "error: parallel.ep=3 must divide the data-parallel ")]:
         monkeypatch.setenv("RANK", rank)

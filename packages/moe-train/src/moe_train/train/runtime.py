@@ -187,12 +187,15 @@ RANK_0_GRACE_S = 15.0
 
 
 def leave_report_to_rank_0(error: MoeTrainError, stops: StopRequests | None = None) -> None:
-    """Before a rank other than 0 exits on an error every rank raised alike (which rank 0
-    alone prints): wait until the launcher stops this rank, as torchrun does once rank 0 has
-    exited, or for RANK_0_GRACE_S. Exiting at once could get rank 0 stopped by the launcher
-    before it printed the error. `stops`: the stop requests the command listens for (a
-    signal they recorded ends the wait); by default it listens while it waits."""
+    """Before a rank other than 0 of a torchrun launch exits on an error every rank raised
+    alike (which rank 0 alone prints): wait until torchrun stops this rank, as it does once
+    rank 0 has exited, or for RANK_0_GRACE_S. Exiting at once could get rank 0 stopped by
+    torchrun before it printed the error. Ranks of other launchers exit at once (a cluster
+    launcher waits for every task by default). `stops`: the stop requests the command listens
+    for (a signal they recorded ends the wait); by default it listens while it waits."""
     if not error.same_on_every_rank or launched_rank() == 0 or launched_world_size() == 1:
+        return
+    if not launched_by_torchrun():
         return
     with contextlib.nullcontext(stops) if stops else StopRequests(announce=False) as active:
         deadline = time.monotonic() + RANK_0_GRACE_S
