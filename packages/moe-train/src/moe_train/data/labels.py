@@ -41,13 +41,19 @@ def encode_masked(ids: np.ndarray, trained: np.ndarray) -> np.ndarray:
     return np.where(trained.astype(bool), ids, -1 - ids)
 
 
+def token_ids(tokens: Tensor) -> Tensor:
+    """The ids of tokens read with masks (an untrained token's `-1 - id` decoded)."""
+    import torch
+
+    return torch.where(tokens < 0, -1 - tokens, tokens)
+
+
 def inputs_and_targets(tokens_BS1: Tensor) -> tuple[Tensor, Tensor]:
     """Inputs [B, S] and targets [B, S] of a batch read with masks: the ids, and the next
     ids with IGNORE_INDEX where that token is not trained on."""
     import torch
 
-    inputs = tokens_BS1[..., :-1]
-    inputs = torch.where(inputs < 0, -1 - inputs, inputs)
+    inputs = token_ids(tokens_BS1[..., :-1])
     targets = tokens_BS1[..., 1:]
     targets = torch.where(targets < 0, torch.full_like(targets, IGNORE_INDEX), targets)
     return inputs, targets

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_train.data.labels import inputs_and_targets
+from moe_train.data.labels import token_ids
 from moe_train.model import Documents
 
 
@@ -33,9 +33,9 @@ class MicroBatches:
         (overlapping compute from pinned memory); with `eos_id`, the documents of each."""
         micro_batches = rows.view(shape)
         documents = None
-        if eos_id is not None:  # (inputs_and_targets reads the ids under a label mask too)
+        if eos_id is not None:  # (token_ids reads the ids under a label mask too)
             documents = tuple(
-                Documents.of(inputs_and_targets(micro)[0], eos_id) for micro in micro_batches
+                Documents.of(token_ids(micro[:, :-1]), eos_id) for micro in micro_batches
             )
         return cls(micro_batches.to(device, non_blocking=rows.is_pinned()), documents)
 
