@@ -1,0 +1,85 @@
+"""Context-parallel attention (`moe_train.model.context_parallel`) against plain float64
+attention over the whole sequence: every rank of cp 1, 2 and 4 simulated in one process."""
+
+import pytest
+import torch
+
+from moe_train.model import Documents
+from moe_train.model.context_parallel import ContextShard, attention_blocks, local_context_attention
+
+
+def reference_attention(q, k, v, document_ids):
+    """Softmax attention with an explicit mask: each position sees the earlier ones (itself
+    included) of its own document. q [B, H, S, D], k and v [B, Hkv, S, D]."""
+    repeats = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    seq = q.shape[2]
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    same_document = document_ids[:, None, :, None] == document_ids[:, None, None, :]
+    scores = scores.masked_fill(~(causal & same_document), float("-inf"))
+    return scores.softmax(dim=-1) @ v
+
+
+def assert_close(name, actual, expected, tol=1e-10):
+    error = (actual - expected).abs()
+    worst = error.flatten().argmax()
+    assert error.max() <= tol, (
+        f"{name}: worst element {worst.item()}: {actual.flatten()[worst].item()} vs "
+        f"{expected.flatten()[worst].item()}"
+    )
+
+
+DOCUMENT_ROWS = {
+    "none": None,
+    # Row 0: a document spanning chunks of every cp; row 1: documents ending inside chunks.
+    "documents": ((3, 29, 32), (1, 8, 9, 20, 32)),
+}
+
+
+@pytest.mark.parametrize("documents", sorted(DOCUMENT_ROWS))
+def test_context_attention_matches_whole_sequence_float64(documents):
+    torch.manual_seed(0)
+    batch, heads, kv_heads, seq, dim = 2, 4, 2, 32, 8
+    q = torch.randn(batch, heads, seq, dim, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, dim, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq, dim, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(batch, heads, seq, dim, dtype=torch.float64)
+    ends = DOCUMENT_ROWS[documents]
+    docs = Documents(ends) if ends else None
+    ids = docs.ids() if docs else torch.zeros(batch, seq, dtype=torch.long)
+    expected = reference_attention(q, k, v, ids)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+    for cp in (1, 2, 4):
+        outputs, losses = [], 0
+        for rank in range(cp):
+            shard = ContextShard(cp, rank)
+            local_q = shard.local(q.transpose(1, 2)).transpose(1, 2)
+            out = local_context_attention(local_q, k, v, shard, docs)
+            local_weights = shard.local(weights.transpose(1, 2)).transpose(1, 2)
+            losses = losses + (out * local_weights).sum()
+            positions = shard.positions(out.shape[2])
+            outputs.append((positions, out))
+        whole = torch.empty_like(expected)
+        for positions, out in outputs:
+            whole[:, :, positions] = out.detach()
+        assert_close(f"cp{cp} output", whole, expected.detach())
+        grads = torch.autograd.grad(losses, (q, k, v))
+        for name, got, want in zip("qkv", grads, expected_grads, strict=True):
+            assert_close(f"cp{cp} grad {name}", got, want)
+
+
+def test_head_tail_split_balances_causal_work():
+    """Every rank of cp 4 attends over the same number of query-key pairs."""
+    seq = 64
+    for cp in (2, 4):
+        pairs = []
+        for rank in range(cp):
+            blocks = attention_blocks(ContextShard(cp, rank), seq, (seq,))
+            pairs.append(
+                sum(
+                    (qe - qs) * (ke - ks) / (2 if causal else 1)
+                    for qs, qe, ks, ke, causal in blocks
+                )
+            )
+        assert len(set(pairs)) == 1, pairs
