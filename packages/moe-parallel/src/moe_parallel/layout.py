@@ -1,9 +1,15 @@
 """The parallel layout: world = pp x dp, with expert parallelism (ep) inside dp.
 
+dp is the whole data dimension: with context parallelism (cp) it is dp / cp ranks that each
+take whole sequences, times the cp ranks that split each of those sequences between them.
+
 Rank order: rank = pp_rank * dp + dp_rank and dp_rank = edp_rank * ep + ep_rank, so an
-expert-parallel group is `ep` consecutive ranks (one node's fast links, when ep fits a node).
+expert-parallel group is `ep` consecutive ranks (one node's fast links, when ep fits a node);
+likewise dp_rank = batch_rank * cp + cp_rank, so a cp group is `cp` consecutive ranks.
 Within a pipeline stage:
-- the dp group holds the same dense weights (dense gradients are summed over it);
+- the dp group holds the same dense weights (dense gradients are summed over it, context
+  ranks included: each computes the gradient of its own part of the sequences);
+- a cp group splits each of its sequences between its ranks;
 - an ep group splits the experts of every MoE layer between its ranks;
 - an expert-data-parallel (edp) group holds the same expert shard (expert gradients are
   summed over it only); edp = dp / ep.
@@ -22,19 +28,29 @@ class LayoutError(ValueError):
     """The requested layout does not fit the world size or the model."""
 
 
-def check_layout(world_size: int, pp: int, ep: int, num_experts: int | None = None) -> int:
-    """Validate pp and ep against the world size (and experts); returns dp."""
-    if pp < 1 or ep < 1:
-        raise LayoutError(f"parallel.pp={pp} and parallel.ep={ep} must be at least 1")
+def check_layout(
+    world_size: int, pp: int, ep: int, num_experts: int | None = None, cp: int = 1
+) -> int:
+    """Validate pp, ep and cp against the world size (and experts); returns dp (the whole
+    data dimension, cp included)."""
+    if pp < 1 or ep < 1 or cp < 1:
+        raise LayoutError(
+            f"parallel.pp={pp}, parallel.ep={ep} and parallel.cp={cp} must be at least 1"
+        )
     if world_size % pp:
         raise LayoutError(
             f"parallel.pp={pp} must divide the world size {world_size} (processes started)"
         )
     dp = world_size // pp
+    if dp % cp:
+        raise LayoutError(
+            f"parallel.cp={cp} must divide the data-parallel size {dp} "
+            f"(world size {world_size} / parallel.pp={pp})"
+        )
     if dp % ep:
         raise LayoutError(
             f"parallel.ep={ep} must divide the data-parallel size {dp} "
-            f"(world size {world_size} / parallel.pp={pp})"
+            f"(world size {world_size} / parallel.pp={pp}, context ranks included)"
         )
     if num_experts is not None and num_experts % ep:
         raise LayoutError(f"parallel.ep={ep} must divide model.moe.num_experts={num_experts}")
@@ -58,6 +74,24 @@ class Layout:
     """Ranks holding the same expert shard (expert gradient reduction)."""
     pp_group: ProcessGroup | None
     """Ranks with the same dp rank over all stages."""
+    cp: int = 1
+    """Ranks each sequence is split over (a divisor of dp)."""
+    cp_group: ProcessGroup | None = None
+    """Ranks that split the same sequences between them."""
+
+    @property
+    def cp_rank(self) -> int:
+        return self.dp_rank % self.cp
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks of a stage that take different sequences of a batch: dp / cp."""
+        return self.dp // self.cp
+
+    @property
+    def batch_rank(self) -> int:
+        """This rank's place among `batch_ranks`."""
+        return self.dp_rank // self.cp
 
     @property
     def edp(self) -> int:
@@ -81,7 +115,8 @@ class Layout:
 
     def describe(self) -> dict[str, int]:
         """The topology as plain numbers (for logs and checkpoints)."""
-        return {"world_size": self.world_size, "pp": self.pp, "dp": self.dp, "ep": self.ep}
+        described = {"world_size": self.world_size, "pp": self.pp, "dp": self.dp, "ep": self.ep}
+        return described if self.cp == 1 else {**described, "cp": self.cp}
 
 
 def single_process_layout() -> Layout:
@@ -90,7 +125,11 @@ def single_process_layout() -> Layout:
 
 
 def build_layout(
-    pp: int, ep: int, num_experts: int | None = None, timeout: timedelta | None = None
+    pp: int,
+    ep: int,
+    num_experts: int | None = None,
+    timeout: timedelta | None = None,
+    cp: int = 1,
 ) -> Layout:
     """The layout of this rank in the default process group (one process if there is none).
 
@@ -99,10 +138,10 @@ def build_layout(
     default for new groups, which is not the default group's own timeout).
     """
     if not dist.is_initialized():
-        check_layout(1, pp, ep, num_experts)
+        check_layout(1, pp, ep, num_experts, cp)
         return single_process_layout()
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    dp = check_layout(world_size, pp, ep, num_experts)
+    dp = check_layout(world_size, pp, ep, num_experts, cp)
     edp = dp // ep
     mine: dict[str, ProcessGroup | None] = {}
     for stage in range(pp):
@@ -112,9 +151,24 @@ def build_layout(
             _join(mine, "ep", rank, [base + block * ep + e for e in range(ep)], timeout)
         for e in range(ep):
             _join(mine, "edp", rank, [base + block * ep + e for block in range(edp)], timeout)
+        if cp > 1:
+            for shard in range(dp // cp):
+                _join(mine, "cp", rank, [base + shard * cp + c for c in range(cp)], timeout)
     for d in range(dp):
         _join(mine, "pp", rank, [stage * dp + d for stage in range(pp)], timeout)
-    return Layout(world_size, rank, pp, dp, ep, mine["dp"], mine["ep"], mine["edp"], mine["pp"])
+    return Layout(
+        world_size,
+        rank,
+        pp,
+        dp,
+        ep,
+        mine["dp"],
+        mine["ep"],
+        mine["edp"],
+        mine["pp"],
+        cp,
+        mine.get("cp"),
+    )
 
 
 def _join(

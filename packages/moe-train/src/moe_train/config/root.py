@@ -40,6 +40,12 @@ class Config:
                 "model.tie_embeddings=true cannot be split over pipeline stages (the embedding is "
                 "on the first, the head on the last); set it to false or parallel.pp=1"
             )
+        cp, seq_len = self.parallel.cp, self.data.seq_len
+        if seq_len % (2 * cp):
+            raise ConfigError(
+                f"data.seq_len={seq_len} must be a multiple of 2 x parallel.cp={2 * cp} (each "
+                f"sequence is cut into 2 x cp equal chunks)"
+            )
         optim, max_steps = self.optim, self.train.max_steps
         if optim.name == "muon" and self.parallel.distributed_optimizer:
             raise ConfigError(

@@ -13,7 +13,13 @@ from moe_train.errors import ConfigError
 @dataclass(kw_only=True)
 class ParallelConfig:
     ep: int = 1
-    """Expert-parallel ranks; divides the data-parallel size and model.moe.num_experts."""
+    """Expert-parallel ranks; divides the data-parallel size (context ranks included: dp x
+    cp) and model.moe.num_experts."""
+    cp: int = 1
+    """Context-parallel ranks: each sequence is split over cp ranks (2 x cp chunks, rank r
+    holding chunks r and 2 cp - 1 - r, so that causal attention costs every rank the same).
+    Attention gathers the keys and values of the whole sequence; everything else runs on the
+    rank's own tokens. World size = pp x dp x cp; data.seq_len must be a multiple of 2 x cp."""
     pp: int = 1
     """Pipeline stages."""
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
@@ -39,7 +45,7 @@ class ParallelConfig:
     with an error that a rank was lost; a rank that dies outright is noticed sooner."""
 
     def validate(self, path: str) -> None:
-        _positive(self, path, "ep", "pp", "virtual_stages", "timeout_s")
+        _positive(self, path, "ep", "cp", "pp", "virtual_stages", "timeout_s")
 
 
 @dataclass(kw_only=True)

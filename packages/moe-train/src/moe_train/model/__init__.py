@@ -1,6 +1,7 @@
 """The reference MoE transformer."""
 
 from moe_train.model.accounting import ParamCounts, count_params, flops_per_token
+from moe_train.model.context_parallel import ContextShard
 from moe_train.model.dispatchers import (
     DispatcherFactory,
     choose_dispatcher,
@@ -10,7 +11,12 @@ from moe_train.model.dispatchers import (
 from moe_train.model.documents import Documents
 from moe_train.model.loss import head_lm_loss, lm_loss
 from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput
-from moe_train.model.parallelize import apply_expert_parallel, apply_pipeline_split, materialize
+from moe_train.model.parallelize import (
+    apply_context_parallel,
+    apply_expert_parallel,
+    apply_pipeline_split,
+    materialize,
+)
 from moe_train.model.routing_stats import RoutingStats
 from moe_train.model.training_choices import (
     EXPERT_GEMMS,
@@ -23,6 +29,7 @@ from moe_train.model.transformer import Transformer
 
 __all__ = [
     "EXPERT_GEMMS",
+    "ContextShard",
     "DispatcherFactory",
     "Documents",
     "ExpertGemm",
@@ -33,6 +40,7 @@ __all__ = [
     "RoutingStats",
     "Transformer",
     "apply_compile",
+    "apply_context_parallel",
     "apply_expert_gemm",
     "apply_expert_parallel",
     "apply_param_dtype",

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_train.config import RopeScalingConfig
+from moe_train.model.context_parallel import ContextShard, context_attention
 from moe_train.model.documents import Documents
 from moe_train.model.fused import rms_norm, rotary
 
@@ -133,6 +134,10 @@ class Attention(nn.Module):
         self.qk_kernel: QKKernel | None = None
         """Norm and rotation of queries and keys in one function (a compiled one after
         `apply_compile`); None runs `q_norm` / `k_norm`, then `rotary`."""
+        self.context: ContextShard | None = None
+        """This rank's part of each sequence under context parallelism (set by
+        `apply_context_parallel`): `x_BSD` holds its positions and attention gathers the keys
+        and values of the others."""
 
     def forward(
         self,
@@ -146,7 +151,8 @@ class Attention(nn.Module):
         """Attention over positions `0..start + S`: those of `x_BSD` (`start, start + 1, ...`)
         and, with a `cache`, the `start` earlier ones it holds (the new ones are added to it).
         With `documents` (no cache), each position sees only the earlier ones of its own
-        document."""
+        document. Under context parallelism (`context`), `cos` and `sin` are the rows of this
+        rank's positions and `documents` those of the whole sequences."""
         batch, seq_len, d_model = x_BSD.shape
         kv_dim = self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x_BSD).split([d_model, kv_dim, kv_dim], dim=-1)
@@ -158,6 +164,11 @@ class Attention(nn.Module):
             self._norm_rotate(k, self.k_norm, cos, sin, start),
         )
         gqa = self.n_kv_heads != self.n_heads
+        if self.context is not None:
+            if cache is not None:
+                raise ValueError("a KV cache does not work under context parallelism")
+            attended = context_attention(q, k, v, self.context, documents)
+            return self.out(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
         if documents is not None:
             if cache is not None:
                 raise ValueError("attention takes documents or a KV cache, not both")

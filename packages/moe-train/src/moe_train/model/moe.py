@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -17,6 +18,7 @@ from moe_dispatch import Dispatcher
 from moe_kernels import grouped_mm, mxfp8_grouped_mm
 from moe_parallel import mark_expert_parameter
 from moe_train.config import MoEConfig
+from moe_train.model.context_parallel import ContextShard
 from moe_train.model.dispatchers import local_dispatcher
 from moe_train.model.fused import swiglu
 from moe_train.model.recompute import recording_side_effects
@@ -87,6 +89,10 @@ class Router(nn.Module):
         self.config = config
         self.gate = nn.Linear(d_model, config.num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+        self.context: ContextShard | None = None
+        """Under context parallelism (set by `apply_context_parallel`), the ranks whose
+        tokens make up the sequences: the balancing losses are over all of their tokens, each
+        rank's `lb_loss` and `z_loss` its share of them (they sum to the whole)."""
 
     def forward(self, x_TD: Tensor) -> RouterOutput:
         config = self.config
@@ -118,9 +124,17 @@ class Router(nn.Module):
         copies_per_expert = torch.zeros(
             config.num_experts, device=x_TD.device, dtype=torch.int64
         ).scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
-        routed_fraction_E = copies_per_expert / (num_tokens * config.top_k)
-        lb_loss = config.num_experts * (routed_fraction_E * probs_TE.mean(dim=0)).sum()
-        z_loss = torch.logsumexp(logits_TE, dim=-1).square().mean()
+        # Under context parallelism every rank of the group routes as many tokens.
+        ranks = self.context.cp if self.context is not None else 1
+        counted_copies = copies_per_expert
+        if ranks > 1 and self.context.group is not None:
+            counted_copies = copies_per_expert.clone()
+            dist.all_reduce(counted_copies, group=self.context.group)
+        all_tokens = num_tokens * ranks
+        routed_fraction_E = counted_copies / (all_tokens * config.top_k)
+        mean_probs_E = probs_TE.mean(dim=0) / ranks  # this rank's share of the mean over all
+        lb_loss = config.num_experts * (routed_fraction_E * mean_probs_E).sum()
+        z_loss = torch.logsumexp(logits_TE, dim=-1).square().mean() / ranks
         return RouterOutput(topk_idx_TK, topk_weight_TK, copies_per_expert, lb_loss, z_loss)
 
     @torch.no_grad()

@@ -7,6 +7,7 @@ layout, then materialise only what the rank holds:
 with torch.device("meta"):
     model = Transformer(config.model)
 apply_expert_parallel(model, dispatchers)                   # the rank's experts
+apply_context_parallel(model, shard)                         # the rank's part of sequences
 apply_pipeline_split(model, layers, first=..., last=...)     # the rank's stages
 materialize(model, device, seed)                             # allocate and initialise
 ```
@@ -22,7 +23,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from moe_train.model.attention import Attention
+from moe_train.model.context_parallel import ContextShard
 from moe_train.model.dispatchers import DispatcherFactory
+from moe_train.model.moe import Router
 from moe_train.model.transformer import Transformer
 
 
@@ -31,6 +35,17 @@ def apply_expert_parallel(model: Transformer, dispatchers: DispatcherFactory) ->
     experts that dispatcher's rank holds."""
     for index, layer in model.moe_layers().items():
         layer.use_dispatcher(dispatchers(index))
+
+
+def apply_context_parallel(model: Transformer, shard: ContextShard) -> None:
+    """Make `model` run on this rank's part of each sequence (`shard`, see
+    `moe_train.model.context_parallel`): its inputs and targets are the rank's positions,
+    attention gathers the keys and values of the whole sequence, and the routers' balancing
+    losses count the tokens of every rank of the shard's group."""
+    model.context = shard
+    for module in model.modules():
+        if isinstance(module, Attention | Router):
+            module.context = shard
 
 
 def apply_pipeline_split(

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from moe_train.config import ModelConfig
 from moe_train.model.attention import Attention, LayerKVCache, RMSNorm, rope_tables
+from moe_train.model.context_parallel import ContextShard
 from moe_train.model.documents import Documents
 from moe_train.model.loss import head_lm_loss
 from moe_train.model.moe import Experts, MoEFeedForward, SwiGLU
@@ -112,6 +113,9 @@ class Transformer(nn.Module):
         empty = torch.empty(0, config.d_model // config.n_heads // 2)
         self.register_buffer("rope_cos", empty, persistent=False)
         self.register_buffer("rope_sin", empty.clone(), persistent=False)
+        self.context: ContextShard | None = None
+        """This rank's part of each sequence under context parallelism (set by
+        `apply_context_parallel`): inputs and targets hold its positions alone."""
         if not self.rope_cos.is_meta:
             self.init_weights(seed)
 
@@ -189,6 +193,8 @@ class Transformer(nn.Module):
             raise ValueError("forward needs the whole model; use run_layers on a part of it")
         if cache is not None and (targets_BS is not None or documents is not None):
             raise ValueError("forward takes targets or documents, or a KV cache, not both")
+        if cache is not None and self.context is not None:
+            raise ValueError("a KV cache does not work under context parallelism")
         if targets_BS is not None:
             x_BSD = self.run_layers(tokens_BS, list(self.blocks), embed=True, documents=documents)
             return self.head_loss(x_BSD, targets_BS, loss_normalizer)
@@ -240,8 +246,14 @@ class Transformer(nn.Module):
         documents: Documents | None = None,
     ) -> Tensor:
         """Embed tokens (if `embed`), run the named blocks in order, apply the head (if `head`);
-        with `documents`, attention stays inside each document."""
-        cos, sin = self.rope(x.shape[1])
+        with `documents`, attention stays inside each document. Under context parallelism
+        `x` holds this rank's positions and `documents` are those of the whole sequences."""
+        if self.context is None:
+            cos, sin = self.rope(x.shape[1])
+        else:
+            cos, sin = self.rope(x.shape[1] * self.context.cp)
+            positions = self.context.positions(x.shape[1], cos.device)
+            cos, sin = cos[positions], sin[positions]
         if embed:
             x = self.embed(x)
         for layer in layers:

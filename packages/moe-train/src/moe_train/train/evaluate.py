@@ -21,9 +21,10 @@ from torch import Tensor
 
 from moe_train.config import Config
 from moe_train.data import TokenDataset
-from moe_train.data.labels import inputs_and_targets, trained_targets
+from moe_train.data.labels import trained_targets
 from moe_train.errors import DataError
 from moe_train.model import Documents, head_lm_loss
+from moe_train.train.micro_batches import model_inputs
 from moe_train.train.runtime import Runtime
 from moe_train.train.step import StepRunner
 
@@ -67,7 +68,13 @@ class Evaluator:
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         masked = self.config.data.label_mask
         # With a mask, micro-batch losses are sums (normalizer 1) and the targets are counted.
+        # Under context parallelism each rank's loss is its part of the micro-batch mean.
         normalizer = torch.ones((), device=self.runtime.device) if masked else None
+        if not masked and self.runtime.layout.cp > 1:
+            data = self.config.data
+            normalizer = torch.tensor(
+                float(data.micro_batch_size * data.seq_len), device=self.runtime.device
+            )
         totals = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
         model.eval()
         try:
@@ -82,8 +89,9 @@ class Evaluator:
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
         loss_sum, trained = self.runtime.sum_over_world(totals).tolist()
-        if masked:  # the pp ranks of a data-parallel rank count the same rows
-            return loss_sum / max(trained / self.runtime.layout.pp, 1.0)
+        if masked:  # the pp and cp ranks of a data-parallel rank count the same rows
+            layout = self.runtime.layout
+            return loss_sum / max(trained / (layout.pp * layout.cp), 1.0)
         return loss_sum / (runner.num_micro * self.config.eval.batches)
 
     def _micro_loss(
@@ -93,10 +101,7 @@ class Evaluator:
         attention inside its `documents` as in training; with `normalizer`, it carries a
         label mask (see `head_lm_loss`)."""
         runner = self.runner
-        if normalizer is None:
-            inputs, targets = micro[:, :-1], micro[:, 1:]
-        else:
-            inputs, targets = inputs_and_targets(micro)
+        inputs, targets = model_inputs(micro, normalizer is not None, runner.model.context)
         if runner.pipeline is None:
             with runner.autocast():
                 return runner.model(

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_train.data.labels import token_ids
-from moe_train.model import Documents
+from moe_train.data.labels import inputs_and_targets, token_ids
+from moe_train.model import ContextShard, Documents
 
 
 @dataclass(frozen=True)
@@ -46,3 +46,20 @@ class MicroBatches:
         """Each micro-batch [mbs, seq+1] with its documents (None without masking)."""
         for index, micro in enumerate(self.tokens):
             yield micro, self.documents[index] if self.documents is not None else None
+
+
+def model_inputs(
+    tokens: torch.Tensor, masked: bool, context: ContextShard | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets [..., S] of token rows [..., S + 1] (with IGNORE_INDEX targets
+    where a label mask says so when `masked`); under context parallelism (`context`), this
+    rank's positions [..., 2 C] of them."""
+    if masked:
+        inputs, targets = inputs_and_targets(tokens)
+    else:
+        inputs, targets = tokens[..., :-1], tokens[..., 1:]
+    if context is None:
+        return inputs, targets
+    rows = inputs.shape[:-1]
+    inputs, targets = (context.local(t.reshape(-1, t.shape[-1])) for t in (inputs, targets))
+    return inputs.view(*rows, -1), targets.view(*rows, -1)

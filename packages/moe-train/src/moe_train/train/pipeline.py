@@ -23,10 +23,9 @@ from torch import Tensor, nn
 
 from moe_parallel import Layout
 from moe_train.config import Config
-from moe_train.data.labels import inputs_and_targets
 from moe_train.errors import ConfigError
 from moe_train.model import Documents, Transformer, head_lm_loss
-from moe_train.train.micro_batches import MicroBatches
+from moe_train.train.micro_batches import MicroBatches, model_inputs
 
 
 @dataclass(frozen=True)
@@ -170,6 +169,7 @@ class PipelineRunner:
             "interleaved_1f1b": ScheduleInterleaved1F1B,
         }
         self.plan = plan
+        self._context = model.context
         self.num_micro_total = num_micro_total
         self._autocast = autocast
         self._head_weight = model.head.weight if plan.has_last else None
@@ -177,7 +177,7 @@ class PipelineRunner:
         self.loss_normalizer: Tensor | None = None
         """The step's `accumulate_gradients` normalizer (None: the batch has no mask)."""
         data, model_config = config.data, config.model
-        micro_shape = (data.micro_batch_size, data.seq_len)
+        micro_shape = (data.micro_batch_size, data.seq_len // layout.cp)  # the rank's positions
         # Shapes and dtypes of what stages exchange (static: no shape-inference pass). Hidden
         # states need gradients, so the stages also exchange their gradients in backward.
         hidden = torch.empty(
@@ -235,10 +235,7 @@ class PipelineRunner:
         for stage in self.stages:
             stage.submod.expect(micro_batches.documents)
         tokens = micro_batches.tokens
-        if loss_normalizer is None:
-            inputs, targets = tokens[:, :, :-1], tokens[:, :, 1:]
-        else:
-            inputs, targets = inputs_and_targets(tokens)
+        inputs, targets = model_inputs(tokens, loss_normalizer is not None, self._context)
         # Contiguous: the schedule splits these into micro-batches, and some torch versions
         # (2.11) check each one's strides against the stage's static input shape.
         inputs = inputs.flatten(0, 1).contiguous()

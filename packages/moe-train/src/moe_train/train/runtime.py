@@ -209,14 +209,17 @@ def check_topology(config: Config, world_size: int) -> None:
     too, so that the two never disagree)."""
     parallel, moe, data = config.parallel, config.model.moe, config.data
     try:
-        dp = check_layout(world_size, parallel.pp, parallel.ep, moe.num_experts)
+        dp = check_layout(world_size, parallel.pp, parallel.ep, moe.num_experts, parallel.cp)
     except LayoutError as e:
         raise ConfigError(str(e)) from e
     num_micro = data.global_batch_size // data.micro_batch_size
-    if num_micro % dp:
+    batch_ranks = dp // parallel.cp
+    if num_micro % batch_ranks:
+        split = f" / parallel.cp={parallel.cp}" if parallel.cp > 1 else ""
         raise ConfigError(
             f"data.global_batch_size / data.micro_batch_size = {num_micro} micro-batches must "
-            f"be a multiple of the data-parallel size {dp} (each rank takes whole micro-batches)"
+            f"be a multiple of the data-parallel size {batch_ranks}{split} (each rank takes "
+            f"whole micro-batches)"
         )
     if parallel.ep > 1 and parallel.dispatcher == "local":
         raise ConfigError(
@@ -254,5 +257,6 @@ def start_runtime(config: Config, device: torch.device | None = None) -> Runtime
         config.parallel.ep,
         config.model.moe.num_experts,
         timeout=timedelta(seconds=config.parallel.timeout_s),
+        cp=config.parallel.cp,
     )
     return Runtime(device=device, layout=layout, owns_process_group=owns_process_group)

@@ -30,12 +30,14 @@ from moe_parallel import (
     is_expert_parameter,
 )
 from moe_train.config import Config
-from moe_train.data.labels import inputs_and_targets, trained_targets
+from moe_train.data.labels import trained_targets
 from moe_train.errors import ConfigError
 from moe_train.model import (
+    ContextShard,
     DispatcherFactory,
     Transformer,
     apply_compile,
+    apply_context_parallel,
     apply_expert_gemm,
     apply_expert_parallel,
     apply_param_dtype,
@@ -45,7 +47,7 @@ from moe_train.model import (
     materialize,
 )
 from moe_train.model.routing_stats import RoutingStats
-from moe_train.train.micro_batches import MicroBatches
+from moe_train.train.micro_batches import MicroBatches, model_inputs
 from moe_train.train.pipeline import PipelineRunner, StagePlan, plan_stages
 from moe_train.train.routing import StepRouting, max_over_mean
 from moe_train.train.runtime import Runtime
@@ -96,14 +98,18 @@ def build_rank_model(
     dispatchers: DispatcherFactory,
     plan: StagePlan | None,
     device: torch.device,
+    context: ContextShard | None = None,
 ) -> Transformer:
     """This rank's part of the model on `device`: the single-process model built on the meta
-    device, given its experts (those of `dispatchers`) and its pipeline stages (`plan`, None
-    without pipeline parallelism), then materialised and initialised as the single-process
-    model is (see `moe_train.model.parallelize`)."""
+    device, given its experts (those of `dispatchers`), its part of each sequence (`context`,
+    None without context parallelism) and its pipeline stages (`plan`, None without pipeline
+    parallelism), then materialised and initialised as the single-process model is (see
+    `moe_train.model.parallelize`)."""
     with torch.device("meta"):
         model = Transformer(config.model)
     apply_expert_parallel(model, dispatchers)
+    if context is not None:
+        apply_context_parallel(model, context)
     if plan is not None:
         apply_pipeline_split(model, plan.layers, first=plan.has_first, last=plan.has_last)
     materialize(model, device, config.train.seed)
@@ -185,15 +191,13 @@ def accumulate_gradients(
     """Forward and backward of each micro-batch; the sum of their LM losses. With their
     documents, attention stays inside each document. With `loss_normalizer`, the
     micro-batches carry a label mask (`moe_train.data.labels`) and each one's loss is its sum
-    over trained targets divided by the normalizer."""
+    over trained targets divided by the normalizer (which context parallelism needs too, the
+    rank holding part of each micro-batch's targets)."""
     lm_loss_sum = torch.zeros((), device=micro_batches.tokens.device, dtype=torch.float64)
     for index, (micro, documents) in enumerate(micro_batches):
         if index == len(micro_batches) - 1:
             reducer.arm()  # gradient reductions overlap this last backward
-        if loss_normalizer is None:
-            inputs, targets = micro[:, :-1], micro[:, 1:]
-        else:
-            inputs, targets = inputs_and_targets(micro)
+        inputs, targets = model_inputs(micro, loss_normalizer is not None, model.context)
         with autocast():
             loss = model(
                 inputs, targets_BS=targets, documents=documents, loss_normalizer=loss_normalizer
@@ -295,8 +299,8 @@ class StepRunner:
         self.param_dtype = DTYPES[config.precision.param_dtype]
         self.num_micro = data.global_batch_size // data.micro_batch_size
         """Micro-batches of a step, over all dp ranks."""
-        self.my_micro = self.num_micro // layout.dp
-        self.first_micro = layout.dp_rank * self.my_micro
+        self.my_micro = self.num_micro // layout.batch_ranks
+        self.first_micro = layout.batch_rank * self.my_micro
         plan = (
             plan_stages(
                 config.model.n_layers, layout.pp, layout.pp_rank, config.parallel.virtual_stages
@@ -304,8 +308,15 @@ class StepRunner:
             if layout.pp > 1
             else None
         )
+        context = (
+            ContextShard(layout.cp, layout.cp_rank, layout.cp_group) if layout.cp > 1 else None
+        )
         self.model = build_rank_model(
-            config, dispatchers or layer_dispatchers(config, layout.ep_group, device), plan, device
+            config,
+            dispatchers or layer_dispatchers(config, layout.ep_group, device),
+            plan,
+            device,
+            context,
         )
         _apply_training_choices(self.model, config, device)
         self.model.set_aux_loss_scale(1.0 / self.num_micro)
@@ -381,8 +392,10 @@ class StepRunner:
         of this rank's `micro_batches` (an int64 tensor on every rank)."""
         count = trained_targets(micro_batches.tokens).reshape(1)
         # One all-reduce of one number: each rank reads only its own rows. The pp ranks of a
-        # data-parallel rank read the same rows, so the world's sum counts them pp times.
-        return self.runtime.sum_over_world(count)[0] // self.runtime.layout.pp
+        # data-parallel rank and its cp ranks read the same rows, so the world's sum counts
+        # them pp x cp times.
+        layout = self.runtime.layout
+        return self.runtime.sum_over_world(count)[0] // (layout.pp * layout.cp)
 
     def loss_normalizer(self, trained_tokens: torch.Tensor) -> torch.Tensor:
         """Each micro-batch's share of the step's trained tokens: with its loss the sum over
@@ -418,8 +431,13 @@ class StepRunner:
             lm_loss_sum = self.forward_backward(micro_batches, self.loss_normalizer(trained))
             trained_tokens = int(trained)
         else:
-            lm_loss_sum = self.forward_backward(micro_batches)
             trained_tokens = data.global_batch_size * data.seq_len
+            normalizer = None
+            if self.runtime.layout.cp > 1:  # each rank holds part of each micro-batch
+                normalizer = self.loss_normalizer(
+                    torch.tensor(trained_tokens, device=self.runtime.device)
+                )
+            lm_loss_sum = self.forward_backward(micro_batches, normalizer)
         grad_norm = self.reduce_and_clip()
         stats = replace(self.step_stats(lm_loss_sum), trained_tokens=trained_tokens)
         applied = stats.finite and math.isfinite(grad_norm)
