@@ -4,11 +4,11 @@ without document masking; resumes between cp sizes continue the uninterrupted ru
 layouts of a world size train in one spawn."""
 
 import pytest
+from test_document_masking import _short_documents
 
 from harness.ranks import run_distributed
 from moe_train.config import config_from_dict
 from moe_train.train import train
-from test_document_masking import _short_documents
 from training import assert_losses_match, small_config_data, train_cases
 
 STEPS = 20
@@ -19,8 +19,8 @@ def _case(tmp_path, data_dir, name, parallel, masking, **train_section) -> dict:
     data = small_config_data(
         tmp_path / name,
         data_dir,
-        model={"vocab_size": 320, "n_layers": 4, "moe": {"bias_update_rate": 0.01}},
-        data={"micro_batch_size": 2, "document_masking": masking},
+        model={"vocab_size": 320, "moe": {"bias_update_rate": 0.01}},
+        data={"global_batch_size": 4, "micro_batch_size": 2, "document_masking": masking},
         train={"max_steps": STEPS, **train_section},
         parallel=parallel,
     )
@@ -41,7 +41,7 @@ def single_process(documents_dir, tmp_path_factory):
     for masking in (False, True):
         data = _case(root, documents_dir, f"single_{masking}", {}, masking)
         if not masking:
-            data["checkpoint"] = {"interval": RESUMED_AT, "interval_minutes": 0, "keep_last": 5}
+            data["checkpoint"] = SAVES_HALFWAY
         losses[masking] = train(config_from_dict(data)).losses
     return losses, root / "single_False" / "checkpoints" / f"step_{RESUMED_AT:08d}"
 
@@ -50,6 +50,9 @@ def _resume_case(tmp_path, data_dir, name, parallel, checkpoint) -> dict:
     data = _case(tmp_path, data_dir, name, parallel, False)
     data["checkpoint"] = {"resume": str(checkpoint), "interval": 0, "interval_minutes": 0}
     return data
+
+
+SAVES_HALFWAY = {"interval": RESUMED_AT, "interval_minutes": 0, "keep_last": 5}
 
 
 @pytest.mark.slow
@@ -69,3 +72,39 @@ def test_cp2_on_two_ranks_matches_single_process(documents_dir, single_process, 
     assert_losses_match("cp2", losses["cp2_False"], single)
     assert_losses_match("cp2 masked", losses["cp2_True"], single_masked)
     assert_losses_match("cp1 -> cp2", losses["resume_cp2"], single[RESUMED_AT:])
+
+
+@pytest.mark.slow
+def test_cp2_with_experts_and_pipelines_on_four_ranks(documents_dir, single_process, tmp_path):
+    """cp2 x ep2 (experts spread over the context ranks; with the distributed optimizer and
+    full recompute, and with the rowwise dispatcher under masking) and cp2 x pp2 (1f1b with
+    selective recompute, and gpipe), each without and with document masking; then a
+    cp1 run (dp2 x pp2) resumes the cp2 x ep2 run's checkpoint."""
+    (single, single_masked), _ = single_process[0].values(), single_process[1]
+    layouts = {
+        "cp2_ep2": (
+            {"cp": 2, "ep": 2, "distributed_optimizer": True, "recompute": "full"},
+            {"cp": 2, "ep": 2, "dispatcher": "rowwise"},
+        ),
+        "cp2_pp2": (
+            {"cp": 2, "pp": 2, "recompute": "selective"},
+            {"cp": 2, "pp": 2, "pp_schedule": "gpipe"},
+        ),
+    }
+    cases = {}
+    for name, (plain, masked) in layouts.items():
+        cases[name] = _case(tmp_path, documents_dir, name, plain, False)
+        cases[f"{name}_masked"] = _case(tmp_path, documents_dir, f"{name}_masked", masked, True)
+    cases["cp2_ep2"]["checkpoint"] = SAVES_HALFWAY
+    # Rowwise buffers: capacity 4 x the even share is more than any expert can receive.
+    cases["cp2_ep2_masked"]["model"]["moe"]["capacity_factor"] = 4.0
+    halfway = tmp_path / "cp2_ep2" / "checkpoints" / f"step_{RESUMED_AT:08d}"
+    # Two micro-batches a step: dp2 x pp2 (gpipe) is the cp1 layout of four ranks.
+    cp1 = {"pp": 2, "pp_schedule": "gpipe"}
+    cases["resume_cp1"] = _resume_case(tmp_path, documents_dir, "resume_cp1", cp1, halfway)
+    per_rank = run_distributed(train_cases, world_size=4, args=(cases,), timeout=600)
+    losses = per_rank[0]
+    for name in layouts:
+        assert_losses_match(name, losses[name], single)
+        assert_losses_match(f"{name} masked", losses[f"{name}_masked"], single_masked)
+    assert_losses_match("cp2 -> cp1", losses["resume_cp1"], single[RESUMED_AT:])

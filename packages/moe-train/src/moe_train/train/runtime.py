@@ -231,7 +231,7 @@ def check_topology(config: Config, world_size: int) -> None:
             "parallel.dispatcher=rowwise needs model.moe.capacity_factor (its buffers are "
             "sized by it); set it, e.g. --model.moe.capacity_factor=2.0"
         )
-    check_pipeline(config, dp)
+    check_pipeline(config, batch_ranks)
 
 
 def start_runtime(config: Config, device: torch.device | None = None) -> Runtime:

@@ -236,7 +236,8 @@ class Trainer:
             (
                 "layout",
                 f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}: pp "
-                f"{layout.pp}, dp {layout.dp}, ep "
+                f"{layout.pp}, dp {layout.batch_ranks}"
+                f"{f', cp {layout.cp}' if layout.cp > 1 else ''}, ep "
                 f"{layout.ep} on {self.runtime.device.type}; peak {self.peak / 1e12:.2f} TFLOP/s "
                 f"per device ({self.peak_source})",
             ),
