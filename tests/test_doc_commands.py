@@ -126,6 +126,11 @@ COMMANDS: dict[str, Run | Skip] = {
         "4 processes under torchrun; tests/moe_train/test_pipeline_training.py trains "
         "pp=2 x ep=2 x dp=2 with the distributed optimizer against one process"
     ),
+    "torchrun --nproc-per-node 4 -m moe_train.cli train configs/tiny.yaml --parallel.cp=2 "
+    "--parallel.ep=2 --data.micro_batch_size=4": Skip(
+        "4 processes under torchrun; tests/moe_train/test_context_parallel_training.py trains "
+        "cp=2 x ep=2 on 4 ranks against one process"
+    ),
     "torchrun --nproc-per-node 8 -m moe_train.cli train configs/olmoe-1b-7b.yaml "
     "--train.run_dir=runs/olmoe --checkpoint.resume=auto": Skip("8 GPUs"),
     # docs/planner.md
