@@ -19,18 +19,22 @@ from moe_parallel import (
 
 
 @pytest.mark.parametrize(
-    ("world", "pp", "ep", "experts", "message"),
+    ("world", "pp", "ep", "experts", "message", "cp"),
     [
-        (4, 3, 1, None, "parallel.pp=3 must divide the world size 4"),
-        (4, 1, 3, None, "parallel.ep=3 must divide the data-parallel size 4"),
-        (4, 2, 4, None, "parallel.ep=4 must divide the data-parallel size 2"),
-        (4, 1, 4, 6, "parallel.ep=4 must divide model.moe.num_experts=6"),
+        (4, 3, 1, None, "parallel.pp=3 must divide the world size 4", 1),
+        (4, 1, 3, None, "parallel.ep=3 must divide the data-parallel size 4", 1),
+        (4, 2, 4, None, "parallel.ep=4 must divide the data-parallel size 2", 1),
+        (4, 1, 4, 6, "parallel.ep=4 must divide model.moe.num_experts=6", 1),
+        (4, 1, 1, None, "parallel.cp=3 must divide the data-parallel size 4", 3),
+        (4, 2, 1, None, "parallel.cp=4 must divide the data-parallel size 2", 4),
+        (4, 1, 1, None, "parallel.cp=0 must be at least 1", 0),
     ],
 )
-def test_check_layout_errors(world, pp, ep, experts, message):
+def test_check_layout_errors(world, pp, ep, experts, message, cp):
     with pytest.raises(LayoutError, match=message):
-        check_layout(world, pp, ep, experts)
+        check_layout(world, pp, ep, experts, cp)
     assert check_layout(8, 2, 2, 8) == 4
+    assert check_layout(8, 2, 4, 8, cp=2) == 4, "ep divides dp x cp"
 
 
 class _Toy(nn.Module):

@@ -4,8 +4,12 @@ attention over the whole sequence: every rank of cp 1, 2 and 4 simulated in one 
 import pytest
 import torch
 
+from moe_train.config import config_from_dict
+from moe_train.errors import ConfigError
 from moe_train.model import Documents
 from moe_train.model.context_parallel import ContextShard, attention_blocks, local_context_attention
+from moe_train.train.runtime import check_topology
+from training import small_config_data
 
 
 def reference_attention(q, k, v, document_ids):
@@ -83,3 +87,28 @@ def test_head_tail_split_balances_causal_work():
                 )
             )
         assert len(set(pairs)) == 1, pairs
+
+
+@pytest.mark.parametrize(
+    ("world", "parallel", "data", "message"),
+    [
+        (2, {"cp": 4}, {}, "parallel.cp=4 must divide the data-parallel size 2"),
+        (4, {"cp": 2, "ep": 3}, {}, "parallel.ep=3 must divide the data-parallel size 4"),
+        (
+            4,
+            {"cp": 2},
+            {"global_batch_size": 4, "micro_batch_size": 4},
+            "1 micro-batches must be a multiple of the data-parallel size 2 / parallel.cp=2",
+        ),
+        (2, {"cp": 2}, {"seq_len": 30}, r"data.seq_len=30 must be a multiple of 2 x parallel.cp=4"),
+    ],
+)
+def test_layouts_context_parallelism_cannot_use_name_the_key(
+    tmp_path, token_file, world, parallel, data, message
+):
+    with pytest.raises(ConfigError, match=message) as raised:
+        config = config_from_dict(
+            small_config_data(tmp_path, token_file, parallel=parallel, data=data)
+        )
+        check_topology(config, world)
+    assert "\n" not in str(raised.value)
