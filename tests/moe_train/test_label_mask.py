@@ -175,6 +175,7 @@ LAYOUTS = {
     "dp2_distributed_optimizer_recompute": {"distributed_optimizer": True, "recompute": "full"},
     "ep2": {"ep": 2, "dispatcher": "all_to_all"},
     "pp2": {"pp": 2},
+    "cp2": {"cp": 2},
 }
 
 
@@ -192,8 +193,8 @@ def _masked_run(data_dir, run_dir, parallel):
 
 @pytest.mark.slow
 def test_layouts_reproduce_single_process_masked_losses(tmp_path):
-    """20 fp32 steps with a label mask, document masking and evaluation on dp2, ep2, pp2 and
-    dp2 with the distributed optimizer and recompute, all in one spawn: the single-process
+    """20 fp32 steps with a label mask, document masking and evaluation on dp2, ep2, pp2, cp2
+    and dp2 with the distributed optimizer and recompute, all in one spawn: the single-process
     losses."""
     from harness.ranks import run_distributed
     from moe_train.train import read_metrics, train
