@@ -17,9 +17,9 @@ log-sum-exp, which gives exact gradients (as ring flash attention does). With do
 document runs the same two calls, within its own positions.
 
 The kernels are the private flash-attention ops that return the log-sum-exp:
-`_scaled_dot_product_flash_attention_for_cpu` on the CPU (tested) and
-`_scaled_dot_product_flash_attention` on CUDA (written to the same contract, not yet run on a
-GPU).
+`_scaled_dot_product_flash_attention_for_cpu` on the CPU (tested, any float dtype) and
+`_scaled_dot_product_flash_attention` on CUDA (bf16 or fp16 only; written to the same contract,
+not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -203,6 +203,11 @@ def _flash_forward(
     """(output, log-sum-exp [B, H, rows]) of one flash-attention call."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if q.device.type == "cuda":
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"context-parallel attention on CUDA runs the flash kernel, which takes bf16 or "
+                f"fp16 inputs, not {q.dtype}; compute in bfloat16"
+            )
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale
         )
