@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_train.config import Config
+from moe_train.errors import ConfigError
 from moe_train.plan.hardware import Device
 from moe_train.plan.layouts import (
     GIB,
@@ -49,6 +50,11 @@ class Plan:
 def make_plan(config: Config, world_size: int, device: Device, *, search: bool = True) -> Plan:
     """Evaluate the config's own layout and every candidate on `world_size` devices; when none
     fits, find the closest and (with `search`) the smallest device count that fits."""
+    if config.parallel.cp > 1:
+        raise ConfigError(
+            f"moe-train plan does not model context parallelism yet (parallel.cp="
+            f"{config.parallel.cp}); plan the layout with parallel.cp=1"
+        )
     own = evaluate(config, world_size, device)
     seen: set[str] = set()
     fitting, rejected = [], []
