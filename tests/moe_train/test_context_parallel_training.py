@@ -1,14 +1,14 @@
 """Context parallelism (parallel.cp) trains as one process does: fp32, the same global and
 micro batch, each layout against the single-process losses within 1e-5 relative, with and
 without document masking; resumes between cp sizes continue the uninterrupted run. All
-layouts of a world size train in one spawn."""
+layouts of a world size train in one spawn, evaluating as they go."""
 
 import pytest
 from test_document_masking import _short_documents
 
 from harness.ranks import run_distributed
 from moe_train.config import config_from_dict
-from moe_train.train import train
+from moe_train.train import read_metrics, train
 from training import assert_losses_match, small_config_data, train_cases
 
 STEPS = 20
@@ -23,6 +23,7 @@ def _case(tmp_path, data_dir, name, parallel, masking, **train_section) -> dict:
         data={"global_batch_size": 4, "micro_batch_size": 2, "document_masking": masking},
         train={"max_steps": STEPS, **train_section},
         parallel=parallel,
+        eval={"paths": [str(data_dir)], "interval": RESUMED_AT, "batches": 1},
     )
     return data
 
@@ -34,8 +35,9 @@ def documents_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single_process(documents_dir, tmp_path_factory):
-    """Single-process losses without and with document masking, and a checkpoint halfway
-    through the unmasked run (the cp1 -> cp2 resume starts from it)."""
+    """Single-process losses without and with document masking (by masking), and the folder
+    of their runs, `single_False` and `single_True`; the unmasked one saves a checkpoint
+    halfway (the cp1 -> cp2 resume starts from it)."""
     root = tmp_path_factory.mktemp("cp_single")
     losses = {}
     for masking in (False, True):
@@ -43,7 +45,21 @@ def single_process(documents_dir, tmp_path_factory):
         if not masking:
             data["checkpoint"] = SAVES_HALFWAY
         losses[masking] = train(config_from_dict(data)).losses
-    return losses, root / "single_False" / "checkpoints" / f"step_{RESUMED_AT:08d}"
+    return losses, root
+
+
+def eval_losses(run_dir) -> list[float]:
+    """The evaluation losses a run logged, in step order."""
+    return [
+        row["eval_loss"] for row in read_metrics(run_dir / "metrics.jsonl") if "eval_loss" in row
+    ]
+
+
+def assert_evaluations_match(name: str, run_dir, reference_dir) -> None:
+    """The run evaluated at steps 10 and 20 as the reference did, within 1e-5 relative."""
+    reference = eval_losses(reference_dir)
+    assert len(reference) == STEPS // RESUMED_AT, reference
+    assert_losses_match(f"{name} eval", eval_losses(run_dir), reference)
 
 
 def _resume_case(tmp_path, data_dir, name, parallel, checkpoint) -> dict:
@@ -57,7 +73,8 @@ SAVES_HALFWAY = {"interval": RESUMED_AT, "interval_minutes": 0, "keep_last": 5}
 
 @pytest.mark.slow
 def test_cp2_on_two_ranks_matches_single_process(documents_dir, single_process, tmp_path):
-    (single, single_masked), single_checkpoint = single_process[0].values(), single_process[1]
+    (single, single_masked), single_root = single_process[0].values(), single_process[1]
+    single_checkpoint = single_root / "single_False" / "checkpoints" / f"step_{RESUMED_AT:08d}"
     cases = {}
     for masking in (False, True):
         cases[f"cp2_{masking}"] = _case(
@@ -71,6 +88,9 @@ def test_cp2_on_two_ranks_matches_single_process(documents_dir, single_process, 
     losses = per_rank[0]
     assert_losses_match("cp2", losses["cp2_False"], single)
     assert_losses_match("cp2 masked", losses["cp2_True"], single_masked)
+    for masking in (False, True):
+        single_dir = single_root / f"single_{masking}"
+        assert_evaluations_match(f"cp2 {masking}", tmp_path / f"cp2_{masking}", single_dir)
     assert_losses_match("cp1 -> cp2", losses["resume_cp2"], single[RESUMED_AT:])
 
 
@@ -80,7 +100,7 @@ def test_cp2_with_experts_and_pipelines_on_four_ranks(documents_dir, single_proc
     full recompute, and with the rowwise dispatcher under masking) and cp2 x pp2 (1f1b with
     selective recompute, and gpipe), each without and with document masking; then a
     cp1 run (dp2 x pp2) resumes the cp2 x ep2 run's checkpoint."""
-    (single, single_masked), _ = single_process[0].values(), single_process[1]
+    (single, single_masked), single_root = single_process[0].values(), single_process[1]
     layouts = {
         "cp2_ep2": (
             {"cp": 2, "ep": 2, "distributed_optimizer": True, "recompute": "full"},
@@ -107,4 +127,8 @@ def test_cp2_with_experts_and_pipelines_on_four_ranks(documents_dir, single_proc
     for name in layouts:
         assert_losses_match(name, losses[name], single)
         assert_losses_match(f"{name} masked", losses[f"{name}_masked"], single_masked)
+        assert_evaluations_match(name, tmp_path / name, single_root / "single_False")
+        assert_evaluations_match(
+            f"{name} masked", tmp_path / f"{name}_masked", single_root / "single_True"
+        )
     assert_losses_match("cp2 -> cp1", losses["resume_cp1"], single[RESUMED_AT:])
