@@ -8,6 +8,9 @@ from typing import Literal
 from moe_train.config.checks import _non_negative, _positive
 from moe_train.errors import ConfigError
 
+LoadBalanceScope = Literal["micro_batch", "sequence", "global_batch"]
+"""What the load-balancing loss's expert frequencies are counted over (`MoEConfig.lb_scope`)."""
+
 
 @dataclass(kw_only=True)
 class MoEConfig:
@@ -25,6 +28,13 @@ class MoEConfig:
     """Rescale the chosen experts' scores to sum to one."""
     lb_loss_weight: float = 0.01
     """Weight of the load-balancing auxiliary loss (0 turns it off)."""
+    lb_scope: LoadBalanceScope = "micro_batch"
+    """Where the load-balancing loss E * sum_e f_e * P_e measures balance. micro_batch:
+    routed fractions f and mean probabilities P of each micro-batch. sequence: of each
+    sequence, averaged over sequences (DeepSeek-V3's sequence-wise loss). global_batch: f
+    over the previous step's whole global batch (every micro-batch and rank; even before the
+    first step), P of each micro-batch, so the loss is the same in every layout and
+    micro-batch size (Qwen's global-batch balancing; see docs/routing.md)."""
     z_loss_weight: float = 0.001
     """Weight of the router z-loss on the logits (0 turns it off)."""
     bias_update_rate: float = 0.0

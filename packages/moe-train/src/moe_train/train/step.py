@@ -212,6 +212,9 @@ def reduce_step_stats(
 
     Every rank contributes a row for every MoE layer of the whole model (zeros for layers it
     does not hold), so ranks on different pipeline stages reduce tensors of the same shape.
+    This sum over the whole world (every data, expert and pipeline rank) is the one place
+    the step's routing counts are reduced: the balancing bias and the global_batch scope's
+    routed fractions (`update_balancing_biases`) both read its totals.
     """
     model_config = model.config
     num_experts = model_config.moe.num_experts
@@ -239,6 +242,7 @@ def reduce_step_stats(
         kept_LE=summed.kept_per_expert.round().long(),
         lb_loss_L=summed.lb_loss_sum / num_micro,
         ep=runtime.layout.ep,
+        lb_scope=model_config.moe.lb_scope,
     )
     return StepStats(
         lm_loss=lm_loss,
@@ -252,11 +256,14 @@ def reduce_step_stats(
 
 
 def update_balancing_biases(model: Transformer, copies_LE: torch.Tensor | None) -> None:
-    """Step each MoE router's balancing bias from its layer's copies per expert."""
+    """Step each MoE router's balancing bias from its layer's copies per expert over the
+    step's global batch, and (lb_scope: global_batch) the routed fractions of its loss."""
     if copies_LE is None:
         return
     for index, layer in model.moe_layers().items():
-        layer.router.update_bias(copies_LE[index - model.config.dense_layers])
+        copies_E = copies_LE[index - model.config.dense_layers]
+        layer.router.update_bias(copies_E)
+        layer.router.set_routed_fraction(copies_E)
 
 
 @dataclass(frozen=True)
