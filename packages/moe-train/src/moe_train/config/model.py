@@ -187,6 +187,13 @@ class ModelConfig:
     """Standard deviation of the normal weight initialisation."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """The mixture-of-experts feed-forward blocks."""
+    mtp_depth: int = 0
+    """Multi-token-prediction modules (DeepSeek-V3's MTP): module k combines the hidden state
+    before it with the embedding of the token k ahead and predicts the token k + 1 ahead
+    through one more block (dense feed-forward) and the shared output head; 0 turns them off.
+    Training only: generation and Hugging Face exports leave them out."""
+    mtp_loss_weight: float = 0.3
+    """Weight of the MTP loss (the mean of the modules' cross-entropies) in the objective."""
 
     def validate(self, path: str) -> None:
         _positive(self, path, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads")
@@ -209,5 +216,6 @@ class ModelConfig:
                 f"{path}.dense_layers={self.dense_layers} must be between 0 and "
                 f"{path}.n_layers={self.n_layers}"
             )
+        _non_negative(self, path, "mtp_depth", "mtp_loss_weight")
         self.rope_scaling.validate(f"{path}.rope_scaling")
         self.moe.validate(f"{path}.moe")

@@ -40,6 +40,7 @@ class Config:
                 "model.tie_embeddings=true cannot be split over pipeline stages (the embedding is "
                 "on the first, the head on the last); set it to false or parallel.pp=1"
             )
+        self._validate_mtp()
         optim, max_steps = self.optim, self.train.max_steps
         if optim.name == "muon" and self.parallel.distributed_optimizer:
             raise ConfigError(
@@ -53,6 +54,23 @@ class Config:
                 f"{optim.decay_steps} must be at most train.max_steps={max_steps} with "
                 f"optim.schedule=wsd (its decay is the run's last decay_steps steps, after warmup)"
             )
+
+    def _validate_mtp(self) -> None:
+        """What model.mtp_depth needs from the data."""
+        depth, data = self.model.mtp_depth, self.data
+        if not depth:
+            return
+        if data.seq_len <= depth:
+            raise ConfigError(
+                f"model.mtp_depth={depth} needs data.seq_len={data.seq_len} to be larger "
+                f"(module k predicts k + 1 tokens ahead)"
+            )
+        for key in ("document_masking", "label_mask"):
+            if getattr(data, key):
+                raise ConfigError(
+                    f"model.mtp_depth={depth} does not work with data.{key} yet; "
+                    f"set data.{key}=false or model.mtp_depth=0"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

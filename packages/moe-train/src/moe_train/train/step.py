@@ -168,6 +168,9 @@ class StepStats:
     trained_tokens: int | None = None
     """Target tokens the loss is computed over, the whole global batch (every target
     without data.label_mask; the marked ones with it)."""
+    mtp_loss: float | None = None
+    """Multi-token-prediction loss (unweighted, mean over micro-batches and MTP modules), or
+    None without them (model.mtp_depth: 0)."""
 
     @property
     def finite(self) -> bool:
@@ -226,15 +229,17 @@ def reduce_step_stats(
     )
     for index, layer in model.moe_layers().items():
         rows[index] = layer.take_stats().pack()
-    totals = runtime.sum_over_world(torch.cat([lm_loss_sum.reshape(1), rows.flatten()]))
+    losses = torch.stack([lm_loss_sum.double(), model.take_mtp_loss().to(lm_loss_sum.device)])
+    totals = runtime.sum_over_world(torch.cat([losses, rows.flatten()]))
     first_moe = model_config.dense_layers
-    copies_LE = RoutingStats.unpack(totals[1:].view_as(rows)[first_moe:], num_experts)
+    copies_LE = RoutingStats.unpack(totals[2:].view_as(rows)[first_moe:], num_experts)
     host = totals.cpu()
     lm_loss = host[0].item() / num_micro
-    summed = RoutingStats.unpack(host[1:].view_as(rows)[first_moe:], num_experts)
+    mtp_loss = host[1].item() / num_micro if model_config.mtp_depth else None
+    summed = RoutingStats.unpack(host[2:].view_as(rows)[first_moe:], num_experts)
     num_moe_layers = len(summed.routed_copies)
     if not num_moe_layers:
-        return StepStats(lm_loss, 0.0, 0.0, 1.0, 0.0)
+        return StepStats(lm_loss, 0.0, 0.0, 1.0, 0.0, mtp_loss=mtp_loss)
     dropped, routed = summed.dropped_copies.sum().item(), summed.routed_copies.sum().item()
     routing = StepRouting(
         layers=tuple(range(first_moe, model_config.n_layers)),
@@ -252,6 +257,7 @@ def reduce_step_stats(
         dropped_fraction=dropped / routed if routed else 0.0,
         expert_copies_LE=copies_LE.copies_per_expert,
         routing=routing,
+        mtp_loss=mtp_loss,
     )
 
 

@@ -1,0 +1,115 @@
+"""Multi-token prediction (model.mtp_depth): the loss, layouts, resume, export, generation."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import transformers
+
+from harness.ranks import run_distributed
+from moe_train.cli import main
+from moe_train.config import config_from_dict
+from moe_train.model import Transformer
+from moe_train.train import read_metrics, train
+from training import small_config_data, small_model_config, train_cases
+
+STEPS = 8
+MTP = {"mtp_depth": 2, "mtp_loss_weight": 0.5}
+
+
+def _config_data(token_file, run_dir, **parallel) -> dict:
+    return small_config_data(
+        run_dir,
+        token_file,
+        model={**MTP, "moe": {"bias_update_rate": 0.01}},
+        data={"micro_batch_size": 2},
+        train={"max_steps": STEPS},
+        parallel=parallel,
+    )
+
+
+def _metric(run_dir, key: str) -> list[float]:
+    return [row[key] for row in read_metrics(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.slow
+def test_mtp_trains_and_expert_and_pipeline_parallel_match_single_process(
+    shared_token_file, tmp_path
+):
+    """One process, then ep2 and pp2 in one 2-rank spawn: LM and MTP losses within 1e-5
+    (fp32) at every step; the MTP loss falls."""
+    train(config_from_dict(_config_data(shared_token_file, tmp_path / "single")))
+    cases = {
+        "ep2": _config_data(shared_token_file, tmp_path / "ep2", ep=2),
+        "pp2": _config_data(shared_token_file, tmp_path / "pp2", pp=2),
+    }
+    run_distributed(train_cases, world_size=2, args=(cases,), timeout=600)
+    for key in ("loss", "mtp_loss"):
+        reference = _metric(tmp_path / "single", key)
+        assert len(reference) == STEPS and all(math.isfinite(v) for v in reference)
+        for name in cases:
+            values = _metric(tmp_path / name, key)
+            worst = max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
+            assert worst <= 1e-5, f"{name} {key}: {values} vs single process {reference}"
+    mtp = _metric(tmp_path / "single", "mtp_loss")
+    assert mtp[-1] < mtp[0] - 0.3, f"the MTP loss should fall: {mtp}"
+
+
+def test_mtp_modules_change_neither_logits_nor_the_lm_loss_value():
+    """The main model of a config with MTP modules is the one without them (same weights,
+    same logits: generation ignores the modules); its training forward returns the same LM
+    loss, and backward reaches the modules and the shared embedding through the MTP loss."""
+    plain_config = small_model_config()
+    with_mtp = Transformer(dataclasses.replace(plain_config, **MTP))
+    plain = Transformer(plain_config)
+    own = {k: v for k, v in with_mtp.state_dict().items() if not k.startswith("mtp.")}
+    assert own.keys() == plain.state_dict().keys()
+    assert all(torch.equal(own[k], v) for k, v in plain.state_dict().items())
+    tokens = torch.randint(
+        0, plain_config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        assert torch.equal(with_mtp(tokens[:, :-1]), plain(tokens[:, :-1]))
+    loss = with_mtp(tokens[:, :-1], targets_BS=tokens[:, 1:])
+    assert torch.equal(loss.detach(), plain(tokens[:, :-1], targets_BS=tokens[:, 1:]).detach())
+    assert with_mtp.last_mtp_loss is not None and with_mtp.last_mtp_loss > 0
+    loss.backward()
+    for name, param in with_mtp.named_parameters():
+        if name.startswith("mtp."):
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_resume_with_mtp_is_bitwise(tmp_path, make_config):
+    uninterrupted = train(make_config(tmp_path / "a", model=MTP, train={"max_steps": 4}))
+    first = train(
+        make_config(tmp_path / "b", model=MTP, train={"max_steps": 4}, checkpoint={"interval": 2})
+    )
+    assert first.losses == uninterrupted.losses
+    step2 = first.run_dir / "checkpoints" / "step_00000002"
+    resumed = train(
+        make_config(
+            tmp_path / "c", model=MTP, train={"max_steps": 4}, checkpoint={"resume": str(step2)}
+        )
+    )
+    assert resumed.losses == uninterrupted.losses[2:]
+    assert _metric(resumed.run_dir, "mtp_loss") == _metric(uninterrupted.run_dir, "mtp_loss")[2:]
+
+
+def test_export_leaves_the_mtp_modules_out_and_transformers_loads_the_rest(
+    make_config, tmp_path, capsys
+):
+    result = train(make_config(tmp_path, model=MTP, train={"max_steps": 1}))
+    out = tmp_path / "hf"
+    assert main(["export", str(result.checkpoint), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("multi-token-prediction module(s) (model.mtp_depth=2) are left out") == 1
+    hf_model, loading = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(loading[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = result.model.eval()(tokens)
+        theirs = hf_model.eval()(input_ids=tokens).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
