@@ -113,3 +113,23 @@ def test_export_leaves_the_mtp_modules_out_and_transformers_loads_the_rest(
         ours = result.model.eval()(tokens)
         theirs = hf_model.eval()(input_ids=tokens).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_parameter_and_flop_counts_include_the_mtp_modules():
+    """`count_params` counts the modules' parameters as the model holds them; the FLOPs per
+    token add six per matmul parameter a module applies (head included) and its attention."""
+    from moe_train.model import count_params, flops_per_token
+
+    plain_config = small_model_config()
+    config = dataclasses.replace(plain_config, **MTP)
+    held = sum(p.numel() for n, p in Transformer(config).named_parameters() if n.startswith("mtp."))
+    counts = count_params(config)
+    assert counts.mtp == held
+    assert counts.total == count_params(plain_config).total
+    d, vocab = config.d_model, config.vocab_size
+    kv = config.n_kv_heads * d // config.n_heads
+    per_module = 2 * d * d + d * (d + 2 * kv) + d * d + 3 * d * config.dense_hidden + vocab * d
+    assert counts.mtp_active == MTP["mtp_depth"] * per_module
+    attention = 3 * 2 * 2 * d * (16 / 2) * MTP["mtp_depth"]
+    added = flops_per_token(config, 16) - flops_per_token(plain_config, 16)
+    assert added == 6 * counts.mtp_active + attention
