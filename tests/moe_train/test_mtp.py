@@ -74,6 +74,26 @@ def test_mtp_modules_change_neither_logits_nor_the_lm_loss_value():
     loss = with_mtp(tokens[:, :-1], targets_BS=tokens[:, 1:])
     assert torch.equal(loss.detach(), plain(tokens[:, :-1], targets_BS=tokens[:, 1:]).detach())
     assert with_mtp.last_mtp_loss is not None and with_mtp.last_mtp_loss > 0
+    # Module 1 at position i: the main hidden state at i and the embedding of token i + 1
+    # predict token i + 2; module 2 continues from module 1's output at i and token i + 2.
+    inputs = tokens[:, :-1]
+    length = inputs.shape[1]
+    with torch.no_grad():
+        hidden = with_mtp.run_layers(inputs, list(with_mtp.blocks), embed=True)
+        cos, sin = with_mtp.rope(length)
+        expected = []
+        for k, module in enumerate(with_mtp.mtp.values(), start=1):
+            positions = length - k
+            ahead = with_mtp.embed(tokens[:, k : k + positions])
+            hidden = module(hidden[:, :positions], ahead, cos, sin)
+            logits = with_mtp.head(module.norm(hidden)).double()
+            wanted = tokens[:, k + 1 : k + 1 + positions]
+            expected.append(
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), wanted.flatten())
+            )
+    torch.testing.assert_close(
+        with_mtp.last_mtp_loss.double(), torch.stack(expected).mean(), rtol=1e-6, atol=0
+    )
     loss.backward()
     for name, param in with_mtp.named_parameters():
         if name.startswith("mtp."):
