@@ -100,7 +100,13 @@ def test_mtp_modules_change_neither_logits_nor_the_lm_loss_value():
             assert param.grad is not None and param.grad.abs().sum() > 0, name
 
 
-def test_resume_with_mtp_is_bitwise(tmp_path, make_config):
+@pytest.mark.slow
+def test_resume_with_mtp_is_bitwise_and_export_leaves_the_modules_out(
+    tmp_path, make_config, capsys
+):
+    """A run with MTP modules resumed from its step-2 checkpoint continues bitwise (LM and
+    MTP losses); its export says it leaves the modules out, and transformers loads the rest
+    with our logits."""
     uninterrupted = train(make_config(tmp_path / "a", model=MTP, train={"max_steps": 4}))
     first = train(
         make_config(tmp_path / "b", model=MTP, train={"max_steps": 4}, checkpoint={"interval": 2})
@@ -115,13 +121,9 @@ def test_resume_with_mtp_is_bitwise(tmp_path, make_config):
     assert resumed.losses == uninterrupted.losses[2:]
     assert _metric(resumed.run_dir, "mtp_loss") == _metric(uninterrupted.run_dir, "mtp_loss")[2:]
 
-
-def test_export_leaves_the_mtp_modules_out_and_transformers_loads_the_rest(
-    make_config, tmp_path, capsys
-):
-    result = train(make_config(tmp_path, model=MTP, train={"max_steps": 1}))
     out = tmp_path / "hf"
-    assert main(["export", str(result.checkpoint), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(first.checkpoint), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert printed.count("multi-token-prediction module(s) (model.mtp_depth=2) are left out") == 1
     hf_model, loading = transformers.AutoModelForCausalLM.from_pretrained(
@@ -130,7 +132,7 @@ def test_export_leaves_the_mtp_modules_out_and_transformers_loads_the_rest(
     assert not any(loading[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = result.model.eval()(tokens)
+        ours = first.model.eval()(tokens)
         theirs = hf_model.eval()(input_ids=tokens).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
 
