@@ -104,22 +104,25 @@ def test_mtp_modules_change_neither_logits_nor_the_lm_loss_value():
 def test_resume_with_mtp_is_bitwise_and_export_leaves_the_modules_out(
     tmp_path, make_config, capsys
 ):
-    """A run with MTP modules resumed from its step-2 checkpoint continues bitwise (LM and
-    MTP losses); its export says it leaves the modules out, and transformers loads the rest
-    with our logits."""
-    uninterrupted = train(make_config(tmp_path / "a", model=MTP, train={"max_steps": 4}))
+    """A run with MTP modules (and the global-batch balancing loss, whose routed fractions
+    the checkpoint must hold) resumed from its step-2 checkpoint continues bitwise (LM, MTP
+    and balancing losses); its export says it leaves the modules out, and transformers loads
+    the rest with our logits."""
+    model = {**MTP, "moe": {"lb_scope": "global_batch", "lb_loss_weight": 0.1}}
+    uninterrupted = train(make_config(tmp_path / "a", model=model, train={"max_steps": 4}))
     first = train(
-        make_config(tmp_path / "b", model=MTP, train={"max_steps": 4}, checkpoint={"interval": 2})
+        make_config(tmp_path / "b", model=model, train={"max_steps": 4}, checkpoint={"interval": 2})
     )
     assert first.losses == uninterrupted.losses
     step2 = first.run_dir / "checkpoints" / "step_00000002"
     resumed = train(
         make_config(
-            tmp_path / "c", model=MTP, train={"max_steps": 4}, checkpoint={"resume": str(step2)}
+            tmp_path / "c", model=model, train={"max_steps": 4}, checkpoint={"resume": str(step2)}
         )
     )
     assert resumed.losses == uninterrupted.losses[2:]
-    assert _metric(resumed.run_dir, "mtp_loss") == _metric(uninterrupted.run_dir, "mtp_loss")[2:]
+    for key in ("mtp_loss", "lb_loss"):
+        assert _metric(resumed.run_dir, key) == _metric(uninterrupted.run_dir, key)[2:], key
 
     out = tmp_path / "hf"
     capsys.readouterr()
