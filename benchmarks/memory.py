@@ -34,6 +34,7 @@ their gradients FP32 (4) and the optimizer holds FP32 masters and moments (12 / 
     uv run python benchmarks/memory.py            # bench_results/memory.json
     uv run python benchmarks/memory.py --quick    # smoke run: smaller model, fewer steps
     uv run python benchmarks/memory.py --param-dtype bfloat16   # bf16 parameters
+    uv run python benchmarks/memory.py --mtp-depth 1   # with a multi-token-prediction module
 """
 
 from __future__ import annotations
@@ -421,8 +422,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--topologies", nargs="+", choices=list(TOPOLOGIES), default=list(TOPOLOGIES)
     )
+    parser.add_argument(
+        "--mtp-depth",
+        type=int,
+        default=0,
+        help="multi-token-prediction modules of the model (model.mtp_depth)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_results/memory.json"))
     args = parser.parse_args(argv)
+    if args.mtp_depth < 0:
+        raise ValueError(f"--mtp-depth={args.mtp_depth} must be at least 0")
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     if args.steps is None:
@@ -480,7 +489,7 @@ def measure_rows(args: argparse.Namespace, model: list[str]) -> list[dict]:
 
 def main() -> None:
     args = parse_args()
-    model = QUICK_MODEL if args.quick else MODEL
+    model = [*(QUICK_MODEL if args.quick else MODEL), f"--model.mtp_depth={args.mtp_depth}"]
     rows = measure_rows(args, model)
     ratios = _row_ratios(rows)
     _print_table(rows, args.dtype, args.param_dtype)

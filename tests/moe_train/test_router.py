@@ -38,6 +38,64 @@ def test_load_balancing_loss_matches_hand_computation():
     assert out.copies_per_expert.tolist() == [2.0, 1.0]
 
 
+def _probabilities_float64(x_TD: Tensor, weight_ED: Tensor, router: str) -> list[list[float]]:
+    """Each token's probabilities over the experts, in float64, one token at a time."""
+    rows = []
+    for token in x_TD.double():
+        logits = [float(token @ w) for w in weight_ED.double()]
+        if router == "softmax":
+            exps = [math.exp(v) for v in logits]
+        else:
+            exps = [1 / (1 + math.exp(-v)) for v in logits]
+        rows.append([v / sum(exps) for v in exps])
+    return rows
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_sequence_scope_is_the_mean_of_per_sequence_losses(router):
+    """DeepSeek-V3's sequence-wise loss: per sequence, E * sum_e f_e * P_e with f the
+    fraction of the sequence's copies routed to e and P its mean probability; then the mean
+    over sequences. Worked out in float64 from the router's choices."""
+    torch.manual_seed(0)
+    sequences, length, experts, top_k = 3, 5, 4, 2
+    config = MoEConfig(num_experts=experts, top_k=top_k, router=router, lb_scope="sequence")
+    scoped = Router(d_model=6, config=config)
+    x_TD = torch.randn(sequences * length, 6)
+    out = scoped(x_TD, num_sequences=sequences)
+    probs = _probabilities_float64(x_TD, scoped.gate.weight.detach(), router)
+    chosen = out.topk_idx_TK.tolist()
+    per_sequence = []
+    for s in range(sequences):
+        tokens = range(s * length, (s + 1) * length)
+        total = 0.0
+        for e in range(experts):
+            f = sum(chosen[t].count(e) for t in tokens) / (length * top_k)
+            p = sum(probs[t][e] for t in tokens) / length
+            total += f * p
+        per_sequence.append(experts * total)
+    expected = sum(per_sequence) / sequences
+    assert out.lb_loss.item() == pytest.approx(expected, rel=1e-6, abs=0)
+    # One sequence of all the tokens is the micro-batch loss, which differs here.
+    whole = Router(d_model=6, config=MoEConfig(num_experts=experts, top_k=top_k, router=router))
+    whole.load_state_dict(scoped.state_dict())
+    assert out.lb_loss.item() != pytest.approx(whole(x_TD).lb_loss.item(), rel=1e-4)
+
+
+def test_global_batch_scope_uses_the_routed_fractions_it_was_given():
+    """E * sum_e f_e * P_e with f from `set_routed_fraction` (even before any), P the mean
+    probabilities of the tokens at hand; the bias update's counts set f."""
+    config = MoEConfig(num_experts=2, top_k=1, normalize_topk=False, lb_scope="global_batch")
+    router = Router(d_model=2, config=config)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(2))
+    probs = [_softmax(*row) for row in TOKENS.tolist()]
+    mean_prob = [sum(p[e] for p in probs) / 3 for e in range(2)]
+    assert router(TOKENS).lb_loss.item() == pytest.approx(sum(mean_prob), rel=1e-6)
+    router.set_routed_fraction(torch.tensor([3.0, 1.0], dtype=torch.float64))
+    expected = 2 * (0.75 * mean_prob[0] + 0.25 * mean_prob[1])
+    assert router(TOKENS).lb_loss.item() == pytest.approx(expected, rel=1e-6)
+
+
 def test_z_loss_matches_hand_computation():
     out = _router()(TOKENS)
     lse = [math.log(math.exp(a) + math.exp(b)) for a, b in TOKENS.tolist()]
@@ -208,8 +266,8 @@ def test_a_trained_run_routes_each_token_to_at_most_topk_group_groups(make_confi
     seen: list[torch.Tensor] = []
     forward = Router.forward
 
-    def recording(self, x_TD):
-        out = forward(self, x_TD)
+    def recording(self, x_TD, **kwargs):
+        out = forward(self, x_TD, **kwargs)
         seen.append(out.topk_idx_TK.detach().clone())
         return out
 

@@ -8,6 +8,9 @@ from typing import Literal
 from moe_train.config.checks import _non_negative, _positive
 from moe_train.errors import ConfigError
 
+LoadBalanceScope = Literal["micro_batch", "sequence", "global_batch"]
+"""What the load-balancing loss's expert frequencies are counted over (`MoEConfig.lb_scope`)."""
+
 
 @dataclass(kw_only=True)
 class MoEConfig:
@@ -25,6 +28,13 @@ class MoEConfig:
     """Rescale the chosen experts' scores to sum to one."""
     lb_loss_weight: float = 0.01
     """Weight of the load-balancing auxiliary loss (0 turns it off)."""
+    lb_scope: LoadBalanceScope = "micro_batch"
+    """Where the load-balancing loss E * sum_e f_e * P_e measures balance. micro_batch:
+    routed fractions f and mean probabilities P of each micro-batch. sequence: of each
+    sequence, averaged over sequences (DeepSeek-V3's sequence-wise loss). global_batch: f
+    over the previous step's whole global batch (every micro-batch and rank; even before the
+    first step), P of each micro-batch, so the loss is the same in every layout and
+    micro-batch size (Qwen's global-batch balancing; see docs/routing.md)."""
     z_loss_weight: float = 0.001
     """Weight of the router z-loss on the logits (0 turns it off)."""
     bias_update_rate: float = 0.0
@@ -177,6 +187,13 @@ class ModelConfig:
     """Standard deviation of the normal weight initialisation."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """The mixture-of-experts feed-forward blocks."""
+    mtp_depth: int = 0
+    """Multi-token-prediction modules (DeepSeek-V3's MTP): module k combines the hidden state
+    before it with the embedding of the token k ahead and predicts the token k + 1 ahead
+    through one more block (dense feed-forward) and the shared output head; 0 turns them off.
+    Training only: generation and Hugging Face exports leave them out."""
+    mtp_loss_weight: float = 0.3
+    """Weight of the MTP loss (the mean of the modules' cross-entropies) in the objective."""
 
     def validate(self, path: str) -> None:
         _positive(self, path, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads")
@@ -199,5 +216,6 @@ class ModelConfig:
                 f"{path}.dense_layers={self.dense_layers} must be between 0 and "
                 f"{path}.n_layers={self.n_layers}"
             )
+        _non_negative(self, path, "mtp_depth", "mtp_loss_weight")
         self.rope_scaling.validate(f"{path}.rope_scaling")
         self.moe.validate(f"{path}.moe")

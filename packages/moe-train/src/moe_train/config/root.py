@@ -46,6 +46,7 @@ class Config:
                 f"data.seq_len={seq_len} must be a multiple of 2 x parallel.cp={2 * cp} (each "
                 f"sequence is cut into 2 x cp equal chunks)"
             )
+        self._validate_mtp()
         optim, max_steps = self.optim, self.train.max_steps
         if optim.name == "muon" and self.parallel.distributed_optimizer:
             raise ConfigError(
@@ -58,6 +59,29 @@ class Config:
                 f"optim.warmup_steps={optim.warmup_steps} + optim.decay_steps="
                 f"{optim.decay_steps} must be at most train.max_steps={max_steps} with "
                 f"optim.schedule=wsd (its decay is the run's last decay_steps steps, after warmup)"
+            )
+
+    def _validate_mtp(self) -> None:
+        """What model.mtp_depth needs from the data."""
+        depth, data = self.model.mtp_depth, self.data
+        if not depth:
+            return
+        if data.seq_len <= depth:
+            raise ConfigError(
+                f"model.mtp_depth={depth} needs data.seq_len={data.seq_len} to be larger "
+                f"(module k predicts k + 1 tokens ahead)"
+            )
+        for key in ("document_masking", "label_mask"):
+            if getattr(data, key):
+                raise ConfigError(
+                    f"model.mtp_depth={depth} does not work with data.{key} yet; "
+                    f"set data.{key}=false or model.mtp_depth=0"
+                )
+        if self.parallel.cp > 1:
+            raise ConfigError(
+                f"model.mtp_depth={depth} does not work with parallel.cp={self.parallel.cp} yet "
+                f"(its modules read tokens across the context ranks' chunks); set parallel.cp=1 "
+                f"or model.mtp_depth=0"
             )
 
     def to_dict(self) -> dict[str, Any]:

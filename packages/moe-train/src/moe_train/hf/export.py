@@ -105,6 +105,12 @@ def export_checkpoint(
     architecture = choose_architecture(config, any(bool(b.any()) for b in biases))
     transformers = _transformers()
     with_tokenizer, tokenizer_file, eos_id, notes = tokenizer_of_run(config)
+    depth = config.model.mtp_depth
+    if depth:
+        notes.append(
+            f"the {depth} multi-token-prediction module(s) (model.mtp_depth={depth}) are left "
+            f"out: {architecture.name} has no place for them, and the rest loads without them"
+        )
 
     with written_whole(out, "export") as scratch:
         _write_weights(ckpt, stored, architecture, scratch, EXPORT_DTYPES[dtype], max_shard_bytes)

@@ -13,6 +13,12 @@ class ParamCounts:
     """Matmul parameters one token touches (top_k routed experts; no embedding, no norms)."""
     embedding: int
     """Input embedding rows (a lookup, no matmul)."""
+    mtp: int = 0
+    """Parameters of the multi-token-prediction modules (not in `total`: training only,
+    left out of exports)."""
+    mtp_active: int = 0
+    """Matmul parameters the MTP modules apply to one token in training (their projections
+    and blocks, and the shared head once per module); not in `active`."""
 
 
 def count_params(config: ModelConfig) -> ParamCounts:
@@ -35,13 +41,24 @@ def count_params(config: ModelConfig) -> ParamCounts:
     total = embedding + head + matmuls + all_norms + routed_total
     active_head = config.vocab_size * d
     active = active_head + matmuls + moe_layers * (router + shared + moe.top_k * expert)
-    return ParamCounts(total=total, active=active, embedding=embedding)
+    # Each MTP module: a projection of 2d to d, a dense-feed-forward block, three norms.
+    mtp_matmuls = 2 * d * d + attention + dense_ffn
+    return ParamCounts(
+        total=total,
+        active=active,
+        embedding=embedding,
+        mtp=config.mtp_depth * (mtp_matmuls + norms + 3 * d),
+        mtp_active=config.mtp_depth * (mtp_matmuls + active_head),
+    )
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x active matmul parameters plus causal attention scores."""
-    active = count_params(config).active
+    """Training FLOPs per token: 6 x active matmul parameters plus causal attention scores,
+    the multi-token-prediction modules' included (each sees a position or more fewer than
+    the main model: counted as if it saw them all)."""
+    counts = count_params(config)
     # QK^T and AV: 2 matmuls x 2 FLOPs x d_model x (seq_len / 2 keys on average, causal),
     # times 3 for forward plus backward.
-    attention = 3 * 2 * 2 * config.d_model * (seq_len / 2) * config.n_layers
-    return 6 * active + attention
+    blocks = config.n_layers + config.mtp_depth
+    attention = 3 * 2 * 2 * config.d_model * (seq_len / 2) * blocks
+    return 6 * (counts.active + counts.mtp_active) + attention

@@ -60,7 +60,8 @@ class RouterOutput:
     """[E] int64 count of token copies routed to each expert (before any capacity drop):
     counted once here, and handed to the dispatcher."""
     lb_loss: Tensor
-    """Load-balancing loss E * sum_e f_e * P_e (unweighted, fp32 scalar)."""
+    """Load-balancing loss E * sum_e f_e * P_e over the scope `lb_scope` says (unweighted,
+    fp32 scalar)."""
     z_loss: Tensor
     """Router z-loss mean(logsumexp(logits)^2) (unweighted, fp32 scalar)."""
 
@@ -93,8 +94,16 @@ class Router(nn.Module):
         """Under context parallelism (set by `apply_context_parallel`), the ranks whose
         tokens make up the sequences: the balancing losses are over all of their tokens, each
         rank's `lb_loss` and `z_loss` its share of them (they sum to the whole)."""
+        if config.lb_scope == "global_batch":
+            self.register_buffer(
+                "lb_routed_fraction", torch.full((config.num_experts,), 1 / config.num_experts)
+            )
+            """[E] fraction of the previous step's token copies routed to each expert, over
+            its whole global batch (`set_routed_fraction`); even before the first step."""
 
-    def forward(self, x_TD: Tensor) -> RouterOutput:
+    def forward(self, x_TD: Tensor, num_sequences: int = 1) -> RouterOutput:
+        """Routing of tokens `x_TD`, the rows of `num_sequences` sequences of equal length in
+        order (the sequence-wise balancing loss needs them)."""
         config = self.config
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
@@ -119,23 +128,59 @@ class Router(nn.Module):
         if config.routed_scaling_factor != 1.0:
             topk_weight_TK = topk_weight_TK * config.routed_scaling_factor
 
-        num_tokens = x_TD.shape[0]
         expert_of_copy_F = topk_idx_TK.flatten()
         copies_per_expert = torch.zeros(
             config.num_experts, device=x_TD.device, dtype=torch.int64
         ).scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
-        # Under context parallelism every rank of the group routes as many tokens.
-        ranks = self.context.cp if self.context is not None else 1
-        counted_copies = copies_per_expert
-        if ranks > 1 and self.context.group is not None:
-            counted_copies = copies_per_expert.clone()
-            dist.all_reduce(counted_copies, group=self.context.group)
-        all_tokens = num_tokens * ranks
-        routed_fraction_E = counted_copies / (all_tokens * config.top_k)
-        mean_probs_E = probs_TE.mean(dim=0) / ranks  # this rank's share of the mean over all
-        lb_loss = config.num_experts * (routed_fraction_E * mean_probs_E).sum()
-        z_loss = torch.logsumexp(logits_TE, dim=-1).square().mean() / ranks
+        lb_loss = self.lb_loss(topk_idx_TK, copies_per_expert, probs_TE, num_sequences)
+        z_loss = torch.logsumexp(logits_TE, dim=-1).square().mean() / self._context_ranks()
         return RouterOutput(topk_idx_TK, topk_weight_TK, copies_per_expert, lb_loss, z_loss)
+
+    def _context_ranks(self) -> int:
+        """How many context-parallel ranks share each sequence (1 without cp)."""
+        return self.context.cp if self.context is not None else 1
+
+    def _sum_over_context(self, counts: Tensor) -> Tensor:
+        """`counts` summed over the context-parallel ranks of this rank's sequences."""
+        if self._context_ranks() == 1 or self.context.group is None:
+            return counts
+        counts = counts.clone()
+        dist.all_reduce(counts, group=self.context.group)
+        return counts
+
+    def lb_loss(
+        self, topk_idx_TK: Tensor, copies_per_expert: Tensor, probs_TE: Tensor, num_sequences: int
+    ) -> Tensor:
+        """E * sum_e f_e * P_e over the tokens `model.moe.lb_scope` says (see `MoEConfig`):
+        f the fraction of token copies routed to expert e, P its mean probability. Under
+        context parallelism every rank of a sequence holds as many of its tokens: f counts
+        them all, and this rank's P is its share of the mean (the ranks' losses sum to it)."""
+        config = self.config
+        num_experts, ranks = config.num_experts, self._context_ranks()
+        if config.lb_scope == "global_batch":
+            return num_experts * (self.lb_routed_fraction * probs_TE.mean(dim=0) / ranks).sum()
+        if config.lb_scope == "sequence":
+            expert_of_copy_NC = topk_idx_TK.reshape(num_sequences, -1)
+            copies_NE = torch.zeros(
+                num_sequences, num_experts, device=probs_TE.device, dtype=probs_TE.dtype
+            ).scatter_add_(
+                1, expert_of_copy_NC, torch.ones_like(expert_of_copy_NC, dtype=probs_TE.dtype)
+            )
+            copies_NE = self._sum_over_context(copies_NE)
+            routed_fraction_NE = copies_NE / (expert_of_copy_NC.shape[1] * ranks)
+            mean_probs_NE = probs_TE.view(num_sequences, -1, num_experts).mean(dim=1) / ranks
+            return num_experts * (routed_fraction_NE * mean_probs_NE).sum(dim=1).mean()
+        counted_copies = self._sum_over_context(copies_per_expert)
+        routed_fraction_E = counted_copies / (probs_TE.shape[0] * ranks * config.top_k)
+        return num_experts * (routed_fraction_E * probs_TE.mean(dim=0) / ranks).sum()
+
+    @torch.no_grad()
+    def set_routed_fraction(self, copies_per_expert: Tensor) -> None:
+        """With `lb_scope: global_batch`, the routed fractions the balancing loss uses from
+        now on: those of `copies_per_expert` (a step's copies over its whole global batch)."""
+        total = copies_per_expert.sum()
+        if self.config.lb_scope == "global_batch" and total > 0:
+            self.lb_routed_fraction.copy_(copies_per_expert.double() / total)
 
     @torch.no_grad()
     def update_bias(self, copies_per_expert: Tensor) -> None:
@@ -287,7 +332,7 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x_BSD: Tensor) -> Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        routed = self.router(x_TD)
+        routed = self.router(x_TD, num_sequences=x_BSD.shape[0])
         # Tokens travel in the compute dtype: half the bytes to permute and exchange.
         expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(
             x_TD.to(compute_dtype_of(x_TD)),
@@ -319,8 +364,10 @@ class MoEFeedForward(nn.Module):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """Zero balancing bias and routing statistics."""
+        """Zero balancing bias and routing statistics; even routed fractions (global_batch)."""
         self.router.expert_bias.zero_()
+        if self.config.lb_scope == "global_batch":
+            self.router.lb_routed_fraction.fill_(1 / self.config.num_experts)
         self.take_stats()
 
     @torch.no_grad()

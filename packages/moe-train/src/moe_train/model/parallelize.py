@@ -52,7 +52,7 @@ def apply_pipeline_split(
     model: Transformer, layers: Iterable[int], *, first: bool, last: bool
 ) -> None:
     """Keep only the blocks `layers` (global indices), the embedding if `first` and the final
-    norm and head if `last`; parameter names stay global. (Tied embeddings cannot be split:
+    norm, head and MTP modules if `last`; parameter names stay global. (Tied embeddings cannot be split:
     `Config.validate` refuses them with pipeline stages.)"""
     kept = {str(i) for i in layers}
     unknown = sorted(int(name) for name in kept - set(model.blocks))
@@ -65,6 +65,7 @@ def apply_pipeline_split(
     if not last:
         model.norm = None
         model.head = None
+        model.mtp = nn.ModuleDict()
 
 
 @torch.no_grad()

@@ -15,7 +15,8 @@ from moe_train.model.attention import Attention, LayerKVCache, RMSNorm, rope_tab
 from moe_train.model.context_parallel import ContextShard
 from moe_train.model.documents import Documents
 from moe_train.model.loss import head_lm_loss
-from moe_train.model.moe import Experts, MoEFeedForward, SwiGLU
+from moe_train.model.moe import AttachAuxLoss, Experts, MoEFeedForward, SwiGLU
+from moe_train.model.mtp import MTPModule
 from moe_train.model.recompute import RecomputeMode, run_with_recompute
 
 
@@ -38,7 +39,9 @@ class KVCache:
 class Block(nn.Module):
     """Pre-norm transformer block: attention then a dense or MoE feed-forward."""
 
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, *, dense: bool = False):
+        """Block `layer` (global index); its feed-forward is dense for the first
+        `config.dense_layers` blocks, or when `dense`, else MoE."""
         super().__init__()
         self.recompute: RecomputeMode = "none"
         """What backward recomputes (set on a built model by `apply_recompute`)."""
@@ -52,7 +55,7 @@ class Block(nn.Module):
         )
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.ffn: nn.Module
-        if layer < config.dense_layers:
+        if dense or layer < config.dense_layers:
             self.ffn = SwiGLU(config.d_model, config.dense_hidden)
         else:
             self.ffn = MoEFeedForward(config.d_model, config.moe)
@@ -109,6 +112,21 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.d_model, config.norm_eps)
         self.head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.mtp = nn.ModuleDict(
+            {
+                str(k): MTPModule(config, Block(config, config.n_layers + k, dense=True))
+                for k in range(config.mtp_depth)
+            }
+        )
+        """The multi-token-prediction modules (`moe_train.model.mtp`), on the module holding
+        the head; they share the embedding and the head."""
+        self.mtp_loss_scale = 1.0
+        """Gradient of the training objective with respect to the MTP loss (see
+        `set_aux_loss_scale`)."""
+        self.register_buffer(
+            "step_mtp_loss", torch.zeros((), dtype=torch.float64), persistent=False
+        )
+        self.last_mtp_loss: Tensor | None = None
         self.tie_weights()
         empty = torch.empty(0, config.d_model // config.n_heads // 2)
         self.register_buffer("rope_cos", empty, persistent=False)
@@ -155,6 +173,7 @@ class Transformer(nn.Module):
                     )
             elif isinstance(module, MoEFeedForward):
                 module.reset_buffers()
+        self.step_mtp_loss.zero_()
         self.rope_cos = self.rope_cos.new_empty(0, self.rope_cos.shape[1])
         self.rope_sin = self.rope_sin.new_empty(0, self.rope_sin.shape[1])
 
@@ -196,8 +215,10 @@ class Transformer(nn.Module):
         if cache is not None and self.context is not None:
             raise ValueError("a KV cache does not work under context parallelism")
         if targets_BS is not None:
-            x_BSD = self.run_layers(tokens_BS, list(self.blocks), embed=True, documents=documents)
-            return self.head_loss(x_BSD, targets_BS, loss_normalizer)
+            embedded_BSD = self.embed(tokens_BS)
+            x_BSD = self.run_layers(embedded_BSD, list(self.blocks), documents=documents)
+            loss = self.head_loss(x_BSD, targets_BS, loss_normalizer)
+            return self.with_mtp_loss(loss, x_BSD, embedded_BSD, targets_BS)
         if cache is None:
             return self.run_layers(
                 tokens_BS, list(self.blocks), embed=True, head=True, documents=documents
@@ -221,6 +242,39 @@ class Transformer(nn.Module):
         if self.head is None:
             raise ValueError("head_loss needs the module holding the head (the last stage)")
         return head_lm_loss(self.norm(x_BSD), self.head.weight, targets_BS, normalizer)
+
+    def with_mtp_loss(
+        self, lm_loss: Tensor, hidden_BSD: Tensor, embedded_BSD: Tensor, targets_BS: Tensor
+    ) -> Tensor:
+        """`lm_loss`, carrying into backward the MTP loss of the main model's last hidden
+        state `hidden_BSD` (before the final norm) for inputs embedded as `embedded_BSD`
+        (unchanged without MTP modules). The MTP loss, the mean over modules of their
+        next-but-k cross-entropies, is left in `last_mtp_loss` and summed over training
+        forwards into `step_mtp_loss` (`take_mtp_loss`)."""
+        if not self.mtp:
+            return lm_loss
+        if self.head is None or len(self.mtp) != self.config.mtp_depth:
+            raise ValueError("the MTP loss needs the module holding the head")
+        cos, sin = self.rope(hidden_BSD.shape[1])
+        losses, h_BSD = [], hidden_BSD
+        for k, module in enumerate(self.mtp.values(), start=1):
+            h_BSD = module(h_BSD[:, :-1], embedded_BSD[:, k:], cos, sin)
+            losses.append(head_lm_loss(module.norm(h_BSD), self.head.weight, targets_BS[:, k:]))
+        mtp_loss = torch.stack(losses).mean()
+        self.last_mtp_loss = mtp_loss.detach()
+        if self.training:
+            self.step_mtp_loss += self.last_mtp_loss.double()
+        if mtp_loss.requires_grad:
+            lm_loss = AttachAuxLoss.apply(lm_loss, mtp_loss, self.mtp_loss_scale)
+        return lm_loss
+
+    @torch.no_grad()
+    def take_mtp_loss(self) -> Tensor:
+        """The sum of the MTP losses of the training forwards since the last call (float64
+        scalar; zero without MTP modules); clears it."""
+        total = self.step_mtp_loss.clone()
+        self.step_mtp_loss.zero_()
+        return total
 
     def new_kv_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         """An empty KV cache for `batch` sequences of up to `capacity` positions, in `dtype`
@@ -272,12 +326,14 @@ class Transformer(nn.Module):
         """Make the MoE auxiliary losses contribute `scale` times their mean over MoE layers.
 
         With the default 1.0, backward of the LM loss of one forward is backward of
-        `lm + lb_loss_weight * mean(lb) + z_loss_weight * mean(z)`; under gradient
+        `lm + lb_loss_weight * mean(lb) + z_loss_weight * mean(z) + mtp_loss_weight * mtp`;
+        under gradient
         accumulation over n micro-batches pass 1/n, as for the LM loss.
         """
         num_moe_layers = self.config.n_layers - self.config.dense_layers
         for layer in self.moe_layers().values():
             layer.aux_loss_scale = scale / num_moe_layers
+        self.mtp_loss_scale = scale * self.config.mtp_loss_weight
 
     def aux_losses(self) -> tuple[Tensor, Tensor]:
         """Unweighted load-balancing and z-loss of the latest forward, mean over MoE layers.

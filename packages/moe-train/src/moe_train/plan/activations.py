@@ -150,59 +150,83 @@ def _swiglu_bytes(x: Widths, tokens: int, hidden: int) -> float:
 
 def held_per_micro_batch(config: Config, layers: list[int], first: bool, last: bool) -> float:
     """Bytes held for backward after the forward of one micro-batch of the pipeline stage(s)
-    that hold `layers` (the final norm and head on the `last` one)."""
+    that hold `layers` (the final norm, head and MTP modules on the `last` one)."""
     x = Widths.of(config)
-    model, mode = config.model, config.parallel.recompute
+    model = config.model
     batch = config.data.micro_batch_size
     t = batch * x.seq_len
-    total = 0.0
-    for layer in layers:
-        block_input = t * x.d * x.w
-        if mode != "none" and x.casts:
-            # Autocast keeps its cast of each weight it casts until the forward ends (the
-            # saved tensors of no recompute are the same copies).
-            total += _autocast_weight_bytes(config, x, layer)
-        if mode == "full":
-            total += block_input
-        elif mode == "selective":
-            total += block_input + _selective_block_bytes(config, x, t, layer)
-        else:
-            total += attention_block_bytes(x, t, batch)
-            if layer < model.dense_layers:
-                total += dense_block_bytes(model, x, t)
-            else:
-                total += moe_block_bytes(config, x, t)
+    total = sum(_block_bytes(config, x, t, batch, layer < model.dense_layers) for layer in layers)
     if config.parallel.pp > 1 and not last:
         total += t * x.d * x.w  # the stage's output, kept until its gradient arrives
+        if model.mtp_depth:
+            total += t * x.d * x.w  # and the token embeddings the MTP modules read
     if last:
         total += t * x.d * x.w + t * FP32 + loss_bytes(config)  # the final norm, the loss
+        for k in range(1, model.mtp_depth + 1):
+            total += mtp_module_bytes(config, x, batch, x.seq_len - k)
     return total
 
 
-def loss_bytes(config: Config) -> float:
-    """What the fused head and loss hold after the forward: the gradients it computes there,
-    of the head's input and (FP32) of its weight, and autocast's copy of the weight."""
+def mtp_module_bytes(config: Config, x: Widths, batch: int, positions: int) -> float:
+    """What one multi-token-prediction module holds for `batch` rows of `positions`: its
+    projection's input (two normed halves), its three norms' statistics, its (dense) block
+    (attention's per-row statistics counted at the full sequence length), its final norm's
+    input and its fused loss."""
+    t = batch * positions
+    return (
+        2 * t * x.d * x.w
+        + 3 * t * FP32
+        + _block_bytes(config, x, t, batch, dense=True)
+        + t * x.d * x.w
+        + loss_bytes(config, t)
+    )
+
+
+def _block_bytes(config: Config, x: Widths, tokens: int, batch: int, dense: bool) -> float:
+    """What one block (dense feed-forward or MoE) holds for `tokens` tokens in `batch` rows
+    under the recompute mode."""
+    mode, t = config.parallel.recompute, tokens
+    block_input = t * x.d * x.w
+    total = 0.0
+    if mode != "none" and x.casts:
+        # Autocast keeps its cast of each weight it casts until the forward ends (the
+        # saved tensors of no recompute are the same copies).
+        total += _autocast_weight_bytes(config, x, dense)
+    if mode == "full":
+        return total + block_input
+    if mode == "selective":
+        return total + block_input + _selective_block_bytes(config, x, t, dense)
+    total += attention_block_bytes(x, t, batch)
+    if dense:
+        return total + dense_block_bytes(config.model, x, t)
+    return total + moe_block_bytes(config, x, t)
+
+
+def loss_bytes(config: Config, tokens: int | None = None) -> float:
+    """What the fused head and loss hold after the forward of `tokens` positions (default:
+    a micro-batch): the gradients it computes there, of the head's input and (FP32) of its
+    weight, and autocast's copy of the weight."""
     x = Widths.of(config)
-    t = config.data.micro_batch_size * x.seq_len
+    t = config.data.micro_batch_size * x.seq_len if tokens is None else tokens
     vocab = config.model.vocab_size
     return t * x.d * x.c + vocab * x.d * FP32 + (vocab * x.d * x.c if x.casts else 0)
 
 
-def _autocast_weight_bytes(config: Config, x: Widths, layer: int) -> float:
+def _autocast_weight_bytes(config: Config, x: Widths, dense: bool) -> float:
     """Compute-dtype copies of one block's weights that autocast makes (the routed experts
     cast their own, per use, and the router computes in FP32)."""
     model = config.model
     attention = x.d * (x.d + 2 * x.kv) + x.d * x.d
-    if layer < model.dense_layers:
+    if dense:
         return (attention + 3 * x.d * model.dense_hidden) * x.c
     return (attention + 3 * x.d * model.moe.shared_experts * x.f) * x.c
 
 
-def _selective_block_bytes(config: Config, x: Widths, tokens: int, layer: int) -> float:
+def _selective_block_bytes(config: Config, x: Widths, tokens: int, dense: bool) -> float:
     """Selective recompute keeps the outputs of the matrix products only."""
     t = tokens
     attention = t * (x.d + 2 * x.kv) * x.c + t * x.d * x.c
-    if layer < config.model.dense_layers:
+    if dense:
         hidden = config.model.dense_hidden
         return attention + t * 2 * hidden * x.c + t * x.d * x.c
     r = routed_rows(config, t)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_train.config import Config
+from moe_train.model.accounting import count_params
 from moe_train.plan.activations import DTYPE_BYTES, FP32, capacity, held_per_micro_batch
 from moe_train.train.pipeline import plan_stages
 
@@ -81,7 +82,8 @@ class MemoryPrediction:
 
 
 def rank_params(config: Config, pp_rank: int) -> RankParams:
-    """Parameters pipeline rank `pp_rank` holds (its layers, and the embedding or head)."""
+    """Parameters pipeline rank `pp_rank` holds (its layers, and the embedding or head and
+    MTP modules)."""
     model, moe, parallel = config.model, config.model.moe, config.parallel
     d = model.d_model
     head_dim = d // model.n_heads
@@ -103,6 +105,7 @@ def rank_params(config: Config, pp_rank: int) -> RankParams:
         dense += model.vocab_size * d
     if stages.has_last:
         dense += d + (0 if model.tie_embeddings else model.vocab_size * d)
+        dense += count_params(model).mtp  # the MTP modules run on the last stage
     return RankParams(dense=dense, expert=expert, hidden_matrices=matrices + expert)
 
 

@@ -3,8 +3,9 @@
 One compact JSON object per logged step (rank 0): `step`; `layers` (global block index of
 each MoE layer); per MoE layer and expert `load` (copies routed over the step's global batch)
 and `kept` (copies kept after capacity drops); per MoE layer and expert-parallel rank
-`rank_load` (copies processed); per MoE layer `lb_loss` (the balancing score: unweighted
-load-balancing loss, mean over micro-batches), `expert_imbalance` (max over mean of `load`),
+`rank_load` (copies processed); `lb_scope` (what the balancing loss counts its expert
+frequencies over, `model.moe.lb_scope`); per MoE layer `lb_loss` (the balancing score:
+unweighted load-balancing loss, mean over micro-batches), `expert_imbalance` (max over mean of `load`),
 `rank_imbalance` (max over mean of `rank_load`) and `hidden_imbalance` (1 while the check of
 `routing_check.py` flags the layer, else 0).
 """
@@ -30,6 +31,7 @@ def routing_row(step: int, routing: StepRouting) -> dict[str, Any]:
     """The row of one step, without the check's flags."""
     return {
         "step": step,
+        "lb_scope": routing.lb_scope,
         "layers": list(routing.layers),
         "load": routing.load_LE.tolist(),
         "kept": routing.kept_LE.tolist(),
@@ -85,7 +87,7 @@ class ExpertLoadLog:
         self.flagged_layers = sum(flagged)
         if not replay:
             for event in first_time:
-                self.warn(warning_text(event, self.config))
+                self.warn(warning_text(event, self.config, row.get("lb_scope", "micro_batch")))
         return [int(f) for f in flagged]
 
     def close(self) -> None:

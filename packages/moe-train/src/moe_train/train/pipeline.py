@@ -8,7 +8,11 @@ to its stages' layers (`apply_pipeline_split` on the meta-device model: paramete
 global), and one `StageModule` per stage runs its part; the last stage ends with the final
 norm, and the schedule's loss function applies the head fused with the loss
 (`head_lm_loss`). The MoE auxiliary losses need nothing from the schedule: they enter the
-backward inside their own stage (see `Transformer.set_aux_loss_scale`).
+backward inside their own stage (see `Transformer.set_aux_loss_scale`). With MTP modules
+(model.mtp_depth), which run on the last stage, the stages also pass the first stage's
+token embeddings along with the hidden states (the modules read them; their gradients
+travel back to the embedding), and the last stage hands the loss function its output before
+the final norm, which the main loss and the MTP loss both start from.
 """
 
 from __future__ import annotations
@@ -116,7 +120,9 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList(model.blocks[str(i)] for i in layers)
         self.embed = model.embed if first else None
         self.head = nn.ModuleList([model.norm, model.head]) if last else None
+        self.mtp = model.mtp if last else None
         self._norm = model.norm
+        self._with_embeddings = model.config.mtp_depth > 0
         self._run = model.run_layers
         self._layer_names = [str(i) for i in layers]
         self._first, self._last = first, last
@@ -132,10 +138,23 @@ class StageModule(nn.Module):
         if self._documents:
             raise RuntimeError(f"{len(self._documents)} micro-batches' documents left unused")
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, embedded: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Hidden states after this stage's layers (normed on the last stage); with MTP, also
+        the token embeddings (made on the first stage, passed on by the others), and the last
+        stage's hidden states are left before the final norm."""
         documents = self._documents.popleft() if self._documents is not None else None
         with self._autocast():
-            x = self._run(x, self._layer_names, embed=self._first, documents=documents)
+            if self._first and self._with_embeddings:
+                embedded = self.embed(x)
+                x = embedded
+            x = self._run(
+                x,
+                self._layer_names,
+                embed=self._first and not self._with_embeddings,
+                documents=documents,
+            )
+            if embedded is not None:
+                return x, embedded.view_as(embedded)  # a node of its own, for the exchange
             return self._norm(x) if self._last else x
 
 
@@ -173,6 +192,7 @@ class PipelineRunner:
         self.num_micro_total = num_micro_total
         self._autocast = autocast
         self._head_weight = model.head.weight if plan.has_last else None
+        self._model = model
         self.step_losses: list[Tensor] = []
         self.loss_normalizer: Tensor | None = None
         """The step's `accumulate_gradients` normalizer (None: the batch has no mask)."""
@@ -188,6 +208,9 @@ class PipelineRunner:
             requires_grad=True,
         )
         tokens = torch.empty(micro_shape, dtype=torch.long, device=device)
+        exchanged: Tensor | tuple[Tensor, Tensor] = hidden
+        if model_config.mtp_depth:
+            exchanged = (hidden, hidden.detach().clone().requires_grad_(True))
         self.stages = []
         for stage in plan.stages:
             first, last = stage == 0, stage == plan.num_stages - 1
@@ -200,8 +223,8 @@ class PipelineRunner:
                     stage,
                     plan.num_stages,
                     device,
-                    input_args=tokens if first else hidden,
-                    output_args=hidden,
+                    input_args=tokens if first else exchanged,
+                    output_args=exchanged,
                     group=layout.pp_group,
                 )
             )
@@ -216,9 +239,17 @@ class PipelineRunner:
             scale_grads=False,
         )
 
-    def _loss(self, normed_BSD: Tensor, targets: Tensor) -> Tensor:
+    def _loss(self, output: Tensor | tuple[Tensor, Tensor], targets: Tensor) -> Tensor:
+        """The last stage's output (see `StageModule.forward`) to the micro-batch's loss."""
         with self._autocast():
-            loss = head_lm_loss(normed_BSD, self._head_weight, targets, self.loss_normalizer)
+            if isinstance(output, tuple):
+                hidden_BSD, embedded_BSD = output
+                loss = head_lm_loss(
+                    self._model.norm(hidden_BSD), self._head_weight, targets, self.loss_normalizer
+                )
+                loss = self._model.with_mtp_loss(loss, hidden_BSD, embedded_BSD, targets)
+            else:
+                loss = head_lm_loss(output, self._head_weight, targets, self.loss_normalizer)
         self.step_losses.append(loss.detach())
         return loss / self.num_micro_total
 

@@ -23,9 +23,12 @@ class StepRouting:
     """int64 token copies each expert kept (after capacity drops): the copies it processed."""
     lb_loss_L: Tensor
     """float64 unweighted load-balancing loss, mean over the step's micro-batches: the
-    balancing score the loss sees (1.0 when routing fractions or mean probabilities are even)."""
+    balancing score the loss sees (1.0 when routing fractions or mean probabilities are even),
+    over the scope `lb_scope` says."""
     ep: int
     """Expert-parallel ranks: rank r holds experts [r E / ep, (r + 1) E / ep)."""
+    lb_scope: str = "micro_batch"
+    """What the balancing loss counted its expert frequencies over (`model.moe.lb_scope`)."""
 
     @property
     def rank_load_LR(self) -> Tensor:

@@ -1,6 +1,7 @@
 """Balance versus load: a layer the balancing loss calls balanced while its ranks are not.
 
-The load-balancing loss E * sum_e f_e * P_e is computed per micro-batch and equals 1.0 as soon
+The load-balancing loss E * sum_e f_e * P_e (per micro-batch, sequence or over the global
+batch: `model.moe.lb_scope`, which the warning names) equals 1.0 as soon
 as either the routed fractions f or the mean router probabilities P are even, whatever the
 other does; it grows only with the product of both deviations, and it does not see which
 rank holds which expert. The time a step takes comes from the hard assignments summed over
@@ -69,11 +70,14 @@ class BalanceCheck:
         return flagged, first_time
 
 
-def warning_text(event: HiddenImbalance, config: RoutingCheckConfig) -> str:
-    """The one console line for a newly flagged layer."""
+def warning_text(
+    event: HiddenImbalance, config: RoutingCheckConfig, lb_scope: str = "micro_batch"
+) -> str:
+    """The one console line for a newly flagged layer (`lb_scope`: the loss's scope)."""
     return (
         f"warning: MoE layer {event.layer} looks balanced to the load-balancing loss "
-        f"(lb_loss {event.lb_loss:.3f} <= train.routing_check.balanced_lb_loss="
+        f"(lb_scope {lb_scope}: lb_loss {event.lb_loss:.3f} <= "
+        f"train.routing_check.balanced_lb_loss="
         f"{config.balanced_lb_loss:g}) but its busiest expert-parallel rank processed "
         f"{event.rank_imbalance:.2f}x the mean (above train.routing_check.max_rank_imbalance="
         f"{config.max_rank_imbalance:g}) for {event.logged_steps} logged steps in a row, up to "

@@ -174,6 +174,9 @@ class StepStats:
     trained_tokens: int | None = None
     """Target tokens the loss is computed over, the whole global batch (every target
     without data.label_mask; the marked ones with it)."""
+    mtp_loss: float | None = None
+    """Multi-token-prediction loss (unweighted, mean over micro-batches and MTP modules), or
+    None without them (model.mtp_depth: 0)."""
 
     @property
     def finite(self) -> bool:
@@ -216,6 +219,9 @@ def reduce_step_stats(
 
     Every rank contributes a row for every MoE layer of the whole model (zeros for layers it
     does not hold), so ranks on different pipeline stages reduce tensors of the same shape.
+    This sum over the whole world (every data, expert and pipeline rank) is the one place
+    the step's routing counts are reduced: the balancing bias and the global_batch scope's
+    routed fractions (`update_balancing_biases`) both read its totals.
     """
     model_config = model.config
     num_experts = model_config.moe.num_experts
@@ -227,15 +233,17 @@ def reduce_step_stats(
     )
     for index, layer in model.moe_layers().items():
         rows[index] = layer.take_stats().pack()
-    totals = runtime.sum_over_world(torch.cat([lm_loss_sum.reshape(1), rows.flatten()]))
+    losses = torch.stack([lm_loss_sum.double(), model.take_mtp_loss().to(lm_loss_sum.device)])
+    totals = runtime.sum_over_world(torch.cat([losses, rows.flatten()]))
     first_moe = model_config.dense_layers
-    copies_LE = RoutingStats.unpack(totals[1:].view_as(rows)[first_moe:], num_experts)
+    copies_LE = RoutingStats.unpack(totals[2:].view_as(rows)[first_moe:], num_experts)
     host = totals.cpu()
     lm_loss = host[0].item() / num_micro
-    summed = RoutingStats.unpack(host[1:].view_as(rows)[first_moe:], num_experts)
+    mtp_loss = host[1].item() / num_micro if model_config.mtp_depth else None
+    summed = RoutingStats.unpack(host[2:].view_as(rows)[first_moe:], num_experts)
     num_moe_layers = len(summed.routed_copies)
     if not num_moe_layers:
-        return StepStats(lm_loss, 0.0, 0.0, 1.0, 0.0)
+        return StepStats(lm_loss, 0.0, 0.0, 1.0, 0.0, mtp_loss=mtp_loss)
     dropped, routed = summed.dropped_copies.sum().item(), summed.routed_copies.sum().item()
     routing = StepRouting(
         layers=tuple(range(first_moe, model_config.n_layers)),
@@ -243,6 +251,7 @@ def reduce_step_stats(
         kept_LE=summed.kept_per_expert.round().long(),
         lb_loss_L=summed.lb_loss_sum / num_micro,
         ep=runtime.layout.ep,
+        lb_scope=model_config.moe.lb_scope,
     )
     return StepStats(
         lm_loss=lm_loss,
@@ -252,15 +261,19 @@ def reduce_step_stats(
         dropped_fraction=dropped / routed if routed else 0.0,
         expert_copies_LE=copies_LE.copies_per_expert,
         routing=routing,
+        mtp_loss=mtp_loss,
     )
 
 
 def update_balancing_biases(model: Transformer, copies_LE: torch.Tensor | None) -> None:
-    """Step each MoE router's balancing bias from its layer's copies per expert."""
+    """Step each MoE router's balancing bias from its layer's copies per expert over the
+    step's global batch, and (lb_scope: global_batch) the routed fractions of its loss."""
     if copies_LE is None:
         return
     for index, layer in model.moe_layers().items():
-        layer.router.update_bias(copies_LE[index - model.config.dense_layers])
+        copies_E = copies_LE[index - model.config.dense_layers]
+        layer.router.update_bias(copies_E)
+        layer.router.set_routed_fraction(copies_E)
 
 
 @dataclass(frozen=True)

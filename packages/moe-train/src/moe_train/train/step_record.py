@@ -62,6 +62,9 @@ class StepRecord:
     """Unix time at the end of the step."""
     eval_loss: float | None = None
     """Held-out loss after the step; not in the row of a step that did not evaluate."""
+    mtp_loss: float | None = None
+    """Multi-token-prediction loss (unweighted, mean over micro-batches and MTP modules);
+    only in the rows of runs with model.mtp_depth > 0."""
     tokens: int = field(default=0, metadata=_NOT_IN_ROW)
     """Tokens of this step, all ranks together."""
     applied: bool = field(default=True, metadata=_NOT_IN_ROW)
@@ -70,8 +73,9 @@ class StepRecord:
     def row(self) -> dict[str, Any]:
         """The metrics.jsonl object of this step."""
         row = {f.name: _json_safe(getattr(self, f.name)) for f in fields(self) if not f.metadata}
-        if self.eval_loss is None:
-            del row["eval_loss"]
+        for optional in ("eval_loss", "mtp_loss"):
+            if row[optional] is None:
+                del row[optional]
         return row
 
 

@@ -416,6 +416,7 @@ class Trainer:
             trained_tokens=stats.trained_tokens or 0,
             time=time.time(),
             eval_loss=eval_loss,
+            mtp_loss=stats.mtp_loss,
             tokens=self.tokens_per_step,
             applied=result.applied,
         )
