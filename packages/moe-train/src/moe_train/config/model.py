@@ -19,6 +19,10 @@ class MoEConfig:
     """Hidden width of each expert's SwiGLU."""
     shared_experts: int = 0
     """Always-active shared experts per MoE layer (each of width expert_hidden)."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(w . x), w a learned vector of
+    each MoE layer and x the block's normalised input (as Qwen2-MoE gates its shared expert);
+    needs shared_experts."""
     router: Literal["softmax", "sigmoid"] = "softmax"
     """Scoring function over the router logits."""
     normalize_topk: bool = True
@@ -58,6 +62,11 @@ class MoEConfig:
             self, path, "shared_experts", "lb_loss_weight", "z_loss_weight", "bias_update_rate"
         )
         self._validate_groups(path)
+        if self.shared_expert_gate and not self.shared_experts:
+            raise ConfigError(
+                f"{path}.shared_expert_gate=true gates the shared experts; set "
+                f"{path}.shared_experts to at least 1 or the gate to false"
+            )
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ConfigError(
                 f"{path}.capacity_factor={self.capacity_factor} must be positive, "
@@ -160,7 +169,14 @@ class ModelConfig:
     n_kv_heads: int = 4
     """Key/value heads (grouped-query attention); must divide n_heads."""
     qk_norm: bool = False
-    """RMS-normalise queries and keys per head before RoPE."""
+    """RMS-normalise queries and keys before RoPE (over what: qk_norm_scope)."""
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    """What one QK-norm spans. head: each head's channels, with one weight of head size
+    shared by all heads (Qwen3, GLM-4.5). projection: the whole query projection and the
+    whole key projection, all heads together, with a weight per channel (OLMoE)."""
+    qkv_bias: bool = False
+    """Add a learned bias to the query, key and value projections (as Qwen2 does); the output
+    projection has none."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
@@ -198,6 +214,11 @@ class ModelConfig:
             raise ConfigError(
                 f"{path}.dense_layers={self.dense_layers} must be between 0 and "
                 f"{path}.n_layers={self.n_layers}"
+            )
+        if self.qk_norm_scope != "head" and not self.qk_norm:
+            raise ConfigError(
+                f"{path}.qk_norm_scope={self.qk_norm_scope!r} has no effect with "
+                f"{path}.qk_norm=false; set {path}.qk_norm=true or remove it"
             )
         self.rope_scaling.validate(f"{path}.rope_scaling")
         self.moe.validate(f"{path}.moe")
