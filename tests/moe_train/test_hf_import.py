@@ -13,6 +13,7 @@ from moe_checkpoint import OwnedSlice, SliceRequest, checkpoint_summary, load_in
 from moe_train.cli import main
 from moe_train.config import config_from_dict, load_config
 from moe_train.errors import ConfigError
+from moe_train.generate import generate_ids
 from moe_train.hf.architectures import checkpoint_shapes
 from moe_train.model import Transformer
 from moe_train.train import train
@@ -21,6 +22,7 @@ from training import assert_losses_match, train_cases
 transformers = pytest.importorskip("transformers")
 
 STEPS = 3
+NEW_TOKENS = 6
 
 COMMON = {
     "vocab_size": 256,
@@ -200,6 +202,53 @@ def test_imported_model_gives_the_transformers_logits(case, sharded, tmp_path, c
     assert relative < 1e-5, f"{case}: relative difference {relative:.3g}; {where}"
 
 
+FAMILIES = ("olmoe", "mixtral", "qwen2_moe")
+"""The families whose every feature (projection-wide QK-norm, no QK-norm, q/k/v biases and a
+gated shared expert) only import and export alike can check against transformers."""
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_a_family_exports_back_bitwise_and_generates_alike(case, tmp_path, capsys):
+    hf_dir, out, back = tmp_path / "hf", tmp_path / "imported", tmp_path / "exported"
+    hf_model = _hf_model(case, hf_dir)
+    assert main(["import-hf", str(hf_dir), "--out", str(out)]) == 0
+    checkpoint = out / "step_00000000"
+    assert main(["export", str(checkpoint), "--out", str(back), "--dtype", "float32"]) == 0
+    assert type(hf_model).__name__ in capsys.readouterr().out
+
+    from safetensors.torch import load_file
+
+    original = load_file(hf_dir / "model.safetensors")
+    exported = {}
+    for shard in sorted(back.glob("model-*.safetensors")):
+        exported |= load_file(shard)
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype == torch.float32, name
+        assert torch.equal(exported[name], tensor), name
+    reloaded, loading = transformers.AutoModelForCausalLM.from_pretrained(
+        back, dtype=torch.float32, output_loading_info=True
+    )
+    assert type(reloaded).__name__ == type(hf_model).__name__
+    assert not any(loading[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (
+        loading
+    )
+
+    # Greedy generation: ours with its KV cache, transformers' generate with its own.
+    prompt_BS = torch.randint(0, COMMON["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(2))  # fmt: skip
+    with torch.no_grad():
+        ours = generate_ids(_our_model(out), prompt_BS, NEW_TOKENS)
+        theirs = hf_model.generate(
+            prompt_BS,
+            attention_mask=torch.ones_like(prompt_BS),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            pad_token_id=0,
+        )[:, prompt_BS.shape[1] :]
+    assert torch.equal(ours, theirs), (ours, theirs)
+
+
 def _training_data(out: Path, token_file: Path, run_dir: Path, **overrides) -> dict:
     """The imported config.yaml, set to train a few fp32 steps on `token_file`."""
     data = yaml.safe_load((out / "config.yaml").read_text())
@@ -227,19 +276,30 @@ def test_init_from_trains_alike_on_one_process_and_expert_parallel(token_file, t
     fresh = train(config_from_dict(fresh_data))
     assert abs(single.losses[0] - fresh.losses[0]) > 1e-3, "init_from changed nothing"
 
-    # ep2, with replicated AdamW and with the distributed optimizer (its own master weights).
-    cases = {}
+    # ep2, with replicated AdamW and with the distributed optimizer (its own master weights);
+    # and each family added by issue 32 on ep2, all in one spawn.
+    cases, references = {}, {}
     for name, zero in (("ep2", False), ("ep2_distributed_optimizer", True)):
         parallel = {"ep": 2, "dispatcher": "all_to_all", "distributed_optimizer": zero}
         cases[name] = _training_data(out, token_file, tmp_path / name, parallel=parallel)
+        references[name] = single.losses
+    for family in FAMILIES:
+        family_out = tmp_path / f"{family}-imported"
+        _hf_model(family, tmp_path / family)
+        assert main(["import-hf", str(tmp_path / family), "--out", str(family_out)]) == 0
+        alone = _training_data(family_out, token_file, tmp_path / f"{family}-single")
+        references[f"{family}_ep2"] = train(config_from_dict(alone)).losses
+        parallel = {"ep": 2, "dispatcher": "all_to_all"}
+        run_dir = tmp_path / f"{family}-ep2"
+        cases[f"{family}_ep2"] = _training_data(family_out, token_file, run_dir, parallel=parallel)
     per_rank = run_distributed(train_cases, world_size=2, args=(cases,))
     for name in cases:
-        worst = max(
-            abs(a - b) / abs(b) for a, b in zip(per_rank[0][name], single.losses, strict=True)
-        )
+        losses, reference = per_rank[0][name], references[name]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
         with capsys.disabled():
-            print(f"{name}: max relative loss difference {worst:.3g}")
-        assert_losses_match(f"{name} from imported weights", per_rank[0][name], single.losses)
+            print(f"{name}: losses {reference[0]:.4f} -> {reference[-1]:.4f}, "
+                  f"max relative difference {worst:.3g}")  # fmt: skip
+        assert_losses_match(f"{name} from imported weights", losses, reference)
 
     # A relaunch with resume=auto continues its own run and ignores init_from.
     again = _training_data(out, token_file, tmp_path / "single", train={"max_steps": STEPS + 1},
