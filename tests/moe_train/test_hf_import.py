@@ -263,6 +263,7 @@ def _training_data(out: Path, token_file: Path, run_dir: Path, **overrides) -> d
     return data
 
 
+@pytest.mark.slow
 def test_init_from_trains_alike_on_one_process_and_expert_parallel(token_file, tmp_path, capsys):
     hf_dir, out = tmp_path / "hf", tmp_path / "imported"
     _hf_model("glm4_moe", hf_dir)
@@ -409,6 +410,19 @@ def _refused(tmp_path: Path, capsys, hf_dir: Path, option: str) -> None:
             },
             "mscale=0.7",
         ),
+        ("OlmoeConfig", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
+        ("MixtralConfig", {"router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
+        ("MixtralConfig", {"sliding_window": 16}, "sliding_window=16"),
+        (
+            "Qwen2MoeConfig",
+            {"moe_intermediate_size": 16, "shared_expert_intermediate_size": 24},
+            "shared_expert_intermediate_size=24",
+        ),
+        (
+            "Qwen2MoeConfig",
+            {"use_sliding_window": True, "sliding_window": 16},
+            "sliding_window=16",
+        ),
     ],
 )
 def test_an_option_our_model_does_not_represent_is_refused(config_class, kwargs, option, tmp_path, capsys):  # fmt: skip
@@ -421,9 +435,9 @@ def test_an_option_our_model_does_not_represent_is_refused(config_class, kwargs,
 def test_another_architecture_is_refused(tmp_path, capsys):
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
-    config = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 32}
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
     (hf_dir / "config.json").write_text(json.dumps(config))
-    _refused(tmp_path, capsys, hf_dir, "OlmoeForCausalLM")
+    _refused(tmp_path, capsys, hf_dir, "DeepseekV3ForCausalLM")
 
 
 def test_a_tensor_without_a_place_is_refused(tmp_path, capsys):
