@@ -169,7 +169,7 @@ class ModelConfig:
     n_kv_heads: int = 4
     """Key/value heads (grouped-query attention); must divide n_heads."""
     qk_norm: bool = False
-    """RMS-normalise queries and keys before RoPE (over what: qk_norm_scope)."""
+    """RMS-normalise queries and keys before RoPE, over what qk_norm_scope says."""
     qk_norm_scope: Literal["head", "projection"] = "head"
     """What one QK-norm spans. head: each head's channels, with one weight of head size
     shared by all heads (Qwen3, GLM-4.5). projection: the whole query projection and the
