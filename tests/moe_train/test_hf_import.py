@@ -37,6 +37,9 @@ COMMON = {
     "rms_norm_eps": 1e-6,
 }
 
+TWO_LAYERS = {"num_hidden_layers": 2}
+"""For the families trained on pp2 as well (two pipeline stages)."""
+
 HF_MODELS = {
     # Softmax routing, QK-norm, one dense first layer (mlp_only_layers), top-k renormalised.
     "qwen3_moe": (
@@ -118,7 +121,13 @@ HF_MODELS = {
     # OLMoE: QK-norm over the whole q and k projections, an MoE feed-forward in every layer.
     "olmoe": (
         "OlmoeConfig",
-        {**COMMON, "intermediate_size": 16, "num_experts": 4, "norm_topk_prob": False},
+        {
+            **COMMON,
+            **TWO_LAYERS,
+            "intermediate_size": 16,
+            "num_experts": 4,
+            "norm_topk_prob": False,
+        },
     ),
     # Mixtral: no QK-norm, softmax top-k always renormalised.
     "mixtral": ("MixtralConfig", {**COMMON, "intermediate_size": 16, "num_local_experts": 4}),
@@ -127,6 +136,7 @@ HF_MODELS = {
         "Qwen2MoeConfig",
         {
             **COMMON,
+            **TWO_LAYERS,
             "num_experts": 4,
             "shared_expert_intermediate_size": 32,
             "mlp_only_layers": [0],
@@ -278,7 +288,8 @@ def test_init_from_trains_alike_on_one_process_and_expert_parallel(token_file, t
     assert abs(single.losses[0] - fresh.losses[0]) > 1e-3, "init_from changed nothing"
 
     # ep2, with replicated AdamW and with the distributed optimizer (its own master weights);
-    # and each family added by issue 32 on ep2, all in one spawn.
+    # and each family added by issue 32 on ep2 (and pp2 where it has a new option), all in one
+    # spawn.
     cases, references = {}, {}
     for name, zero in (("ep2", False), ("ep2_distributed_optimizer", True)):
         parallel = {"ep": 2, "dispatcher": "all_to_all", "distributed_optimizer": zero}
@@ -293,6 +304,10 @@ def test_init_from_trains_alike_on_one_process_and_expert_parallel(token_file, t
         parallel = {"ep": 2, "dispatcher": "all_to_all"}
         run_dir = tmp_path / f"{family}-ep2"
         cases[f"{family}_ep2"] = _training_data(family_out, token_file, run_dir, parallel=parallel)
+        if family != "mixtral":  # projection-wide QK-norm, q/k/v biases, the shared gate
+            references[f"{family}_pp2"] = references[f"{family}_ep2"]
+            run_dir = tmp_path / f"{family}-pp2"
+            cases[f"{family}_pp2"] = _training_data(family_out, token_file, run_dir, parallel={"pp": 2})  # fmt: skip
     per_rank = run_distributed(train_cases, world_size=2, args=(cases,))
     for name in cases:
         losses, reference = per_rank[0][name], references[name]
