@@ -125,8 +125,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2L);
-        zero biases; buffers at their starting values (empty rotary tables, zero balancing biases and
-        routing statistics).
+        zero biases (q/k/v); buffers at their starting values (empty rotary tables, zero
+        balancing biases and routing statistics).
 
         Every tensor (every expert of an expert tensor) draws from its own generator seeded by
         `seed` and its global name (and global expert index), so a weight is the same
