@@ -75,12 +75,8 @@ def test_resolved_config_round_trips(tmp_path):
         ({"model": {"d_model": "wide"}}, "model.d_model='wide' must be an integer"),
         ({"model": {"qk_norm": 1}}, "model.qk_norm=1 must be true/false"),
         (
-            {"model": {"qk_norm_scope": "projection"}},
-            "model.qk_norm_scope='projection' has no effect with model.qk_norm=false",
-        ),
-        (
-            {"model": {"qk_norm": True, "qk_norm_scope": "heads"}},
-            "model.qk_norm_scope='heads' must be one of 'head', 'projection'",
+            {"model": {"qk_norm": "heads"}},
+            "model.qk_norm='heads' must be true/false or one of 'projection'",
         ),
         (
             {"model": {"moe": {"shared_expert_gate": True}}},

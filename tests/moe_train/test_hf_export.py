@@ -102,8 +102,7 @@ CASES = {
         "OlmoeForCausalLM",
         {
             "model": {
-                "qk_norm": True,
-                "qk_norm_scope": "projection",
+                "qk_norm": "projection",
                 "moe": {"normalize_topk": False},
             }
         },
@@ -212,7 +211,7 @@ def test_exported_model_gives_our_logits_and_greedy_tokens(case, make_config, tm
         (
             {
                 "model": {
-                    "qk_norm_scope": "projection",
+                    "qk_norm": "projection",
                     "n_layers": 3,
                     "dense_layers": 1,
                     "dense_hidden": 48,
@@ -221,8 +220,8 @@ def test_exported_model_gives_our_logits_and_greedy_tokens(case, make_config, tm
             "model.dense_layers=1: OLMoE",
         ),
         (
-            {"model": {"qk_norm_scope": "projection", "moe": {"router": "sigmoid"}}},
-            "model.qk_norm_scope='projection' with model.moe.router='sigmoid'",
+            {"model": {"qk_norm": "projection", "moe": {"router": "sigmoid"}}},
+            "model.qk_norm='projection' with model.moe.router='sigmoid'",
         ),
         ({"model": {"moe": {"capacity_factor": 2.0}}}, "model.moe.capacity_factor=2.0"),
         ({"model": {"moe": {"bias_update_rate": 0.01}}}, "model.moe.bias_update_rate"),

@@ -17,7 +17,7 @@ def test_parameter_count_matches_the_module(tie, families):
     config = small_model_config(shared_expert_gate=families)
     config.tie_embeddings = tie
     if families:
-        config.qkv_bias, config.qk_norm_scope = True, "projection"
+        config.qkv_bias, config.qk_norm = True, "projection"
     model = Transformer(config)
     assert count_params(config).total == sum(p.numel() for p in model.parameters())
 
@@ -61,13 +61,13 @@ def _reference_logits(config, weights: dict[str, Tensor], tokens_BS: Tensor) -> 
         if config.qkv_bias:
             qkv = qkv + w[p + "attn.qkv.bias"]
         q, k, v = qkv.split([width, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        if config.qk_norm and config.qk_norm_scope == "projection":
+        if config.qk_norm == "projection":
             q = _rms_norm(q, w[p + "attn.q_norm.weight"], eps)
             k = _rms_norm(k, w[p + "attn.k_norm.weight"], eps)
         q = q.view(batch, seq, heads, head_dim).transpose(1, 2)
         k = k.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
         v = v.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
-        if config.qk_norm and config.qk_norm_scope == "head":
+        if config.qk_norm is True:
             q = _rms_norm(q, w[p + "attn.q_norm.weight"], eps)
             k = _rms_norm(k, w[p + "attn.k_norm.weight"], eps)
         q, k = rope(q), rope(k)
@@ -108,7 +108,7 @@ def _reference_logits(config, weights: dict[str, Tensor], tokens_BS: Tensor) -> 
     [
         ("softmax", {"qk_norm": True}, False),
         ("sigmoid", {"qk_norm": False}, False),
-        ("softmax", {"qk_norm": True, "qk_norm_scope": "projection"}, False),
+        ("softmax", {"qk_norm": "projection"}, False),
         ("softmax", {"qkv_bias": True}, True),
     ],
     ids=["softmax", "sigmoid", "qk_norm_projection", "qkv_bias_gated_shared"],

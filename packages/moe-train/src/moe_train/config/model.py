@@ -168,12 +168,11 @@ class ModelConfig:
     """Query heads; must divide d_model."""
     n_kv_heads: int = 4
     """Key/value heads (grouped-query attention); must divide n_heads."""
-    qk_norm: bool = False
-    """RMS-normalise queries and keys before RoPE, over what qk_norm_scope says."""
-    qk_norm_scope: Literal["head", "projection"] = "head"
-    """What one QK-norm spans. head: each head's channels, with one weight of head size
-    shared by all heads (Qwen3, GLM-4.5). projection: the whole query projection and the
-    whole key projection, all heads together, with a weight per channel (OLMoE)."""
+    qk_norm: bool | Literal["projection"] = False
+    """RMS-normalise queries and keys before RoPE. true: each head's channels, with one
+    weight of head size shared by all heads (Qwen3, GLM-4.5). projection: the whole query
+    projection and the whole key projection, all heads together, with a weight per channel
+    (OLMoE). false: no QK-norm."""
     qkv_bias: bool = False
     """Add a learned bias to the query, key and value projections (as Qwen2 does); the output
     projection has none."""
@@ -214,11 +213,6 @@ class ModelConfig:
             raise ConfigError(
                 f"{path}.dense_layers={self.dense_layers} must be between 0 and "
                 f"{path}.n_layers={self.n_layers}"
-            )
-        if self.qk_norm_scope != "head" and not self.qk_norm:
-            raise ConfigError(
-                f"{path}.qk_norm_scope={self.qk_norm_scope!r} has no effect with "
-                f"{path}.qk_norm=false; set {path}.qk_norm=true or remove it"
             )
         self.rope_scaling.validate(f"{path}.rope_scaling")
         self.moe.validate(f"{path}.moe")

@@ -14,7 +14,7 @@ softmax-routed ones pick the top k by probability (no selection bias, no groups,
 - `Qwen3MoeForCausalLM`: QK-norm per head before RoPE (always on), `norm_topk_prob`, no
   shared experts, dense layers as `mlp_only_layers`.
 - `OlmoeForCausalLM`: QK-norm over the whole q and k projections (all heads together, one
-  weight per channel; `model.qk_norm_scope: projection`), `norm_topk_prob`, no shared
+  weight per channel; `model.qk_norm: projection`), `norm_topk_prob`, no shared
   experts, an MoE feed-forward in every layer.
 - `MixtralForCausalLM`: no QK-norm, top-k weights always renormalised (`normalize_topk`), no
   shared experts, an MoE feed-forward in every layer; exported without router jitter.
@@ -119,7 +119,7 @@ def choose_architecture(config: Config, expert_bias_nonzero: bool) -> Architectu
             )
         _refuse_dense_layers(model, "Mixtral")
         return _mixtral(config)
-    if model.qk_norm_scope == "projection":
+    if model.qk_norm == "projection":
         _refuse_dense_layers(model, "OLMoE")
         return _olmoe(config)
     return _qwen3_moe(config)
@@ -147,10 +147,10 @@ def _sigmoid_routed(config: Config) -> Architecture:
             "without attention biases; q/k/v biases export with router='softmax' and gated "
             "shared experts (Qwen2-MoE)"
         )
-    if model.qk_norm and model.qk_norm_scope != "head":
+    if model.qk_norm == "projection":
         raise ExportError(
-            f"model.qk_norm_scope={model.qk_norm_scope!r} with model.moe.router='sigmoid': "
-            "GLM-4-MoE normalises q and k per head"
+            "model.qk_norm='projection' with model.moe.router='sigmoid': GLM-4-MoE "
+            "normalises q and k per head (model.qk_norm=true)"
         )
     if moe.shared_expert_gate:
         raise ExportError(
@@ -177,8 +177,9 @@ def _with_gated_shared_expert(config: Config) -> Architecture:
             "none; ungated shared experts export only with router='sigmoid' (GLM-4-MoE)"
         )
     if model.qk_norm:
+        value = "true" if model.qk_norm is True else repr(model.qk_norm)
         raise ExportError(
-            "model.qk_norm=true with gated shared experts (Qwen2-MoE): Qwen2-MoE has no QK-norm"
+            f"model.qk_norm={value} with gated shared experts (Qwen2-MoE): Qwen2-MoE has no QK-norm"
         )
     return _qwen2_moe(config)
 
@@ -266,7 +267,7 @@ def _glm4_moe(config: Config) -> Architecture:
         "routed_scaling_factor": model.moe.routed_scaling_factor,
         "n_group": model.moe.n_group,
         "topk_group": model.moe.topk_group,
-        "use_qk_norm": model.qk_norm,
+        "use_qk_norm": bool(model.qk_norm),
         "partial_rotary_factor": 1.0,
         "num_nextn_predict_layers": 0,
     }
@@ -345,9 +346,9 @@ QWEN2 = _HubNames("mlp", _MLP, shared="shared_expert", shared_gate=True)
 def _qk_norm_width(model: ModelConfig) -> tuple[int, int]:
     """The widths of the query and key norm weights."""
     head_dim = model.d_model // model.n_heads
-    if model.qk_norm_scope == "head":
-        return head_dim, head_dim
-    return model.d_model, model.n_kv_heads * head_dim
+    if model.qk_norm == "projection":
+        return model.d_model, model.n_kv_heads * head_dim
+    return head_dim, head_dim
 
 
 def checkpoint_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -292,7 +292,7 @@ def _qwen2_moe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str
 def _olmoe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, Any]) -> None:
     if hf.clip_qkv is not None:
         raise _refuse(path, "clip_qkv", hf.clip_qkv, "our attention does not clip q, k and v")
-    model |= {"qk_norm": True, "qk_norm_scope": "projection"}
+    model["qk_norm"] = "projection"
     moe |= {
         "num_experts": hf.num_experts,
         "expert_hidden": hf.intermediate_size,

@@ -45,9 +45,9 @@ def qk_norm_params(config: ModelConfig) -> int:
     if not config.qk_norm:
         return 0
     head_dim = config.d_model // config.n_heads
-    if config.qk_norm_scope == "head":
-        return 2 * head_dim
-    return config.d_model + config.n_kv_heads * head_dim
+    if config.qk_norm == "projection":
+        return config.d_model + config.n_kv_heads * head_dim
+    return 2 * head_dim
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:

@@ -120,9 +120,8 @@ class Attention(nn.Module):
         n_heads: int,
         n_kv_heads: int,
         *,
-        qk_norm: bool,
+        qk_norm: bool | Literal["projection"],
         norm_eps: float,
-        qk_norm_scope: Literal["head", "projection"] = "head",
         qkv_bias: bool = False,
     ) -> None:
         super().__init__()
@@ -132,9 +131,9 @@ class Attention(nn.Module):
         kv_dim = n_kv_heads * self.head_dim
         self.qkv = nn.Linear(d_model, d_model + 2 * kv_dim, bias=qkv_bias)
         self.out = nn.Linear(d_model, d_model, bias=False)
-        self.norm_per_head = qk_norm_scope == "head"
-        """QK-norm over each head's channels (else over the whole projections, before the
-        split into heads)."""
+        self.norm_per_head = qk_norm != "projection"
+        """QK-norm over each head's channels (true), else over the whole projections before
+        the split into heads ("projection")."""
         q_width, k_width = (
             (self.head_dim, self.head_dim) if self.norm_per_head else (d_model, kv_dim)
         )

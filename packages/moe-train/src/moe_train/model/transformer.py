@@ -48,7 +48,6 @@ class Block(nn.Module):
             config.n_kv_heads,
             qk_norm=config.qk_norm,
             norm_eps=config.norm_eps,
-            qk_norm_scope=config.qk_norm_scope,
             qkv_bias=config.qkv_bias,
         )
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
