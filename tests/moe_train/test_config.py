@@ -75,6 +75,15 @@ def test_resolved_config_round_trips(tmp_path):
         ({"model": {"d_model": "wide"}}, "model.d_model='wide' must be an integer"),
         ({"model": {"qk_norm": 1}}, "model.qk_norm=1 must be true/false"),
         (
+            {"model": {"qk_norm": "heads"}},
+            "model.qk_norm='heads' must be true/false or one of 'projection'",
+        ),
+        (
+            {"model": {"moe": {"shared_expert_gate": True}}},
+            "model.moe.shared_expert_gate=true gates the shared experts; set "
+            "model.moe.shared_experts to at least 1",
+        ),
+        (
             {"model": {"moe": {"top_k": 9}}},
             "model.moe.top_k=9 must be between 1 and model.moe.num_experts=8",
         ),

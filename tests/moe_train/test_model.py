@@ -12,9 +12,12 @@ from training import small_model_config
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_parameter_count_matches_the_module(tie):
-    config = small_model_config()
+@pytest.mark.parametrize("families", [False, True], ids=["plain", "bias_projection_norm_gate"])
+def test_parameter_count_matches_the_module(tie, families):
+    config = small_model_config(shared_expert_gate=families)
     config.tie_embeddings = tie
+    if families:
+        config.qkv_bias, config.qk_norm = True, "projection"
     model = Transformer(config)
     assert count_params(config).total == sum(p.numel() for p in model.parameters())
 
@@ -31,9 +34,10 @@ def _swiglu(x: Tensor, w_gate_up_OD: Tensor, w_down_DH: Tensor) -> Tensor:
 def _reference_logits(config, weights: dict[str, Tensor], tokens_BS: Tensor) -> Tensor:
     """The model's logits written out from its definition, in float64, from its weights by
     name: pre-norm blocks of causal grouped-query attention (RoPE on the two halves of each
-    head, optional per-head RMSNorm of queries and keys) and a dense SwiGLU or a routed
-    mixture (top-k by score plus bias, combine weights the scores renormalised over the
-    chosen) plus shared experts, each token one at a time."""
+    head, optional q/k/v biases, optional RMSNorm of queries and keys per head or over the
+    whole projections) and a dense SwiGLU or a routed mixture (top-k by score plus bias,
+    combine weights the scores renormalised over the chosen) plus shared experts, optionally
+    gated by a sigmoid of the input, each token one at a time."""
     w = {name: t.double() for name, t in weights.items()}
     eps, heads, kv_heads = config.norm_eps, config.n_heads, config.n_kv_heads
     batch, seq = tokens_BS.shape
@@ -53,13 +57,17 @@ def _reference_logits(config, weights: dict[str, Tensor], tokens_BS: Tensor) -> 
     for layer in range(config.n_layers):
         p = f"blocks.{layer}."
         h = _rms_norm(x, w[p + "attn_norm.weight"], eps)
-        q, k, v = (h @ w[p + "attn.qkv.weight"].T).split(
-            [width, kv_heads * head_dim, kv_heads * head_dim], dim=-1
-        )
+        qkv = h @ w[p + "attn.qkv.weight"].T
+        if config.qkv_bias:
+            qkv = qkv + w[p + "attn.qkv.bias"]
+        q, k, v = qkv.split([width, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        if config.qk_norm == "projection":
+            q = _rms_norm(q, w[p + "attn.q_norm.weight"], eps)
+            k = _rms_norm(k, w[p + "attn.k_norm.weight"], eps)
         q = q.view(batch, seq, heads, head_dim).transpose(1, 2)
         k = k.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
         v = v.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
-        if config.qk_norm:
+        if config.qk_norm is True:
             q = _rms_norm(q, w[p + "attn.q_norm.weight"], eps)
             k = _rms_norm(k, w[p + "attn.k_norm.weight"], eps)
         q, k = rope(q), rope(k)
@@ -87,19 +95,30 @@ def _reference_logits(config, weights: dict[str, Tensor], tokens_BS: Tensor) -> 
                     w_down_HD = w[p + "ffn.experts.w_down_EHD"][e]
                     out[b, s] += weight * _swiglu(h[b, s], w_gate_up_DO.T, w_down_HD.T)
         if moe.shared_experts:
-            out += _swiglu(h, w[p + "ffn.shared.gate_up.weight"], w[p + "ffn.shared.down.weight"])
+            shared = _swiglu(h, w[p + "ffn.shared.gate_up.weight"], w[p + "ffn.shared.down.weight"])
+            if moe.shared_expert_gate:
+                shared = torch.sigmoid(h @ w[p + "ffn.shared_gate.weight"].T) * shared
+            out += shared
         x = x + out
     return _rms_norm(x, w["norm.weight"], eps) @ w["head.weight"].T
 
 
 @pytest.mark.parametrize(
-    ("router", "qk_norm"), [("softmax", True), ("sigmoid", False)], ids=["softmax", "sigmoid"]
+    ("router", "model_options", "gated"),
+    [
+        ("softmax", {"qk_norm": True}, False),
+        ("sigmoid", {"qk_norm": False}, False),
+        ("softmax", {"qk_norm": "projection"}, False),
+        ("softmax", {"qkv_bias": True}, True),
+    ],
+    ids=["softmax", "sigmoid", "qk_norm_projection", "qkv_bias_gated_shared"],
 )
-def test_logits_match_a_float64_reference_forward(router, qk_norm):
+def test_logits_match_a_float64_reference_forward(router, model_options, gated):
     """One dense and two MoE layers (a shared expert each), grouped-query attention, on
     weights drawn away from their initial values (norm scales and expert biases included)."""
-    config = small_model_config(n_layers=3, router=router)
-    config.qk_norm = qk_norm
+    config = small_model_config(n_layers=3, router=router, shared_expert_gate=gated)
+    for key, value in model_options.items():
+        setattr(config, key, value)
     model = Transformer(config)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -49,6 +49,11 @@ def reference(shared_token_file, tmp_path_factory):
 def test_muon_updates_the_hidden_matrices_and_adamw_the_rest(shared_token_file, tmp_path):
     config = config_from_dict(_data(shared_token_file, tmp_path))
     names = {n for n, p in Transformer(config.model).named_parameters() if is_hidden_matrix(n, p)}
+    # The q/k/v biases and a shared-expert gate (a score vector, as a router's) stay AdamW's.
+    config.model.qkv_bias, config.model.moe.shared_expert_gate = True, True
+    model = Transformer(config.model)
+    assert "blocks.1.ffn.shared_gate.weight" in dict(model.named_parameters())
+    assert {n for n, p in model.named_parameters() if is_hidden_matrix(n, p)} == names
     assert names == {
         "blocks.0.attn.qkv.weight",
         "blocks.0.attn.out.weight",

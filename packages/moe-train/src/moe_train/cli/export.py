@@ -44,8 +44,9 @@ EXPORT = Command(
     "generation_config.json, sharded safetensors with an index, and the tokenizer files "
     "when the data used a tokenizer.json; also README.md, a model card: the model, how it was "
     "trained, each data source with its counts and one digest (no paths of the training "
-    "machine), and the code. Refused (exit 2, nothing written) when no "
-    "transformers architecture computes the same logits. Needs transformers.",
+    "machine), and the code. The architecture is the one of Qwen3-MoE, OLMoE, Mixtral, "
+    "Qwen2-MoE and GLM-4-MoE that the model's options match; refused (exit 2, nothing "
+    "written) when none computes the same logits. Needs transformers.",
     add_arguments=_add_arguments,
     handle=_handle,
 )

@@ -28,8 +28,8 @@ def _handle(args: argparse.Namespace) -> int:
 IMPORT_HF = Command(
     name="import-hf",
     help="turn a Hugging Face transformers model directory into a checkpoint",
-    description="Read HF_DIR (Qwen3-MoE or GLM-4-MoE: config.json and safetensors) and "
-    "write DIR/step_00000000, a weights-only checkpoint, and DIR/config.yaml, a trainer "
+    description="Read HF_DIR (Qwen3-MoE, GLM-4-MoE, OLMoE, Mixtral or Qwen2-MoE: config.json "
+    "and safetensors) and write DIR/step_00000000, a weights-only checkpoint, and DIR/config.yaml, a trainer "
     "config of the same model with checkpoint.init_from=DIR. Refused (exit 2, nothing "
     "written) when our model cannot compute exactly what the transformers model does. "
     "Needs transformers.",

@@ -20,7 +20,7 @@ from moe_train.errors import ConfigError
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if isinstance(tp, types.UnionType):
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
@@ -34,7 +34,7 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Convert `value` to type `tp` or raise ConfigError naming `key`."""
     origin = typing.get_origin(tp)
-    if isinstance(tp, types.UnionType):
+    if isinstance(tp, types.UnionType) or origin is typing.Union:  # `bool | Literal[...]`
         for option in typing.get_args(tp):
             try:
                 return _coerce(value, option, key)

@@ -22,6 +22,10 @@ class MoEConfig:
     """Hidden width of each expert's SwiGLU."""
     shared_experts: int = 0
     """Always-active shared experts per MoE layer (each of width expert_hidden)."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(w . x), w a learned vector of
+    each MoE layer and x the block's normalised input (as Qwen2-MoE gates its shared expert);
+    needs shared_experts."""
     router: Literal["softmax", "sigmoid"] = "softmax"
     """Scoring function over the router logits."""
     normalize_topk: bool = True
@@ -68,6 +72,11 @@ class MoEConfig:
             self, path, "shared_experts", "lb_loss_weight", "z_loss_weight", "bias_update_rate"
         )
         self._validate_groups(path)
+        if self.shared_expert_gate and not self.shared_experts:
+            raise ConfigError(
+                f"{path}.shared_expert_gate=true gates the shared experts; set "
+                f"{path}.shared_experts to at least 1 or the gate to false"
+            )
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ConfigError(
                 f"{path}.capacity_factor={self.capacity_factor} must be positive, "
@@ -169,8 +178,14 @@ class ModelConfig:
     """Query heads; must divide d_model."""
     n_kv_heads: int = 4
     """Key/value heads (grouped-query attention); must divide n_heads."""
-    qk_norm: bool = False
-    """RMS-normalise queries and keys per head before RoPE."""
+    qk_norm: bool | Literal["projection"] = False
+    """RMS-normalise queries and keys before RoPE. true: each head's channels, with one
+    weight of head size shared by all heads (Qwen3, GLM-4.5). projection: the whole query
+    projection and the whole key projection, all heads together, with a weight per channel
+    (OLMoE). false: no QK-norm."""
+    qkv_bias: bool = False
+    """Add a learned bias to the query, key and value projections (as Qwen2 does); the output
+    projection has none."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)

@@ -5,23 +5,29 @@ checkpoint tensor it is cut from, and each cut (`HFTensor.take`) is a view of it
 export reads through it and import (`moe_train.hf.import_hf`) writes through it.
 `checkpoint_shapes` gives the shapes of the checkpoint tensors those cuts tile.
 
-Both targets share our block: pre-norm RMSNorm (eps `model.norm_eps`, weight times the fp32
-normalised input), grouped-query attention with RoPE in the half-split convention
+Every target shares our block: pre-norm RMSNorm (eps `model.norm_eps`, weight times the
+fp32 normalised input), grouped-query attention with RoPE in the half-split convention
 (`rotate_half`: channel i pairs with channel i + head_dim/2) on the whole head, SwiGLU
-feed-forwards `down(silu(gate(x)) * up(x))`, a final RMSNorm and a bias-free head.
+feed-forwards `down(silu(gate(x)) * up(x))`, a final RMSNorm and a bias-free head. The
+softmax-routed ones pick the top k by probability (no selection bias, no groups, unscaled).
 
-- `Qwen3MoeForCausalLM`: softmax router, top-k by probability, `norm_topk_prob`, QK-norm per
-  head before RoPE (always on), no shared experts, dense layers as `mlp_only_layers`.
+- `Qwen3MoeForCausalLM`: QK-norm per head before RoPE (always on), `norm_topk_prob`, no
+  shared experts, dense layers as `mlp_only_layers`.
+- `OlmoeForCausalLM`: QK-norm over the whole q and k projections (all heads together, one
+  weight per channel; `model.qk_norm: projection`), `norm_topk_prob`, no shared
+  experts, an MoE feed-forward in every layer.
+- `MixtralForCausalLM`: no QK-norm, top-k weights always renormalised (`normalize_topk`), no
+  shared experts, an MoE feed-forward in every layer; exported without router jitter.
+- `Qwen2MoeForCausalLM`: no QK-norm, optional q/k/v biases (`qkv_bias`), `norm_topk_prob`,
+  one shared-expert MLP of width `shared_expert_intermediate_size` whose output is scaled by
+  `sigmoid(shared_expert_gate(x))` (`model.moe.shared_expert_gate`), dense layers as
+  `mlp_only_layers`.
 - `Glm4MoeForCausalLM`: sigmoid router whose selection adds `e_score_correction_bias` and whose
   combine weights do not, `norm_topk_prob`, `n_shared_experts` ungated SwiGLU experts of width
   `n_shared_experts * moe_intermediate_size`, optional per-head QK-norm (`use_qk_norm`),
   dense-first layers (`first_k_dense_replace`), group-limited routing (`n_group`,
   `topk_group`) and `routed_scaling_factor`. Exported with `partial_rotary_factor = 1` (RoPE on
   the whole head).
-
-OLMoE (`OlmoeForCausalLM`) is no target: its QK-norm always normalises the whole q and k
-projections (all heads together), which our per-head QK-norm equals only for one query and one
-key/value head, where Qwen3-MoE applies as well.
 """
 
 from __future__ import annotations
@@ -87,41 +93,99 @@ def choose_architecture(config: Config, expert_bias_nonzero: bool) -> Architectu
             f"model.moe.capacity_factor={moe.capacity_factor} drops token copies over capacity; "
             "transformers' MoE architectures are dropless, so the logits would differ"
         )
-    if moe.router == "softmax":
-        if expert_bias_nonzero:
+    if moe.router == "sigmoid":
+        return _sigmoid_routed(config)
+    if expert_bias_nonzero:
+        raise ExportError(
+            "model.moe.bias_update_rate: the softmax router's selection bias is not zero; "
+            "no exported architecture adds a bias to softmax routing"
+        )
+    if moe.topk_group < moe.n_group or moe.routed_scaling_factor != 1.0:
+        raise ExportError(
+            f"model.moe.n_group={moe.n_group}, topk_group={moe.topk_group}, "
+            f"routed_scaling_factor={moe.routed_scaling_factor} with "
+            "model.moe.router='softmax': the softmax-routed architectures route over all "
+            "experts unscaled; group-limited or scaled routing exports only with "
+            "router='sigmoid' (GLM-4-MoE)"
+        )
+    if moe.shared_experts or model.qkv_bias:
+        return _with_gated_shared_expert(config)
+    if not model.qk_norm:
+        if not moe.normalize_topk:
             raise ExportError(
-                "model.moe.bias_update_rate: the softmax router's selection bias is not zero; "
-                "no exported architecture adds a bias to softmax routing (Qwen3-MoE has none)"
+                "model.moe.normalize_topk=false with model.qk_norm=false: Mixtral always "
+                "renormalises the top-k weights, and the other softmax-routed architectures "
+                "without shared experts have QK-norm"
             )
-        if moe.topk_group < moe.n_group or moe.routed_scaling_factor != 1.0:
-            raise ExportError(
-                f"model.moe.n_group={moe.n_group}, topk_group={moe.topk_group}, "
-                f"routed_scaling_factor={moe.routed_scaling_factor} with "
-                "model.moe.router='softmax': Qwen3-MoE routes over all experts unscaled; "
-                "group-limited or scaled routing exports only with router='sigmoid' (GLM-4-MoE)"
-            )
-        if moe.shared_experts:
-            raise ExportError(
-                f"model.moe.shared_experts={moe.shared_experts} with model.moe.router='softmax': "
-                "Qwen3-MoE has no shared experts and Qwen2-MoE gates them with a sigmoid; "
-                "ungated shared experts export only with router='sigmoid' (GLM-4-MoE)"
-            )
-        if not model.qk_norm:
-            raise ExportError(
-                "model.qk_norm=false with model.moe.router='softmax': Qwen3-MoE always "
-                "normalises q and k per head and OLMoE over the whole projection; no exported "
-                "architecture with softmax routing has no QK-norm"
-            )
-        return _qwen3_moe(config)
+        _refuse_dense_layers(model, "Mixtral")
+        return _mixtral(config)
+    if model.qk_norm == "projection":
+        _refuse_dense_layers(model, "OLMoE")
+        return _olmoe(config)
+    return _qwen3_moe(config)
+
+
+def _refuse_dense_layers(model: ModelConfig, family: str) -> None:
+    if model.dense_layers:
+        raise ExportError(
+            f"model.dense_layers={model.dense_layers}: {family}, the architecture the other "
+            "options match, has an MoE feed-forward in every layer"
+        )
+
+
+def _sigmoid_routed(config: Config) -> Architecture:
+    """GLM-4-MoE, the one sigmoid-routed target, if the attention and shared experts match."""
+    model, moe = config.model, config.model.moe
     if moe.num_experts < 2:
         raise ExportError(
             f"model.moe.num_experts={moe.num_experts} with model.moe.router='sigmoid': "
             "GLM-4-MoE's router needs at least 2 experts"
         )
+    if model.qkv_bias:
+        raise ExportError(
+            "model.qkv_bias=true with model.moe.router='sigmoid': GLM-4-MoE is exported "
+            "without attention biases; q/k/v biases export with router='softmax' and gated "
+            "shared experts (Qwen2-MoE)"
+        )
+    if model.qk_norm == "projection":
+        raise ExportError(
+            "model.qk_norm='projection' with model.moe.router='sigmoid': GLM-4-MoE "
+            "normalises q and k per head (model.qk_norm=true)"
+        )
+    if moe.shared_expert_gate:
+        raise ExportError(
+            "model.moe.shared_expert_gate=true with model.moe.router='sigmoid': GLM-4-MoE's "
+            "shared experts are ungated; gated ones export with router='softmax' (Qwen2-MoE)"
+        )
     return _glm4_moe(config)
 
 
-def _common_config(config: Config) -> dict[str, Any]:
+def _with_gated_shared_expert(config: Config) -> Architecture:
+    """Qwen2-MoE, the softmax-routed target with shared experts or q/k/v biases: one
+    sigmoid-gated shared-expert MLP in every MoE layer, no QK-norm."""
+    model, moe = config.model, config.model.moe
+    if not moe.shared_experts:
+        raise ExportError(
+            "model.qkv_bias=true with model.moe.shared_experts=0: q/k/v biases export as "
+            "Qwen2-MoE, whose MoE layers always have a gated shared expert"
+        )
+    if not moe.shared_expert_gate:
+        raise ExportError(
+            f"model.moe.shared_experts={moe.shared_experts} with "
+            "model.moe.shared_expert_gate=false and model.moe.router='softmax': Qwen2-MoE "
+            "gates its shared expert with a sigmoid and Qwen3-MoE, OLMoE and Mixtral have "
+            "none; ungated shared experts export only with router='sigmoid' (GLM-4-MoE)"
+        )
+    if model.qk_norm:
+        value = "true" if model.qk_norm is True else repr(model.qk_norm)
+        raise ExportError(
+            f"model.qk_norm={value} with gated shared experts (Qwen2-MoE): Qwen2-MoE has no QK-norm"
+        )
+    return _qwen2_moe(config)
+
+
+def _base_config(config: Config) -> dict[str, Any]:
+    """The config.json options every target has."""
     model = config.model
     return {
         "vocab_size": model.vocab_size,
@@ -129,20 +193,27 @@ def _common_config(config: Config) -> dict[str, Any]:
         "num_hidden_layers": model.n_layers,
         "num_attention_heads": model.n_heads,
         "num_key_value_heads": model.n_kv_heads,
-        "head_dim": model.d_model // model.n_heads,
         "hidden_act": "silu",
         "max_position_embeddings": _max_positions(config),
         "initializer_range": model.init_std,
         "rms_norm_eps": model.norm_eps,
         "rope_parameters": rope_parameters(model),
-        "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": model.tie_embeddings,
+        "num_experts_per_tok": model.moe.top_k,
+        "output_router_logits": False,
+    }
+
+
+def _common_config(config: Config) -> dict[str, Any]:
+    """The options Qwen3-MoE and GLM-4-MoE add to the base ones."""
+    model = config.model
+    return _base_config(config) | {
+        "head_dim": model.d_model // model.n_heads,
+        "attention_bias": False,
         "intermediate_size": model.dense_hidden,
         "moe_intermediate_size": model.moe.expert_hidden,
-        "num_experts_per_tok": model.moe.top_k,
         "norm_topk_prob": model.moe.normalize_topk,
-        "output_router_logits": False,
     }
 
 
@@ -184,7 +255,7 @@ def _qwen3_moe(config: Config) -> Architecture:
         "use_sliding_window": False,
         "sliding_window": None,
     }
-    return Architecture("Qwen3MoeForCausalLM", "Qwen3MoeConfig", kwargs, _tensors(model, glm=False))
+    return Architecture("Qwen3MoeForCausalLM", "Qwen3MoeConfig", kwargs, _tensors(model, QWEN3))
 
 
 def _glm4_moe(config: Config) -> Architecture:
@@ -196,12 +267,88 @@ def _glm4_moe(config: Config) -> Architecture:
         "routed_scaling_factor": model.moe.routed_scaling_factor,
         "n_group": model.moe.n_group,
         "topk_group": model.moe.topk_group,
-        "use_qk_norm": model.qk_norm,
+        "use_qk_norm": bool(model.qk_norm),
         "partial_rotary_factor": 1.0,
         "num_nextn_predict_layers": 0,
     }
     kwargs["rope_parameters"] = kwargs["rope_parameters"] | {"partial_rotary_factor": 1.0}
-    return Architecture("Glm4MoeForCausalLM", "Glm4MoeConfig", kwargs, _tensors(model, glm=True))
+    return Architecture("Glm4MoeForCausalLM", "Glm4MoeConfig", kwargs, _tensors(model, GLM4))
+
+
+def _olmoe(config: Config) -> Architecture:
+    model = config.model
+    kwargs = _base_config(config) | {
+        "intermediate_size": model.moe.expert_hidden,
+        "num_experts": model.moe.num_experts,
+        "norm_topk_prob": model.moe.normalize_topk,
+        "router_aux_loss_coef": model.moe.lb_loss_weight,
+        "attention_bias": False,
+        "clip_qkv": None,
+    }
+    return Architecture("OlmoeForCausalLM", "OlmoeConfig", kwargs, _tensors(model, OLMOE))
+
+
+def _mixtral(config: Config) -> Architecture:
+    model = config.model
+    kwargs = _base_config(config) | {
+        "head_dim": model.d_model // model.n_heads,
+        "intermediate_size": model.moe.expert_hidden,
+        "num_local_experts": model.moe.num_experts,
+        "router_aux_loss_coef": model.moe.lb_loss_weight,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    }
+    return Architecture("MixtralForCausalLM", "MixtralConfig", kwargs, _tensors(model, MIXTRAL))
+
+
+def _qwen2_moe(config: Config) -> Architecture:
+    model, moe = config.model, config.model.moe
+    kwargs = _base_config(config) | {
+        "intermediate_size": model.dense_hidden,
+        "moe_intermediate_size": moe.expert_hidden,
+        "shared_expert_intermediate_size": moe.shared_experts * moe.expert_hidden,
+        "num_experts": moe.num_experts,
+        "norm_topk_prob": moe.normalize_topk,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(model.dense_layers)),
+        "router_aux_loss_coef": moe.lb_loss_weight,
+        "qkv_bias": model.qkv_bias,
+        "use_sliding_window": False,
+    }
+    return Architecture("Qwen2MoeForCausalLM", "Qwen2MoeConfig", kwargs, _tensors(model, QWEN2))
+
+
+@dataclass(frozen=True)
+class _HubNames:
+    """Where a family keeps its MoE tensors in the hub layout."""
+
+    moe: str
+    """The MoE block under a layer: ``mlp`` (``block_sparse_moe`` for Mixtral)."""
+    gate_up_down: tuple[str, str, str]
+    """An expert's gate, up and down projections: ``gate_proj``, ``up_proj``, ``down_proj``
+    (``w1``, ``w3``, ``w2`` for Mixtral)."""
+    shared: str | None = None
+    """The shared-expert MLP under the MoE block (None: the family has none)."""
+    shared_gate: bool = False
+    """A ``shared_expert_gate`` beside it (Qwen2-MoE)."""
+    fp32_router: bool = False
+    """The router weight and selection bias are kept in fp32 (GLM-4-MoE)."""
+
+
+_MLP = ("gate_proj", "up_proj", "down_proj")
+QWEN3 = _HubNames("mlp", _MLP)
+GLM4 = _HubNames("mlp", _MLP, shared="shared_experts", fp32_router=True)
+OLMOE = _HubNames("mlp", _MLP)
+MIXTRAL = _HubNames("block_sparse_moe", ("w1", "w3", "w2"))
+QWEN2 = _HubNames("mlp", _MLP, shared="shared_expert", shared_gate=True)
+
+
+def _qk_norm_width(model: ModelConfig) -> tuple[int, int]:
+    """The widths of the query and key norm weights."""
+    head_dim = model.d_model // model.n_heads
+    if model.qk_norm == "projection":
+        return model.d_model, model.n_kv_heads * head_dim
+    return head_dim, head_dim
 
 
 def checkpoint_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -215,10 +362,13 @@ def checkpoint_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         ours = f"blocks.{layer}"
         shapes[f"{ours}.attn_norm.weight"] = (d,)
         shapes[f"{ours}.attn.qkv.weight"] = (d + 2 * kv, d)
+        if model.qkv_bias:
+            shapes[f"{ours}.attn.qkv.bias"] = (d + 2 * kv,)
         shapes[f"{ours}.attn.out.weight"] = (d, d)
         if model.qk_norm:
-            shapes[f"{ours}.attn.q_norm.weight"] = (head_dim,)
-            shapes[f"{ours}.attn.k_norm.weight"] = (head_dim,)
+            q_width, k_width = _qk_norm_width(model)
+            shapes[f"{ours}.attn.q_norm.weight"] = (q_width,)
+            shapes[f"{ours}.attn.k_norm.weight"] = (k_width,)
         shapes[f"{ours}.ffn_norm.weight"] = (d,)
         if layer < model.dense_layers:
             shapes[f"{ours}.ffn.gate_up.weight"] = (2 * model.dense_hidden, d)
@@ -232,6 +382,8 @@ def checkpoint_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
             width = moe.shared_experts * hidden
             shapes[f"{ours}.ffn.shared.gate_up.weight"] = (2 * width, d)
             shapes[f"{ours}.ffn.shared.down.weight"] = (d, width)
+        if moe.shared_expert_gate:
+            shapes[f"{ours}.ffn.shared_gate.weight"] = (1, d)
     shapes["norm.weight"] = (d,)
     if not model.tie_embeddings:
         shapes["head.weight"] = (model.vocab_size, d)
@@ -269,29 +421,38 @@ def _swiglu(prefix: str, source: str, d: int, hidden: int) -> list[HFTensor]:
     ]  # fmt: skip
 
 
-def _tensors(model: ModelConfig, *, glm: bool) -> list[HFTensor]:
+def _attention(model: ModelConfig, ours: str, hf: str) -> list[HFTensor]:
+    """One layer's q, k, v and o projections (and q/k/v biases), cut from our fused qkv, and
+    its QK-norm weights."""
+    d = model.d_model
+    kv = model.n_kv_heads * (d // model.n_heads)
+    tensors = []
+    for kind in ("weight", "bias") if model.qkv_bias else ("weight",):
+        fused = f"{ours}.attn.qkv.{kind}"
+        for name, start, rows in (("q", 0, d), ("k", d, kv), ("v", d + kv, kv)):
+            shape = (rows, d) if kind == "weight" else (rows,)
+            cut = _rows(start, start + rows)
+            tensors.append(HFTensor(f"{hf}.self_attn.{name}_proj.{kind}", fused, shape, cut))
+    tensors.append(
+        HFTensor(f"{hf}.self_attn.o_proj.weight", f"{ours}.attn.out.weight", (d, d), _same)
+    )
+    if model.qk_norm:
+        for name, width in zip(("q_norm", "k_norm"), _qk_norm_width(model), strict=True):
+            source = f"{ours}.attn.{name}.weight"
+            tensors.append(HFTensor(f"{hf}.self_attn.{name}.weight", source, (width,), _same))
+    return tensors
+
+
+def _tensors(model: ModelConfig, names: _HubNames) -> list[HFTensor]:
     d, moe = model.d_model, model.moe
-    head_dim = d // model.n_heads
-    kv = model.n_kv_heads * head_dim
     hidden = moe.expert_hidden
     tensors = [HFTensor("model.embed_tokens.weight", "embed.weight", (model.vocab_size, d), _same)]
     for layer in range(model.n_layers):
         ours, hf = f"blocks.{layer}", f"model.layers.{layer}"
-        qkv = f"{ours}.attn.qkv.weight"
-        tensors += [
-            HFTensor(f"{hf}.input_layernorm.weight", f"{ours}.attn_norm.weight", (d,), _same),
-            HFTensor(f"{hf}.self_attn.q_proj.weight", qkv, (d, d), _rows(0, d)),
-            HFTensor(f"{hf}.self_attn.k_proj.weight", qkv, (kv, d), _rows(d, d + kv)),
-            HFTensor(f"{hf}.self_attn.v_proj.weight", qkv, (kv, d), _rows(d + kv, d + 2 * kv)),
-            HFTensor(f"{hf}.self_attn.o_proj.weight", f"{ours}.attn.out.weight", (d, d), _same),
-        ]
-        if model.qk_norm:
-            tensors += [
-                HFTensor(
-                    f"{hf}.self_attn.{n}.weight", f"{ours}.attn.{n}.weight", (head_dim,), _same
-                )
-                for n in ("q_norm", "k_norm")
-            ]
+        tensors.append(
+            HFTensor(f"{hf}.input_layernorm.weight", f"{ours}.attn_norm.weight", (d,), _same)
+        )
+        tensors += _attention(model, ours, hf)
         tensors.append(
             HFTensor(
                 f"{hf}.post_attention_layernorm.weight", f"{ours}.ffn_norm.weight", (d,), _same
@@ -300,43 +461,49 @@ def _tensors(model: ModelConfig, *, glm: bool) -> list[HFTensor]:
         if layer < model.dense_layers:
             tensors += _swiglu(f"{hf}.mlp", f"{ours}.ffn", d, model.dense_hidden)
             continue
+        block = f"{hf}.{names.moe}"
         tensors.append(
             HFTensor(
-                f"{hf}.mlp.gate.weight",
+                f"{block}.gate.weight",
                 f"{ours}.ffn.router.gate.weight",
                 (moe.num_experts, d),
                 _same,
-                keep_fp32=glm,
+                keep_fp32=names.fp32_router,
             )
         )
-        if glm:
+        if names.fp32_router:  # GLM-4-MoE: the selection bias too
             tensors.append(
                 HFTensor(
-                    f"{hf}.mlp.gate.e_score_correction_bias",
+                    f"{block}.gate.e_score_correction_bias",
                     f"{ours}.ffn.router.expert_bias",
                     (moe.num_experts,),
                     _same,
                     keep_fp32=True,
                 )
             )
+        gate, up, down = names.gate_up_down
         for expert in range(moe.num_experts):
-            prefix = f"{hf}.mlp.experts.{expert}"
-            gate_up, down = f"{ours}.ffn.experts.w_gate_up_EDO", f"{ours}.ffn.experts.w_down_EHD"
+            prefix = f"{block}.experts.{expert}"
+            gate_up, w_down = f"{ours}.ffn.experts.w_gate_up_EDO", f"{ours}.ffn.experts.w_down_EHD"
             tensors += [
-                HFTensor(f"{prefix}.gate_proj.weight", gate_up, (hidden, d), _gate(hidden), expert),
-                HFTensor(f"{prefix}.up_proj.weight", gate_up, (hidden, d), _up(hidden), expert),
-                HFTensor(f"{prefix}.down_proj.weight", down, (d, hidden), _transposed, expert),
+                HFTensor(f"{prefix}.{gate}.weight", gate_up, (hidden, d), _gate(hidden), expert),
+                HFTensor(f"{prefix}.{up}.weight", gate_up, (hidden, d), _up(hidden), expert),
+                HFTensor(f"{prefix}.{down}.weight", w_down, (d, hidden), _transposed, expert),
             ]  # fmt: skip
-        if glm:
+        if names.shared is None:
+            continue
+        width = moe.shared_experts * hidden
+        if width:
+            tensors += _swiglu(f"{block}.{names.shared}", f"{ours}.ffn.shared", d, width)
+        else:
             # GLM-4-MoE always builds its shared-expert MLP; with none it has width 0 and adds 0.
-            width = moe.shared_experts * hidden
-            if width:
-                tensors += _swiglu(f"{hf}.mlp.shared_experts", f"{ours}.ffn.shared", d, width)
-            else:
-                tensors += [
-                    HFTensor(f"{hf}.mlp.shared_experts.{n}_proj.weight", None, shape, _same)
-                    for n, shape in (("gate", (0, d)), ("up", (0, d)), ("down", (d, 0)))
-                ]
+            tensors += [
+                HFTensor(f"{block}.{names.shared}.{n}_proj.weight", None, shape, _same)
+                for n, shape in (("gate", (0, d)), ("up", (0, d)), ("down", (d, 0)))
+            ]
+        if names.shared_gate:
+            source = f"{ours}.ffn.shared_gate.weight"
+            tensors.append(HFTensor(f"{block}.shared_expert_gate.weight", source, (1, d), _same))
     tensors.append(HFTensor("model.norm.weight", "norm.weight", (d,), _same))
     if not model.tie_embeddings:
         tensors.append(HFTensor("lm_head.weight", "head.weight", (model.vocab_size, d), _same))

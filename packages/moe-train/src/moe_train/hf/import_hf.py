@@ -1,6 +1,6 @@
 """`moe-train import-hf`: a transformers model directory as a weights-only checkpoint of ours.
 
-Reads HF_DIR/config.json (Qwen3-MoE or GLM-4-MoE) and its safetensors (one model.safetensors,
+Reads HF_DIR/config.json (Qwen3-MoE, GLM-4-MoE, OLMoE, Mixtral or Qwen2-MoE) and its safetensors (one model.safetensors,
 or shards with model.safetensors.index.json), and writes OUT/step_00000000, a checkpoint of
 step 0 that holds only model tensors, and OUT/config.yaml, a trainer config whose model section
 computes what the transformers model computes, with `checkpoint.init_from` set to OUT. The
@@ -35,7 +35,13 @@ from moe_train.hf.architectures import (
 )
 from moe_train.hf.output_dir import written_whole
 
-SUPPORTED = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+SUPPORTED = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
 """model_type -> the transformers class import reads."""
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -132,8 +138,7 @@ def read_hf_config(hf_dir: Path) -> tuple[Config, Architecture]:
         )
     transformers = _transformers()
     hf = transformers.AutoConfig.for_model(**raw)
-    glm = model_type == "glm4_moe"
-    model = _model_section(hf, path, glm=glm)
+    model = _model_section(hf, path, model_type)
     try:
         config = config_from_dict({"model": model})
     except MoeTrainError as e:
@@ -182,7 +187,7 @@ def _rope_scaling(rope: dict[str, Any], path: Path) -> dict[str, Any]:
     return section
 
 
-def _model_section(hf: Any, path: Path, *, glm: bool) -> dict[str, Any]:
+def _model_section(hf: Any, path: Path, model_type: str) -> dict[str, Any]:
     """config.json's options as our `model` section, refusing any our model computes
     differently."""
     heads, d = hf.num_attention_heads, hf.hidden_size
@@ -192,12 +197,12 @@ def _model_section(hf: Any, path: Path, *, glm: bool) -> dict[str, Any]:
                       f"num_attention_heads = {d} / {heads}")  # fmt: skip
     if hf.hidden_act != "silu":
         raise _refuse(path, "hidden_act", hf.hidden_act, "our feed-forwards are SwiGLU (silu)")
-    if hf.attention_bias:
-        raise _refuse(path, "attention_bias", True, "our projections have no bias")
+    if getattr(hf, "attention_bias", False):
+        raise _refuse(path, "attention_bias", True, "our output projection has no bias")
     if hf.attention_dropout:
         raise _refuse(path, "attention_dropout", hf.attention_dropout, "our attention has no dropout")  # fmt: skip
     rope = dict(hf.rope_parameters or {})
-    if glm and rope.get("partial_rotary_factor", 1.0) != 1.0:
+    if model_type == "glm4_moe" and rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise _refuse(path, "partial_rotary_factor", rope["partial_rotary_factor"],
                       "our RoPE rotates the whole head (1.0)")  # fmt: skip
     model: dict[str, Any] = {
@@ -209,43 +214,106 @@ def _model_section(hf: Any, path: Path, *, glm: bool) -> dict[str, Any]:
         "rope_theta": float(rope.get("rope_theta", 10000.0)),
         "rope_scaling": _rope_scaling(rope, path),
         "norm_eps": float(hf.rms_norm_eps),
-        "dense_hidden": hf.intermediate_size,
         "tie_embeddings": bool(hf.tie_word_embeddings),
         "init_std": float(hf.initializer_range),
     }
-    moe: dict[str, Any] = {
-        "expert_hidden": hf.moe_intermediate_size,
-        "top_k": hf.num_experts_per_tok,
-        "normalize_topk": bool(hf.norm_topk_prob),
-    }
-    if glm:
-        moe |= {
-            "n_group": hf.n_group,
-            "topk_group": hf.topk_group,
-            "routed_scaling_factor": float(hf.routed_scaling_factor),
-        }
-        model |= {"qk_norm": bool(hf.use_qk_norm), "dense_layers": hf.first_k_dense_replace}
-        moe |= {"num_experts": hf.n_routed_experts, "shared_experts": hf.n_shared_experts}
-        moe["router"] = "sigmoid"
-    else:
-        if hf.num_experts < 1:
-            raise _refuse(path, "num_experts", hf.num_experts, "our MoE layers need experts")
-        if getattr(hf, "sliding_window", None) is not None:
-            raise _refuse(path, "sliding_window", hf.sliding_window, "our attention is full")
-        dense = [
-            layer
-            for layer in range(hf.num_hidden_layers)
-            if layer in hf.mlp_only_layers or (layer + 1) % hf.decoder_sparse_step
-        ]
-        if dense != list(range(len(dense))):
-            raise _refuse(path, "mlp_only_layers", hf.mlp_only_layers, f"with decoder_sparse_"
-                          f"step={hf.decoder_sparse_step} the dense layers are {dense}; ours are "
-                          "the first ones")  # fmt: skip
-        model |= {"qk_norm": True, "dense_layers": len(dense)}
-        moe |= {"num_experts": hf.num_experts, "router": "softmax"}
-        moe["lb_loss_weight"] = float(hf.router_aux_loss_coef)
+    moe: dict[str, Any] = {"top_k": hf.num_experts_per_tok, "router": "softmax"}
+    family = {
+        "glm4_moe": _glm4_moe_options,
+        "qwen3_moe": _qwen3_moe_options,
+        "qwen2_moe": _qwen2_moe_options,
+        "olmoe": _olmoe_options,
+        "mixtral": _mixtral_options,
+    }[model_type]
+    family(hf, path, model, moe)
     model["moe"] = moe
     return model
+
+
+def _glm4_moe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, Any]) -> None:
+    model |= {
+        "qk_norm": bool(hf.use_qk_norm),
+        "dense_layers": hf.first_k_dense_replace,
+        "dense_hidden": hf.intermediate_size,
+    }
+    moe |= {
+        "router": "sigmoid",
+        "num_experts": hf.n_routed_experts,
+        "shared_experts": hf.n_shared_experts,
+        "expert_hidden": hf.moe_intermediate_size,
+        "normalize_topk": bool(hf.norm_topk_prob),
+        "n_group": hf.n_group,
+        "topk_group": hf.topk_group,
+        "routed_scaling_factor": float(hf.routed_scaling_factor),
+    }
+
+
+def _qwen_moe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, Any]) -> None:
+    """What Qwen3-MoE and Qwen2-MoE share: experts, dense layers, full attention."""
+    if hf.num_experts < 1:
+        raise _refuse(path, "num_experts", hf.num_experts, "our MoE layers need experts")
+    if getattr(hf, "use_sliding_window", False) and getattr(hf, "sliding_window", None):
+        raise _refuse(path, "sliding_window", hf.sliding_window, "our attention is full")
+    dense = [
+        layer
+        for layer in range(hf.num_hidden_layers)
+        if layer in hf.mlp_only_layers or (layer + 1) % hf.decoder_sparse_step
+    ]
+    if dense != list(range(len(dense))):
+        raise _refuse(path, "mlp_only_layers", hf.mlp_only_layers, f"with decoder_sparse_"
+                      f"step={hf.decoder_sparse_step} the dense layers are {dense}; ours are "
+                      "the first ones")  # fmt: skip
+    model |= {"dense_layers": len(dense), "dense_hidden": hf.intermediate_size}
+    moe |= {
+        "num_experts": hf.num_experts,
+        "expert_hidden": hf.moe_intermediate_size,
+        "normalize_topk": bool(hf.norm_topk_prob),
+        "lb_loss_weight": float(hf.router_aux_loss_coef),
+    }
+
+
+def _qwen3_moe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, Any]) -> None:
+    if getattr(hf, "sliding_window", None) is not None:
+        raise _refuse(path, "sliding_window", hf.sliding_window, "our attention is full")
+    _qwen_moe_options(hf, path, model, moe)
+    model["qk_norm"] = True
+
+
+def _qwen2_moe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, Any]) -> None:
+    _qwen_moe_options(hf, path, model, moe)
+    shared, expert = hf.shared_expert_intermediate_size, hf.moe_intermediate_size
+    if shared <= 0 or shared % expert:
+        raise _refuse(path, "shared_expert_intermediate_size", shared, "our shared experts "
+                      f"are a positive multiple of moe_intermediate_size={expert} wide")  # fmt: skip
+    model |= {"qk_norm": False, "qkv_bias": bool(hf.qkv_bias)}
+    moe |= {"shared_experts": shared // expert, "shared_expert_gate": True}
+
+
+def _olmoe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, Any]) -> None:
+    if hf.clip_qkv is not None:
+        raise _refuse(path, "clip_qkv", hf.clip_qkv, "our attention does not clip q, k and v")
+    model["qk_norm"] = "projection"
+    moe |= {
+        "num_experts": hf.num_experts,
+        "expert_hidden": hf.intermediate_size,
+        "normalize_topk": bool(hf.norm_topk_prob),
+        "lb_loss_weight": float(hf.router_aux_loss_coef),
+    }
+
+
+def _mixtral_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, Any]) -> None:
+    if hf.sliding_window is not None:
+        raise _refuse(path, "sliding_window", hf.sliding_window, "our attention is full")
+    if hf.router_jitter_noise:
+        raise _refuse(path, "router_jitter_noise", hf.router_jitter_noise,
+                      "our routers add no noise to their input in training")  # fmt: skip
+    model["qk_norm"] = False
+    moe |= {
+        "num_experts": hf.num_local_experts,
+        "expert_hidden": hf.intermediate_size,
+        "normalize_topk": True,  # Mixtral always renormalises the top-k weights
+        "lb_loss_weight": float(hf.router_aux_loss_coef),
+    }
 
 
 # ---- weights -----------------------------------------------------------------------------
@@ -334,7 +402,7 @@ def _read_weights(
                 rows = (target, covered) if t.row is None else (target[t.row], covered[t.row])
                 t.take(rows[0]).copy_(value)
                 t.take(rows[1]).add_(1)
-            # A softmax router's selection bias is not in Qwen3-MoE: it stays zero.
+            # Only GLM-4-MoE stores a selection bias; a softmax router's stays zero.
             bias_zero = name.endswith(".router.expert_bias") and name not in by_source
             if not bias_zero and not bool((covered == 1).all()):
                 raise AssertionError(f"the mapping does not tile {name} exactly once")

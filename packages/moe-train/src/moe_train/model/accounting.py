@@ -26,10 +26,11 @@ def count_params(config: ModelConfig) -> ParamCounts:
     d, moe = config.d_model, config.moe
     kv_dim = config.n_kv_heads * (d // config.n_heads)
     attention = d * (d + 2 * kv_dim) + d * d
-    norms = 2 * d + (2 * (d // config.n_heads) if config.qk_norm else 0)
+    biases = d + 2 * kv_dim if config.qkv_bias else 0
+    norms = 2 * d + qk_norm_params(config) + biases
     expert = 3 * d * moe.expert_hidden
     router = d * moe.num_experts
-    shared = moe.shared_experts * expert
+    shared = moe.shared_experts * expert + (d if moe.shared_expert_gate else 0)
     dense_ffn = 3 * d * config.dense_hidden
     moe_layers = config.n_layers - config.dense_layers
 
@@ -50,6 +51,17 @@ def count_params(config: ModelConfig) -> ParamCounts:
         mtp=config.mtp_depth * (mtp_matmuls + norms + 3 * d),
         mtp_active=config.mtp_depth * (mtp_matmuls + active_head),
     )
+
+
+def qk_norm_params(config: ModelConfig) -> int:
+    """The QK-norm weights of one attention layer (per head: two of head size; over the
+    projections: one per query and key channel)."""
+    if not config.qk_norm:
+        return 0
+    head_dim = config.d_model // config.n_heads
+    if config.qk_norm == "projection":
+        return config.d_model + config.n_kv_heads * head_dim
+    return 2 * head_dim
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:

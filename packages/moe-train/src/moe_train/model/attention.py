@@ -9,6 +9,7 @@ width where named so).
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +112,8 @@ class LayerKVCache:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads, RoPE and optional QK-norm."""
+    """Causal self-attention with grouped-query heads, RoPE and optional QK-norm (per head, or
+    over the whole query and key projections) and q/k/v biases."""
 
     def __init__(
         self,
@@ -119,21 +121,28 @@ class Attention(nn.Module):
         n_heads: int,
         n_kv_heads: int,
         *,
-        qk_norm: bool,
+        qk_norm: bool | Literal["projection"],
         norm_eps: float,
+        qkv_bias: bool = False,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = d_model // n_heads
         kv_dim = n_kv_heads * self.head_dim
-        self.qkv = nn.Linear(d_model, d_model + 2 * kv_dim, bias=False)
+        self.qkv = nn.Linear(d_model, d_model + 2 * kv_dim, bias=qkv_bias)
         self.out = nn.Linear(d_model, d_model, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.norm_per_head = qk_norm != "projection"
+        """QK-norm over each head's channels (true), else over the whole projections before
+        the split into heads ("projection")."""
+        q_width, k_width = (
+            (self.head_dim, self.head_dim) if self.norm_per_head else (d_model, kv_dim)
+        )
+        self.q_norm = RMSNorm(q_width, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, norm_eps) if qk_norm else None
         self.qk_kernel: QKKernel | None = None
-        """Norm and rotation of queries and keys in one function (a compiled one after
-        `apply_compile`); None runs `q_norm` / `k_norm`, then `rotary`."""
+        """Per-head norm and rotation of queries and keys in one function (a compiled one
+        after `apply_compile`); None runs `q_norm` / `k_norm`, then `rotary`."""
         self.context: ContextShard | None = None
         """This rank's part of each sequence under context parallelism (set by
         `apply_context_parallel`): `x_BSD` holds its positions and attention gathers the keys
@@ -156,12 +165,16 @@ class Attention(nn.Module):
         batch, seq_len, d_model = x_BSD.shape
         kv_dim = self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x_BSD).split([d_model, kv_dim, kv_dim], dim=-1)
+        head_q_norm, head_k_norm = self.q_norm, self.k_norm
+        if not self.norm_per_head and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+            head_q_norm = head_k_norm = None
         q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = (
-            self._norm_rotate(q, self.q_norm, cos, sin, start),
-            self._norm_rotate(k, self.k_norm, cos, sin, start),
+            self._norm_rotate(q, head_q_norm, cos, sin, start),
+            self._norm_rotate(k, head_k_norm, cos, sin, start),
         )
         gqa = self.n_kv_heads != self.n_heads
         if self.context is not None:

@@ -277,7 +277,8 @@ class AttachAuxLoss(torch.autograd.Function):
 
 
 class MoEFeedForward(nn.Module):
-    """Routed experts (plus optional shared experts) replacing the dense feed-forward.
+    """Routed experts (plus optional shared experts, optionally gated) replacing the dense
+    feed-forward.
 
     The weighted auxiliary losses (`moe.lb_loss_weight * lb + moe.z_loss_weight * z`) join
     the backward through `AttachAuxLoss` with gradient `aux_loss_scale`; the latest values are
@@ -302,6 +303,8 @@ class MoEFeedForward(nn.Module):
             if config.shared_experts
             else None
         )
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if config.shared_expert_gate else None
+        """Gates the shared experts' output per token by sigmoid(shared_gate(x)) (or None)."""
         self.aux_loss_scale = 1.0
         """Gradient of the training objective with respect to this layer's weighted aux loss."""
         for name, shape, dtype in (
@@ -345,7 +348,10 @@ class MoEFeedForward(nn.Module):
         # residual add promotes it, so a separate cast pass (and its backward) is saved.
         y_TD = self.dispatcher.combine(expert_output, handle)
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            shared_TD = self.shared(x_TD)
+            if self.shared_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_gate(x_TD)) * shared_TD
+            y_TD = y_TD + shared_TD
         aux_loss = (
             self.config.lb_loss_weight * routed.lb_loss + self.config.z_loss_weight * routed.z_loss
         )

@@ -52,6 +52,7 @@ class Block(nn.Module):
             config.n_kv_heads,
             qk_norm=config.qk_norm,
             norm_eps=config.norm_eps,
+            qkv_bias=config.qkv_bias,
         )
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.ffn: nn.Module
@@ -145,8 +146,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2L);
-        buffers at their starting values (empty rotary tables, zero balancing biases and
-        routing statistics).
+        zero biases (q/k/v); buffers at their starting values (empty rotary tables, zero
+        balancing biases and routing statistics).
 
         Every tensor (every expert of an expert tensor) draws from its own generator seeded by
         `seed` and its global name (and global expert index), so a weight is the same
@@ -158,6 +159,8 @@ class Transformer(nn.Module):
             if isinstance(module, nn.Linear):
                 is_output = name.endswith(("attn.out", ".down"))
                 _seeded_normal(module.weight, f"{name}.weight", seed, out_std if is_output else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 _seeded_normal(module.weight, f"{name}.weight", seed, std)
             elif isinstance(module, RMSNorm):

@@ -61,7 +61,7 @@ class Widths:
             c=c,
             w=w,
             seq_len=config.data.seq_len,
-            qk_norm=model.qk_norm,
+            qk_norm=bool(model.qk_norm),
             casts=c != w,
         )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_train.config import Config
-from moe_train.model.accounting import count_params
+from moe_train.model.accounting import count_params, qk_norm_params
 from moe_train.plan.activations import DTYPE_BYTES, FP32, capacity, held_per_micro_batch
 from moe_train.train.pipeline import plan_stages
 
@@ -92,13 +92,13 @@ def rank_params(config: Config, pp_rank: int) -> RankParams:
     dense = expert = matrices = 0
     for layer in stages.layers:
         attention = d * (d + 2 * kv) + d * d
-        dense += attention + 2 * d + (2 * head_dim if model.qk_norm else 0)
+        dense += attention + 2 * d + qk_norm_params(model) + (d + 2 * kv if model.qkv_bias else 0)
         if layer < model.dense_layers:
             ffn = 3 * d * model.dense_hidden
             dense += ffn
         else:
             ffn = 3 * d * moe.shared_experts * moe.expert_hidden
-            dense += d * moe.num_experts + ffn
+            dense += d * moe.num_experts + ffn + (d if moe.shared_expert_gate else 0)
             expert += moe.num_experts // parallel.ep * 3 * d * moe.expert_hidden
         matrices += attention + ffn
     if stages.has_first:

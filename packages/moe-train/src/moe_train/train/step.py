@@ -88,9 +88,11 @@ def build_optimizer(model: nn.Module, config: Config, layout: Layout) -> Trainin
 
 def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
     """Whether Muon updates `param`: a matrix of a block (attention projections, FFN and
-    shared-expert matrices) or an expert stack, not the embedding, the head or a router."""
+    shared-expert matrices) or an expert stack, not the embedding, the head, a router or a
+    shared-expert gate (a vector of scores, as a router's rows are)."""
     expected_dims = 3 if is_expert_parameter(param) else 2
-    return param.dim() == expected_dims and name.startswith("blocks.") and ".router." not in name
+    scorer = ".router." in name or ".shared_gate." in name
+    return param.dim() == expected_dims and name.startswith("blocks.") and not scorer
 
 
 def build_rank_model(
