@@ -155,6 +155,15 @@ def assert_within(name: str, actual: Tensor, expected: Tensor, bound: Tensor) ->
         )
 
 
+def ranged(t: Tensor, generator: torch.Generator) -> Tensor:
+    """``t`` times powers of two in [2^-12, 1] along each of its last two dimensions: rows and
+    columns of different magnitudes, so that quantizing along the wrong dimension (or over the
+    wrong tokens) sends other elements into e4m3's subnormals and changes them."""
+    rows = torch.exp2(-torch.randint(0, 13, (*t.shape[:-1], 1), generator=generator).float())
+    columns = torch.exp2(-torch.randint(0, 13, (t.shape[-1],), generator=generator).float())
+    return t * rows * columns
+
+
 E4M3_UNIT = 2.0**-4
 """Largest relative rounding error of an e4m3 normal (3 mantissa bits, round to nearest)."""
 
@@ -175,9 +184,9 @@ def test_grouped_mm_matches_float64_on_quantized_operands_and_the_e4m3_bound():
     generator = torch.Generator().manual_seed(11)
     offsets = [7, 7, 30, 44]
     num_rows, size_k, size_n = 50, 40, 24  # 6 padding rows, an empty group, K and N not /16
-    x = torch.randn(num_rows, size_k, generator=generator, requires_grad=True)
-    w = torch.randn(4, size_k, size_n, generator=generator).mul(0.1).requires_grad_()
-    grad_out = torch.randn(num_rows, size_n, generator=generator)
+    x = ranged(torch.randn(num_rows, size_k, generator=generator), generator).requires_grad_()
+    w = ranged(torch.randn(4, size_k, size_n, generator=generator), generator).requires_grad_()
+    grad_out = ranged(torch.randn(num_rows, size_n, generator=generator), generator)
     out = fp8_rowwise_grouped_mm(x, w, torch.tensor(offsets), kernel="emulated")
     out.backward(grad_out)
     ends = offsets[-1]
