@@ -7,6 +7,7 @@ import torch
 from test_bf16_params import LAYOUT_RTOL
 
 from harness.ranks import run_distributed
+from moe_kernels import fp8_rowwise_grouped_mm
 from moe_train.config import PrecisionConfig, config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.model import resolve_expert_gemm
@@ -39,6 +40,16 @@ def test_fp8_choices_reach_the_built_model(make_config, tmp_path):
         assert runner.expert_gemm == "fp8_rowwise (as configured)"
     finally:
         runtime.close(clean=True)
+    # The experts' GEMMs are the FP8 ones: their output is fp8_rowwise_grouped_mm's.
+    experts = next(m for m in model.modules() if isinstance(m, Experts))
+    x = torch.randn(12, config.model.d_model, dtype=torch.bfloat16)
+    tokens_per_expert = torch.tensor([3, 0, 5, 4])[: experts.num_experts]
+    offsets = torch.cumsum(tokens_per_expert, 0).int()
+    w_gate_up, w_down = experts.w_gate_up_EDO.bfloat16(), experts.w_down_EHD.bfloat16()
+    hidden = experts.activation(fp8_rowwise_grouped_mm(x, w_gate_up, offsets))
+    expected = fp8_rowwise_grouped_mm(hidden, w_down, offsets)
+    with torch.no_grad():
+        assert torch.equal(experts(x, tokens_per_expert), expected)
     assert resolve_expert_gemm("auto", torch.bfloat16, torch.device("cpu"))[0] == "auto"
     assert resolve_expert_gemm("mxfp8", torch.bfloat16, torch.device("cpu"))[0] == "mxfp8"
 
