@@ -16,16 +16,15 @@ from moe_kernels import (
     to_fp8_rowwise_token_groups,
 )
 
-torchao_float8 = pytest.importorskip("torchao.float8.float8_utils")
-from torchao.float8.config import ScalingGranularity  # noqa: E402
-from torchao.prototype.moe_training.utils import torch_to_float8_per_group_colwise  # noqa: E402
-
 DTYPES = [torch.float32, torch.bfloat16]
 E4M3 = torch.float8_e4m3fn
 
 
 def torchao_rowwise(x: Tensor, axis: int) -> tuple[Tensor, Tensor]:
     """torchao's rowwise recipe cast: tensor_to_scale (axiswise, power-of-two) then saturate."""
+    torchao_float8 = pytest.importorskip("torchao.float8.float8_utils")
+    from torchao.float8.config import ScalingGranularity
+
     scales = torchao_float8.tensor_to_scale(
         x,
         E4M3,
@@ -93,6 +92,7 @@ def test_rowwise_quantization_is_bit_exact_with_torchao(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_token_group_quantization_is_bit_exact_with_torchao(dtype):
+    torch_to_float8_per_group_colwise = torchao_group_quantizer()
     generator = torch.Generator().manual_seed(7)
     x = adversarial_rows(dtype, generator)[:-1]  # torchao's loop has no inf rule to compare
     offsets = torch.tensor([5, 40, 41, 90, x.shape[0]], dtype=torch.int32)
@@ -131,9 +131,16 @@ def deq(pair: tuple[Tensor, Tensor]) -> Tensor:
     return pair[0].double() / pair[1].double()
 
 
+def torchao_group_quantizer():
+    """torchao's reference per-group column quantizer (skips the test without torchao)."""
+    utils = pytest.importorskip("torchao.prototype.moe_training.utils")
+    return utils.torch_to_float8_per_group_colwise
+
+
 def group_quantized(x_TD: Tensor, offsets: list[int]) -> Tensor:
     """Float64 values of x quantized per column within each group (torchao's reference, one
     group at a time: it refuses empty groups, which hold nothing to quantize)."""
+    torch_to_float8_per_group_colwise = torchao_group_quantizer()
     out = torch.zeros_like(x_TD, dtype=torch.float64)
     for start, end in zip([0, *offsets[:-1]], offsets, strict=True):
         if end > start:
@@ -313,3 +320,40 @@ def test_bad_arguments_are_named():
         fp8_rowwise_grouped_mm(x.half(), w.half(), offsets)
     with pytest.raises(ValueError, match="axis=2 is out of range"):
         to_fp8_rowwise(x, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="needs an SM90-or-newer CUDA device",
+)
+def test_scaled_grouped_mm_matches_the_cpu_emulation():
+    """On an SM90+ GPU: the quantized bytes and scales equal the CPU's, and the
+    torch._scaled_grouped_mm path (fast accumulation) matches the CPU emulation, forward and
+    both gradients, with groups not multiples of 16, an empty group and padding rows."""
+    generator = torch.Generator().manual_seed(2)
+    counts, size_k, size_n = [300, 0, 517, 129], 256, 128
+    num_rows = sum(counts) + 7
+    x = torch.randn(num_rows, size_k, generator=generator).bfloat16()
+    w = (torch.randn(len(counts), size_k, size_n, generator=generator) / 16).bfloat16()
+    grad_out = torch.randn(num_rows, size_n, generator=generator).bfloat16()
+    offsets = torch.tensor(counts).cumsum(0).int()
+    for axis in (-1, 0):
+        for got, want in zip(to_fp8_rowwise(x.cuda(), axis), to_fp8_rowwise(x, axis), strict=True):
+            assert torch.equal(
+                got.cpu().view(torch.uint8) if got.dtype == E4M3 else got.cpu(),
+                want.view(torch.uint8) if want.dtype == E4M3 else want,
+            )
+    results = []
+    for device, kernel in (("cpu", "emulated"), ("cuda", "scaled_mm")):
+        x_run = x.to(device).requires_grad_()
+        w_run = w.to(device).requires_grad_()
+        out = fp8_rowwise_grouped_mm(x_run, w_run, offsets.to(device), kernel=kernel)
+        out.backward(grad_out.to(device))
+        results.append((out.float().cpu(), x_run.grad.float().cpu(), w_run.grad.float().cpu()))
+    for name, cpu, cuda in zip(("out", "grad_x", "grad_w"), *results, strict=True):
+        scale = cpu.abs().max().item()
+        worst = (cuda - cpu).abs().max().item()
+        assert worst <= 2.0**-7 * scale, (
+            f"{name}: largest difference {worst:.3g} (scale {scale:.3g})"
+        )
