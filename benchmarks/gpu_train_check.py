@@ -1,15 +1,19 @@
-"""GPU check that trains: a ~1B-parameter MoE for 30 bf16 steps on one GPU, and the step's parts.
+"""GPU check that trains: a ~1B-parameter MoE for 20 steps (bf16, rowwise FP8) on one GPU, and the step's parts.
 
 Rows, in order (each reports and goes on; one table at the end, JSON in
 ``bench_results/gpu_check.json``):
 
-- train: ``moe_train.train`` end to end on ``builtin:stdlib`` for 30 steps, bf16 compute on
+- train: ``moe_train.train`` end to end on ``builtin:stdlib`` for 20 steps, bf16 compute on
   bf16 parameters (FP32 masters in the optimizer). The model is OLMoE-1B-7B's width, heads and
   expert width with 8 of its 16 layers and 16 of its 64 experts at top-2 (its 1-in-8 routing)
   and the byte-level vocabulary of the built-in data: 0.94B parameters, 0.24B active. Reports
   tokens/s and MFU (medians after the first steps; MFU over the data-sheet bf16 dense peak
   that ``moe_train.train.peak_flops`` finds for the GPU) and the peak of
   ``torch.cuda.max_memory_allocated`` over the steps.
+- train (fp8_rowwise experts; and linears): the same run with
+  ``precision.expert_gemm=fp8_rowwise`` (``torch._scaled_grouped_mm`` on SM90+), and with
+  ``precision.linear=fp8_rowwise`` as well (torchao's float8 training: skipped where torchao is
+  not installed). MFU stays over the bf16 peak, so the rows compare with the bf16 one.
 - sync-free step (local, rowwise): one whole training step of the trainer's ``StepRunner``
   (router, dispatch, experts, combine, backward, gradient reduction and clipping, optimizer
   update, balancing biases) under ``torch.cuda.set_sync_debug_mode("error")``, around the
@@ -23,6 +27,9 @@ Rows, in order (each reports and goes on; one table at the end, JSON in
 - grouped GEMM: ``moe_kernels.grouped_mm`` with the Triton and the torch backends, forward +
   backward at the trained model's gate_up shape (``benchmarks/grouped_mm_backends.py``'s
   timing), against a dense matmul of the same FLOPs.
+- FP8 grouped GEMM: ``moe_kernels.fp8_rowwise_grouped_mm`` against ``grouped_mm`` in bf16,
+  forward + backward at the trained model's gate_up and down shapes, and their agreement
+  (within e4m3 rounding). On a CPU the emulation runs (agreement checked, speeds mean nothing).
 - rowwise exchange (all_to_all, nvshmem): one transport exchange of a layer's dispatch block at
   ep = 1 through ``moe_dispatch.make_row_transport(name, group)``, checked for the bytes sent
   and timed under the sync debug mode; nvshmem reports "skipped: <reason>" when nvshmem4py or
@@ -45,6 +52,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib.util
 import math
 import os
 import signal
@@ -77,6 +85,7 @@ from grouped_mm_backends import bench_shape
 from harness.output import write_json
 from harness.processes import benchmark_run_overrides
 from moe_dispatch import make_dispatcher, make_row_transport
+from moe_kernels import fp8_rowwise_grouped_mm, fp8_rowwise_scaled_mm_supported, grouped_mm
 from moe_train.config import Config, load_config
 from moe_train.model import count_params, layer_dispatchers
 from moe_train.train import peak_flops, read_metrics, train
@@ -142,8 +151,12 @@ class Sizes:
     """Timed exchanges per transport."""
 
 
+FP8_EXPERTS = ("--precision.expert_gemm=fp8_rowwise",)
+FP8_LINEARS = (*FP8_EXPERTS, "--precision.linear=fp8_rowwise")
+"""The FP8 train rows: rowwise FP8 expert GEMMs; and linear layers too."""
+
 GPU_SIZES = Sizes(
-    overrides=MODEL_1B + BATCH_GPU, steps=30, warmup=5, step_reps=3, gemm_reps=5, exchange_reps=10
+    overrides=MODEL_1B + BATCH_GPU, steps=20, warmup=5, step_reps=3, gemm_reps=5, exchange_reps=10
 )
 DRY_RUN_SIZES = Sizes(
     overrides=MODEL_1B + TINY, steps=3, warmup=1, step_reps=1, gemm_reps=1, exchange_reps=2
@@ -164,10 +177,20 @@ def free_memory(device: torch.device) -> None:
 
 
 def train_row(
-    check: str, sizes: Sizes, device: torch.device, peak: float, peak_source: str, root: Path
+    check: str,
+    sizes: Sizes,
+    device: torch.device,
+    peak: float,
+    peak_source: str,
+    root: Path,
+    precision: tuple[str, ...] = (),
 ) -> Row:
-    """Train the model for ``sizes.steps`` steps; throughput, MFU and peak memory."""
-    config = build_config(sizes, *benchmark_run_overrides(sizes.steps, root / "train", peak))
+    """Train the model for ``sizes.steps`` steps (with the ``precision`` overrides);
+    throughput, MFU and peak memory."""
+    if any("linear=fp8" in o for o in precision) and importlib.util.find_spec("torchao") is None:
+        return Row(check, "skipped", "FP8 linears need torchao, not installed here")
+    run_dir = root / ("train" + "".join(o.rpartition("=")[2] for o in precision))
+    config = build_config(sizes, *precision, *benchmark_run_overrides(sizes.steps, run_dir, peak))
     params = count_params(config.model)
     result = train(config, device=device)
     if result.stopped_by is not None:  # the trainer took gpu_check.sh's SIGTERM as a stop
@@ -193,7 +216,7 @@ def train_row(
         "ok" if finite else "FAIL",
         figure if finite else f"non-finite loss: {losses}",
         {
-            "overrides": list(config_overrides(sizes)),
+            "overrides": [*config_overrides(sizes), *precision],
             "total_params": params.total,
             "active_params": params.active,
             "tokens_per_step": data.global_batch_size * data.seq_len,
@@ -307,6 +330,82 @@ def grouped_gemm_row(check: str, sizes: Sizes, device: torch.device) -> Row:
         result = "skipped (cpu)" if agree else "FAIL"
         figure += " (interpreter: agreement checked, speeds mean nothing)"
     return Row(check, result, figure, {"rows": results})
+
+
+def _time_fwd_bwd(gemm: Callable[[], Tensor], grad_out: Tensor, reps: int, device) -> float:
+    """Seconds per forward + backward of ``gemm()`` (after one warm-up call)."""
+    gemm().backward(grad_out)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        gemm().backward(grad_out)
+    synchronize(device)
+    return (time.perf_counter() - start) / reps
+
+
+def fp8_gemm_row(check: str, sizes: Sizes, device: torch.device) -> Row:
+    """fp8_rowwise_grouped_mm vs bf16 grouped_mm, forward + backward, at the model's gate_up
+    and down shapes (balanced groups); speeds and the FP8 result's relative difference."""
+    config = build_config(sizes)
+    moe, data, d_model = config.model.moe, config.data, config.model.d_model
+    rows = data.micro_batch_size * data.seq_len * moe.top_k
+    generator = torch.Generator(device=device).manual_seed(0)
+    offsets = (torch.arange(1, moe.num_experts + 1, device=device) * rows // moe.num_experts).int()
+    figures, details = (
+        [],
+        {
+            "kernel": fp8_rowwise_scaled_mm_supported(
+                torch.empty(0, device=device, dtype=torch.bfloat16)
+            )
+            or "scaled_mm"
+        },
+    )
+    worst = 0.0
+    for name, k, n in (
+        ("gate_up", d_model, 2 * moe.expert_hidden),
+        ("down", moe.expert_hidden, d_model),
+    ):
+        x = torch.randn(rows, k, device=device, generator=generator, dtype=torch.bfloat16)
+        w = torch.randn(
+            moe.num_experts, k, n, device=device, generator=generator, dtype=torch.bfloat16
+        )
+        x.requires_grad_(), w.mul_(k**-0.5).requires_grad_()
+        grad_out = torch.randn(rows, n, device=device, generator=generator, dtype=torch.bfloat16)
+        with torch.no_grad():
+            bf16 = grouped_mm(x, w, offsets).float()
+            fp8 = fp8_rowwise_grouped_mm(x, w, offsets).float()
+        difference = ((fp8 - bf16).norm() / bf16.norm()).item()
+        worst = max(worst, difference)
+        flops = 3 * 2 * rows * k * n  # forward, input and weight gradients
+        seconds = {
+            "bf16": _time_fwd_bwd(
+                lambda x=x, w=w: grouped_mm(x, w, offsets), grad_out, sizes.gemm_reps, device
+            ),
+            "fp8": _time_fwd_bwd(
+                lambda x=x, w=w: fp8_rowwise_grouped_mm(x, w, offsets),
+                grad_out,
+                sizes.gemm_reps,
+                device,
+            ),
+        }
+        tflops = {key: flops / value / 1e12 for key, value in seconds.items()}
+        figures.append(
+            f"{name} T={rows} E={moe.num_experts} K={k} N={n}: fp8 {tflops['fp8']:.1f}, bf16 "
+            f"{tflops['bf16']:.1f} TFLOP/s (x{tflops['fp8'] / tflops['bf16']:.2f})"
+        )
+        details[name] = {
+            "shape": (rows, moe.num_experts, k, n),
+            "tflops": tflops,
+            "rel_diff_vs_bf16": difference,
+        }
+    # e4m3 rounds each operand by up to 2^-4 (typically far less): a few percent apart at most.
+    agree = worst < 0.1
+    figure = "; ".join(figures) + f"; rel diff vs bf16 {worst:.1e}"
+    result = "ok" if agree else "FAIL"
+    if device.type != "cuda" or details["kernel"] != "scaled_mm":
+        result = "skipped (cpu)" if agree and device.type != "cuda" else result
+        figure += f" (emulated: {details['kernel']}; speeds mean nothing)"
+    return Row(check, result, figure, details)
 
 
 # ---- rowwise transports and nvshmem -------------------------------------------------------
@@ -459,11 +558,27 @@ def run_checks(checks: Checks, sizes: Sizes, device: torch.device) -> None:
             0,
             lambda check: train_row(check, sizes, device, peak, peak_source, Path(tmp)),
         )
+        for label, precision in (
+            ("fp8_rowwise experts", FP8_EXPERTS),
+            ("fp8_rowwise experts + linears", FP8_LINEARS),
+        ):
+            run(
+                f"train {sizes.steps} steps ({label}, local)",
+                40,
+                lambda check, precision=precision: train_row(
+                    check, sizes, device, peak, peak_source, Path(tmp), precision
+                ),
+            )
     run("sync-free step (local)", 20, lambda check: step_row(check, step_config, sizes, device))
     run(
         "grouped GEMM fwd+bwd (triton vs torch)",
         45,
         lambda check: grouped_gemm_row(check, sizes, device),
+    )
+    run(
+        "FP8 grouped GEMM fwd+bwd (fp8_rowwise vs bf16)",
+        15,
+        lambda check: fp8_gemm_row(check, sizes, device),
     )
     with contextlib.ExitStack() as stack:
         try:

@@ -1,17 +1,19 @@
 """Number formats against the bf16 baseline: final loss and throughput of the tiny config.
 
 Trains configs/tiny.yaml in bf16 compute on fp32 parameters (the baseline) and in each
-variant (`VARIANTS`: MXFP8 expert GEMMs, bf16 parameters with FP32 masters), once per seed,
+variant (`VARIANTS`: MXFP8 or rowwise FP8 expert GEMMs, rowwise FP8 expert GEMMs and linears,
+bf16 parameters with FP32 masters), once per seed,
 and compares the loss at the last step (mean over the last --loss-window steps) and the
 tokens/s (median over the steps after --warmup). Runs of one seed see the same batches and
 start from the same weights, yet their trajectories part: one seed's gap moves by more than
 a percent either way from seed to seed, so the target (`TARGET_GAPS`) is judged on the mean
 gap over the seeds, and the table shows each seed's gap beside it. Off SM100 GPUs the MXFP8
-run uses moe-kernels' exact emulation, so its throughput shows the cost of the emulation,
-not MXFP8 hardware's speed-up. The runs go one after the other: on a shared machine compare
+run (off SM90+ GPUs the rowwise FP8 runs) uses the exact emulation, so its throughput shows
+the cost of the emulation, not FP8 hardware's speed-up. The runs go one after the other: on a shared machine compare
 the tokens/s ratios with care.
 
-    uv run python benchmarks/precision_training.py [--variants mxfp8 bf16-params]
+    uv run python benchmarks/precision_training.py [--variants mxfp8 bf16-params fp8-rowwise
+        fp8-rowwise-linears]
         [--steps 300] [--seeds 0 1 2] [--threads 1]
 """
 
@@ -33,10 +35,22 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "bf16": ("--precision.param_dtype=float32",),
     "mxfp8": ("--precision.param_dtype=float32", "--precision.expert_gemm=mxfp8"),
     "bf16-params": ("--precision.param_dtype=bfloat16",),
+    "fp8-rowwise": ("--precision.param_dtype=float32", "--precision.expert_gemm=fp8_rowwise"),
+    "fp8-rowwise-linears": (
+        "--precision.param_dtype=float32",
+        "--precision.expert_gemm=fp8_rowwise",
+        "--precision.linear=fp8_rowwise",
+    ),
 }
-"""Runs, all with bf16 compute: the baseline (fp32 parameters), MXFP8 expert GEMMs, and bf16
-parameters with FP32 masters."""
-TARGET_GAPS = {"mxfp8": 0.015, "bf16-params": 0.01}
+"""Runs, all with bf16 compute: the baseline (fp32 parameters), MXFP8 expert GEMMs, bf16
+parameters with FP32 masters, rowwise FP8 expert GEMMs, and rowwise FP8 expert GEMMs and
+linear layers (attention, shared experts, dense layers)."""
+TARGET_GAPS = {
+    "mxfp8": 0.015,
+    "bf16-params": 0.01,
+    "fp8-rowwise": 0.01,
+    "fp8-rowwise-linears": 0.01,
+}
 """Largest relative gap of each variant's final loss from the baseline's."""
 
 

@@ -1,7 +1,16 @@
-"""moe-kernels: grouped GEMM, token permutation and MXFP8 for Mixture-of-Experts training."""
+"""moe-kernels: grouped GEMM, token permutation, MXFP8 and rowwise FP8 for Mixture-of-Experts training."""
 
 import importlib.metadata
 
+from moe_kernels.fp8_rowwise import (
+    FP8_ROWWISE_KERNELS,
+    Fp8RowwiseKernel,
+    dequantize_fp8_rowwise,
+    fp8_rowwise_grouped_mm,
+    fp8_rowwise_scaled_mm_supported,
+    to_fp8_rowwise,
+    to_fp8_rowwise_token_groups,
+)
 from moe_kernels.grouped_mm import (
     GROUPED_MM_BACKENDS,
     GROUPED_MM_DTYPES,
@@ -31,21 +40,28 @@ except importlib.metadata.PackageNotFoundError:  # imported from source via PYTH
     __version__ = "0+unknown"
 
 __all__ = [
+    "FP8_ROWWISE_KERNELS",
     "GROUPED_MM_BACKENDS",
     "GROUPED_MM_DTYPES",
     "MXFP8_KERNELS",
     "MXFP8_SCALE_MODES",
     "PERMUTE_BACKENDS",
+    "Fp8RowwiseKernel",
     "GroupedMmBackend",
     "Mxfp8Kernel",
     "Mxfp8ScaleMode",
     "Permutation",
     "PermuteBackend",
     "__version__",
+    "dequantize_fp8_rowwise",
     "dequantize_mxfp8",
+    "fp8_rowwise_grouped_mm",
+    "fp8_rowwise_scaled_mm_supported",
     "grouped_mm",
     "mxfp8_grouped_mm",
     "permute",
+    "to_fp8_rowwise",
+    "to_fp8_rowwise_token_groups",
     "to_mxfp8",
     "unpermute",
 ]

@@ -59,17 +59,31 @@ class PrecisionConfig:
     bfloat16 needs compute_dtype=bfloat16."""
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Dtype of matmuls (bfloat16 runs under autocast; router logits and losses stay fp32)."""
-    expert_gemm: Literal["torch", "triton", "auto", "mxfp8"] = "torch"
+    expert_gemm: Literal["torch", "triton", "auto", "mxfp8", "fp8_rowwise"] = "torch"
     """How the routed experts' grouped GEMMs (gate_up and down; forward, input and weight
-    gradients) run. torch, triton, auto: moe-kernels' grouped_mm in compute_dtype with torch's
-    kernel (everywhere), its Triton kernels (for GPUs; on a CPU only under the Triton
-    interpreter, TRITON_INTERPRET=1, a slow test vehicle) or, on a GPU, whichever of the two
-    was measured faster per shape (torch on a CPU). mxfp8: moe-kernels' mxfp8_grouped_mm, the
-    MX training recipe: each GEMM quantizes its bf16 operands along its reduction dimension
-    (blocks of 32, e4m3 values, power-of-two scales); torchao's kernels on SM100 GPUs (the
-    moestack-kernels[mxfp8] extra), elsewhere an exact emulation (the same numbers, slower than
-    bf16). Only the expert GEMMs: attention, router, shared experts, dense feed-forwards and
-    the head stay in compute_dtype. mxfp8 needs compute_dtype=bfloat16."""
+    gradients) run. torch, triton: moe-kernels' grouped_mm in compute_dtype with torch's
+    kernel (everywhere) or its Triton kernels (for GPUs; on a CPU only under the Triton
+    interpreter, TRITON_INTERPRET=1, a slow test vehicle). mxfp8: moe-kernels'
+    mxfp8_grouped_mm, the MX training recipe: each GEMM quantizes its bf16 operands along its
+    reduction dimension (blocks of 32, e4m3 values, power-of-two scales); torchao's kernels on
+    SM100 GPUs (the moestack-kernels[mxfp8] extra), elsewhere an exact emulation (the same
+    numbers, slower than bf16). fp8_rowwise: moe-kernels' fp8_rowwise_grouped_mm, torchao's
+    rowwise FP8 recipe: each GEMM quantizes its operands to e4m3 with one power-of-two scale
+    per row along its reduction dimension, sums in FP32 and writes bf16; torch's
+    _scaled_grouped_mm on SM90 and newer GPUs (H100, H200, B200), elsewhere an exact emulation.
+    auto: mxfp8 on SM100 with torchao installed, fp8_rowwise on other SM90-and-newer GPUs, and
+    elsewhere (or with compute_dtype=float32) the compute_dtype kernel measured faster per
+    shape (torch on a CPU); the banner says which. Only the expert GEMMs: see linear for the
+    other matrix products. mxfp8 and fp8_rowwise need compute_dtype=bfloat16."""
+    linear: Literal["bf16", "fp8_rowwise", "fp8_tensorwise"] = "bf16"
+    """How the linear layers of attention (qkv, out), shared experts and dense feed-forwards
+    multiply (the router and the head stay in their dtypes). bf16: in compute_dtype.
+    fp8_rowwise, fp8_tensorwise: torchao's float8 training (convert_to_float8_training)
+    applied to the built model with its rowwise recipe (e4m3 operands, power-of-two scales per
+    row, for each of the three products) or its tensorwise recipe (one scale per tensor,
+    e5m2 output gradients); torch._scaled_mm on SM89-and-newer GPUs, torchao's emulation
+    elsewhere (the same quantization, fp32 products). Needs torchao (the
+    moestack-kernels[mxfp8] extra) and compute_dtype=bfloat16."""
 
     def validate(self, path: str) -> None:
         if self.param_dtype == "bfloat16" and self.compute_dtype != "bfloat16":
@@ -83,6 +97,14 @@ class PrecisionConfig:
                 f"{path}.expert_gemm=mxfp8 needs {path}.compute_dtype=bfloat16 (MXFP8 is a bf16 "
                 f"training recipe), got {path}.compute_dtype={self.compute_dtype}"
             )
+        for key in ("expert_gemm", "linear"):
+            value = getattr(self, key)
+            if value.startswith("fp8_") and self.compute_dtype != "bfloat16":
+                raise ConfigError(
+                    f"{path}.{key}={value} needs {path}.compute_dtype=bfloat16 (FP8 training "
+                    f"recipes quantize bf16 operands and write bf16), got "
+                    f"{path}.compute_dtype={self.compute_dtype}"
+                )
 
 
 @dataclass(kw_only=True)

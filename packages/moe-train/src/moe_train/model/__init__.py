@@ -20,19 +20,25 @@ from moe_train.model.parallelize import (
 from moe_train.model.routing_stats import RoutingStats
 from moe_train.model.training_choices import (
     EXPERT_GEMMS,
+    LINEAR_PRECISIONS,
+    LinearPrecision,
     apply_compile,
     apply_expert_gemm,
+    apply_linear_precision,
     apply_param_dtype,
     apply_recompute,
+    resolve_expert_gemm,
 )
 from moe_train.model.transformer import Transformer
 
 __all__ = [
     "EXPERT_GEMMS",
+    "LINEAR_PRECISIONS",
     "ContextShard",
     "DispatcherFactory",
     "Documents",
     "ExpertGemm",
+    "LinearPrecision",
     "MoEFeedForward",
     "ParamCounts",
     "Router",
@@ -43,6 +49,7 @@ __all__ = [
     "apply_context_parallel",
     "apply_expert_gemm",
     "apply_expert_parallel",
+    "apply_linear_precision",
     "apply_param_dtype",
     "apply_pipeline_split",
     "apply_recompute",
@@ -54,4 +61,5 @@ __all__ = [
     "lm_loss",
     "local_dispatcher",
     "materialize",
+    "resolve_expert_gemm",
 ]

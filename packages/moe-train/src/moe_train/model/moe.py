@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_dispatch import Dispatcher
-from moe_kernels import grouped_mm, mxfp8_grouped_mm
+from moe_kernels import fp8_rowwise_grouped_mm, grouped_mm, mxfp8_grouped_mm
 from moe_parallel import mark_expert_parameter
 from moe_train.config import MoEConfig
 from moe_train.model.context_parallel import ContextShard
@@ -24,9 +24,11 @@ from moe_train.model.fused import swiglu
 from moe_train.model.recompute import recording_side_effects
 from moe_train.model.routing_stats import RoutingStats
 
-ExpertGemm = Literal["torch", "triton", "auto", "mxfp8"]
+ExpertGemm = Literal["torch", "triton", "auto", "mxfp8", "fp8_rowwise"]
 """How the experts' grouped GEMMs run: a `moe_kernels.grouped_mm` backend in the compute
-dtype (torch, triton, auto), or `moe_kernels.mxfp8_grouped_mm` (mxfp8)."""
+dtype (torch, triton, auto), `moe_kernels.mxfp8_grouped_mm` (mxfp8) or
+`moe_kernels.fp8_rowwise_grouped_mm` (fp8_rowwise). The trainer's precision.expert_gemm=auto
+is resolved to one of these per device first (`resolve_expert_gemm`)."""
 
 
 def compute_dtype_of(x: Tensor) -> torch.dtype:
@@ -196,7 +198,8 @@ class Experts(nn.Module):
     Both grouped GEMMs (gate_up and down) run as `gemm` says (see `ExpertGemm`; set it on a
     built model with `apply_expert_gemm`). With mxfp8, forward, input and weight gradients
     each quantize their operands to MXFP8 from the compute-dtype weights (torchao's kernels on
-    SM100, an exact emulation elsewhere).
+    SM100, an exact emulation elsewhere); with fp8_rowwise to e4m3 with rowwise scales
+    (`torch._scaled_grouped_mm` on SM90 and newer, an exact emulation elsewhere).
     """
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, first_expert: int = 0) -> None:
@@ -253,6 +256,8 @@ class Experts(nn.Module):
     def _grouped_mm(self, x_TK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
         if self.gemm == "mxfp8":
             return mxfp8_grouped_mm(x_TK, w_EKN, offsets_E)
+        if self.gemm == "fp8_rowwise":
+            return fp8_rowwise_grouped_mm(x_TK, w_EKN, offsets_E)
         return grouped_mm(x_TK, w_EKN, offsets_E, backend=self.gemm)
 
 

@@ -1,5 +1,5 @@
-"""Training choices applied to a built model: activation recompute, the expert GEMMs, the
-parameters' dtype and compilation.
+"""Training choices applied to a built model: activation recompute, the expert GEMMs, FP8
+linear layers, the parameters' dtype and compilation.
 
 The model is built from its config alone (`Transformer(config)`), its layout
 applied after (`parallelize`); how it trains (what backward recomputes, which kernels and number format the expert GEMMs use) is set on the
@@ -8,9 +8,13 @@ built modules afterwards, so model code carries no training flags.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib.util
 import typing
 from collections.abc import Callable
+from types import ModuleType
+from typing import Literal
 
 import torch
 from torch import nn
@@ -22,6 +26,14 @@ from moe_train.model.recompute import RECOMPUTE_MODES, RecomputeMode
 from moe_train.model.transformer import Block
 
 EXPERT_GEMMS: tuple[str, ...] = typing.get_args(ExpertGemm)
+
+LinearPrecision = Literal["bf16", "fp8_rowwise", "fp8_tensorwise"]
+"""How the linear layers of attention, shared experts and dense feed-forwards multiply: in the
+compute dtype (bf16), or through torchao's float8 training with its rowwise recipe (e4m3,
+power-of-two scales per row) or its tensorwise recipe (one scale per tensor, e5m2 gradients)."""
+LINEAR_PRECISIONS: tuple[str, ...] = typing.get_args(LinearPrecision)
+
+_TORCHAO_INSTALL_HINT = "pip install 'moestack-kernels[mxfp8]'"
 
 
 def apply_recompute(model: nn.Module, mode: RecomputeMode) -> None:
@@ -36,13 +48,89 @@ def apply_recompute(model: nn.Module, mode: RecomputeMode) -> None:
 
 def apply_expert_gemm(model: nn.Module, gemm: ExpertGemm) -> None:
     """Run the routed experts' grouped GEMMs of `model` with `gemm`: torch, triton or auto
-    (`moe_kernels.grouped_mm` backends, in the compute dtype) or mxfp8
-    (`moe_kernels.mxfp8_grouped_mm`, the MX training recipe)."""
+    (`moe_kernels.grouped_mm` backends, in the compute dtype), mxfp8
+    (`moe_kernels.mxfp8_grouped_mm`, the MX training recipe) or fp8_rowwise
+    (`moe_kernels.fp8_rowwise_grouped_mm`, torchao's rowwise FP8 recipe)."""
     if gemm not in EXPERT_GEMMS:
         raise ValueError(f"expert GEMM {gemm!r} is not one of {', '.join(EXPERT_GEMMS)}")
     for module in model.modules():
         if isinstance(module, Experts):
             module.gemm = gemm
+
+
+def resolve_expert_gemm(
+    gemm: ExpertGemm, compute_dtype: torch.dtype, device: torch.device
+) -> tuple[ExpertGemm, str]:
+    """The expert GEMM to apply for `gemm` on `device`, and why, in words for the banner.
+
+    auto with bf16 compute picks mxfp8 on SM100 with torchao's MXFP8 kernels installed,
+    fp8_rowwise on other SM90-and-newer GPUs, and elsewhere the bf16 grouped GEMM measured
+    faster per shape (grouped_mm's auto: torch on a CPU). Other names are kept as given."""
+    if gemm != "auto":
+        return gemm, "as configured"
+    if device.type != "cuda" or compute_dtype != torch.bfloat16:
+        return "auto", f"auto: {compute_dtype} grouped GEMM on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 10 and importlib.util.find_spec("torchao") is not None:
+        return "mxfp8", f"auto: MXFP8 on sm_{major}{minor}"
+    if major >= 9:
+        return "fp8_rowwise", f"auto: rowwise FP8 on sm_{major}{minor}"
+    return "auto", f"auto: bf16 grouped GEMM on sm_{major}{minor} (no FP8 tensor cores)"
+
+
+def _torchao_float8() -> ModuleType:
+    """`torchao.float8`, imported on first use."""
+    try:
+        import torchao.float8 as float8
+    except ImportError as e:
+        raise ImportError(
+            f"FP8 linear layers need torchao's float8 training: {_TORCHAO_INSTALL_HINT}"
+        ) from e
+    return float8
+
+
+def fp8_linear_config(precision: LinearPrecision, emulate: bool):
+    """torchao's `Float8LinearConfig` for `precision` (fp8_rowwise or fp8_tensorwise);
+    `emulate` multiplies dequantized fp32 operands instead of calling `torch._scaled_mm`."""
+    float8 = _torchao_float8()
+    recipe = float8.Float8LinearConfig.from_recipe_name(precision.removeprefix("fp8_"))
+    return dataclasses.replace(recipe, emulate=emulate)
+
+
+def apply_linear_precision(
+    model: nn.Module, precision: LinearPrecision, device: torch.device
+) -> list[str]:
+    """Convert the linear layers of `model`'s attention (qkv, out) and SwiGLU feed-forwards
+    (dense layers and shared experts: gate_up, down) to torchao's `Float8Linear` with the
+    recipe `precision` names; the router and the head stay as they are. The parameters stay
+    the same objects. On a CPU, or a GPU before SM89, torchao's emulation runs (the same
+    quantization, products of the dequantized operands in fp32). Returns the converted
+    modules' names (none for bf16)."""
+    if precision not in LINEAR_PRECISIONS:
+        raise ValueError(
+            f"linear precision {precision!r} is not one of {', '.join(LINEAR_PRECISIONS)}"
+        )
+    if precision == "bf16":
+        return []
+    emulate = device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)
+    config = fp8_linear_config(precision, emulate)
+    targets = {
+        id(linear)
+        for module in model.modules()
+        if isinstance(module, Attention | SwiGLU)
+        for linear in module.children()
+        if isinstance(linear, nn.Linear)
+    }
+    converted: list[str] = []
+
+    def chosen(module: nn.Module, name: str) -> bool:
+        if id(module) in targets:
+            converted.append(name)
+            return True
+        return False
+
+    _torchao_float8().convert_to_float8_training(model, module_filter_fn=chosen, config=config)
+    return converted
 
 
 @torch.no_grad()

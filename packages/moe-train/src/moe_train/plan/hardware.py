@@ -24,6 +24,9 @@ class Device:
     inter_node_gbps: float
     """GB/s one device sends to other nodes (its network adapter, one direction)."""
     gpus_per_node: int = 8
+    fp8_tflops: float = 0.0
+    """Dense FP8 (e4m3) matrix-multiply peak, no sparsity; 0 where FP8 does not run natively.
+    Rowwise FP8 and MXFP8 (where `mxfp8`) run at this rate."""
 
 
 FLAGS = {
@@ -37,11 +40,12 @@ FLAGS = {
 DEVICES: dict[str, Device] = {
     # Memory as the driver reports it (a little under the marketed GB); NVLink 4 is 900 GB/s
     # and NVLink 5 1.8 TB/s both directions together; one 400 Gb/s adapter per H100, H200 and
-    # B200, one 800 Gb/s adapter per B300.
-    "h100": Device("H100 SXM", 79.6, 989.0, False, 450.0, 50.0),
-    "h200": Device("H200 SXM", 139.8, 989.0, False, 450.0, 50.0),
-    "b200": Device("B200", 178.0, 2250.0, True, 900.0, 50.0),
-    "b300": Device("B300", 268.0, 2250.0, True, 900.0, 100.0),
+    # B200, one 800 Gb/s adapter per B300. Dense FP8 peaks: 1979 TFLOP/s (H100, H200),
+    # 4500 (B200, B300).
+    "h100": Device("H100 SXM", 79.6, 989.0, False, 450.0, 50.0, fp8_tflops=1979.0),
+    "h200": Device("H200 SXM", 139.8, 989.0, False, 450.0, 50.0, fp8_tflops=1979.0),
+    "b200": Device("B200", 178.0, 2250.0, True, 900.0, 50.0, fp8_tflops=4500.0),
+    "b300": Device("B300", 268.0, 2250.0, True, 900.0, 100.0, fp8_tflops=4500.0),
 }
 
 

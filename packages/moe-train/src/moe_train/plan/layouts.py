@@ -119,6 +119,7 @@ LEGEND = {
     "dist-opt": "distributed optimizer (optimizer state and master weights sharded)",
     "bf16-params": "parameters held in bf16, FP32 master weights in the optimizer",
     "mxfp8": "expert matrix products in MXFP8",
+    "fp8": "expert matrix products in rowwise FP8",
 }
 """What each part of a layout's label means."""
 
@@ -164,6 +165,8 @@ def layout_label(config: Config, world_size: int) -> str:
         parts.append("bf16-params")
     if precision.expert_gemm == "mxfp8":
         parts.append("mxfp8")
+    elif precision.expert_gemm == "fp8_rowwise":
+        parts.append("fp8")
     return " ".join(parts)
 
 
@@ -243,6 +246,8 @@ def _micro_batch_sizes(per_rank_batch: int) -> list[int]:
 
 
 def _expert_gemms(current: str, bf16: bool, device: Device) -> tuple[str, ...]:
+    """The configured expert GEMM, and MXFP8 as well where it is native (rowwise FP8 is a
+    choice of numbers the planner leaves to the config)."""
     base = current if current != "mxfp8" else "auto"
     if bf16 and device.mxfp8:
         return (base, "mxfp8")

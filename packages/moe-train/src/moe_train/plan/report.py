@@ -80,7 +80,9 @@ def format_plan(plan: Plan, top: int = 15, overrides_for: str | None = None) -> 
     device = plan.device
     lines = [
         f"{plan.world_size} x {device.name} ({format_bytes(device.memory_gib * GIB)}, "
-        f"{device.bf16_tflops:.0f} bf16 TFLOP/s, {device.gpus_per_node} per node)",
+        f"{device.bf16_tflops:.0f} bf16 TFLOP/s"
+        + (f", {device.fp8_tflops:.0f} FP8" if device.fp8_tflops > 0 else "")
+        + f", {device.gpus_per_node} per node)",
         "",
         "this config: " + plan.own.label,
     ]

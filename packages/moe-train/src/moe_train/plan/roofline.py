@@ -79,8 +79,10 @@ def step_time(config: Config, world_size: int, device: Device, traffic: Traffic)
     tokens_per_rank = data.global_batch_size * data.seq_len / dp / parallel.pp
     flops = flops_per_token(model, data.seq_len) * tokens_per_rank * _recompute_factor(config)
     compute_s = flops / (device.bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
-    if config.precision.expert_gemm == "mxfp8" and device.mxfp8:
-        compute_s -= _expert_share(config) * compute_s / 2  # expert GEMMs at twice the rate
+    if expert_gemm_runs_in_fp8(config, device):  # the expert GEMMs at the FP8 rate
+        compute_s -= (
+            _expert_share(config) * compute_s * (1 - device.bf16_tflops / device.fp8_tflops)
+        )
     compute_s = max(compute_s, operator_floor_s(config, dp))
     exchange_s = reduction_s = pipeline_s = 0.0
     for kind, wire in traffic.wire.items():
@@ -146,6 +148,17 @@ def _recompute_factor(config: Config) -> float:
     """Compute relative to no recompute: full reruns the forward (a third of the step)."""
     mode = config.parallel.recompute
     return 4 / 3 if mode == "full" else 1.0 + (0.02 if mode == "selective" else 0.0)
+
+
+def expert_gemm_runs_in_fp8(config: Config, device: Device) -> bool:
+    """Whether the config's expert GEMMs run at `device`'s FP8 rate: mxfp8 where MXFP8 is
+    native, fp8_rowwise where FP8 is, and auto (bf16 compute) where either is."""
+    gemm, precision = config.precision.expert_gemm, config.precision
+    if device.fp8_tflops <= 0:
+        return False
+    if gemm == "auto":
+        return precision.compute_dtype == "bfloat16"
+    return gemm == "fp8_rowwise" or (gemm == "mxfp8" and device.mxfp8)
 
 
 def _expert_share(config: Config) -> float:

@@ -40,11 +40,13 @@ from moe_train.model import (
     apply_context_parallel,
     apply_expert_gemm,
     apply_expert_parallel,
+    apply_linear_precision,
     apply_param_dtype,
     apply_pipeline_split,
     apply_recompute,
     layer_dispatchers,
     materialize,
+    resolve_expert_gemm,
 )
 from moe_train.model.routing_stats import RoutingStats
 from moe_train.train.micro_batches import MicroBatches, model_inputs
@@ -118,13 +120,22 @@ def build_rank_model(
     return model
 
 
-def _apply_training_choices(model: Transformer, config: Config, device: torch.device) -> None:
-    """What backward recomputes, the expert GEMMs and compilation, on the built model."""
+def _apply_training_choices(model: Transformer, config: Config, device: torch.device) -> str:
+    """What backward recomputes, the expert GEMMs, FP8 linears and compilation, on the built
+    model. Returns the expert GEMM applied and why (precision.expert_gemm=auto picks per
+    device), for the banner."""
     apply_recompute(model, config.parallel.recompute)
-    apply_expert_gemm(model, config.precision.expert_gemm)
+    precision = config.precision
+    gemm, why = resolve_expert_gemm(precision.expert_gemm, DTYPES[precision.compute_dtype], device)
+    apply_expert_gemm(model, gemm)
+    try:
+        apply_linear_precision(model, precision.linear, device)
+    except ImportError as e:
+        raise ConfigError(f"precision.linear={precision.linear}: {e}") from None
     if config.train.compile:
         check_compile_available(device)
         apply_compile(model)
+    return f"{gemm} ({why})"
 
 
 def _lower_precision_params(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -333,7 +344,8 @@ class StepRunner:
             device,
             context,
         )
-        _apply_training_choices(self.model, config, device)
+        self.expert_gemm = _apply_training_choices(self.model, config, device)
+        """The expert GEMM applied, and why (for the banner)."""
         self.model.set_aux_loss_scale(1.0 / self.num_micro)
         initial = _lower_precision_params(self.model, self.param_dtype)
         self.optimizer = build_optimizer(self.model, config, layout)

@@ -242,6 +242,12 @@ class Trainer:
                 f"per device ({self.peak_source})",
             ),
             (
+                "precision",
+                f"{config.precision.param_dtype} params, {config.precision.compute_dtype} "
+                f"compute; expert GEMMs {self.runner.expert_gemm}; linears "
+                f"{config.precision.linear}",
+            ),
+            (
                 "steps",
                 f"{config.train.max_steps} ({describe_schedule(config.optim, config.train.max_steps)})",
             ),
