@@ -87,7 +87,8 @@ skipped_on_cpu() { printf '%s\tcpu\t0\t-\t-\n' "$1" >>"$parts"; }
 
 if [[ $device == cuda ]]; then
   part tests "gpu-marked tests (moe_kernels, moe_dispatch)" $limit_tests - \
-    "$python" -m pytest -q -m gpu tests/moe_kernels tests/moe_dispatch -p no:cacheprovider
+    "$python" -m pytest -q -m gpu tests/moe_kernels tests/moe_dispatch -p no:cacheprovider \
+    -o addopts="-ra --strict-markers"  # in this process: the GPU machine has no pytest-xdist
   part dispatch "gpu_dispatch.py (rowwise sync-free, vs all_to_all)" $limit_dispatch \
     bench_results/gpu_dispatch.json \
     "$python" benchmarks/gpu_dispatch.py --out bench_results/gpu_dispatch.json

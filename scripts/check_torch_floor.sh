@@ -14,4 +14,6 @@ uv pip install --quiet --python "$work/venv/bin/python" \
   "torch==2.11.*" "triton==3.6.*" "numpy<2.3" safetensors pyyaml pytest
 export PYTHONPATH="$(ls -d packages/*/src | paste -sd:)"
 "$work/venv/bin/python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-"$work/venv/bin/python" -m pytest -q -p no:cacheprovider "${@:-tests}"
+# In this process (-o addopts): the venv has no pytest-xdist.
+"$work/venv/bin/python" -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" \
+  "${@:-tests}"
