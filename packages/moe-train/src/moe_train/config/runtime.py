@@ -4,6 +4,7 @@ checkpoint.* and eval.*."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Literal
 
 from moe_train.config.checks import _non_negative, _positive
@@ -135,12 +136,32 @@ class EvalConfig:
     batches: int = 1
     """Global batches (data.global_batch_size sequences each) per evaluation: the same ones,
     in the same order, every time."""
+    tasks: list[str] = field(default_factory=list)
+    """Downstream task files scored at every evaluation, each reported as eval/<file
+    stem>/<metric>: multiple choice (.jsonl rows {"context", "choices", "gold"}: acc and
+    acc_norm) or held-out text (.txt, or .jsonl rows {"text"}: bits_per_byte). Needs the
+    tokenizer of data.paths (prepared directories or builtin:stdlib)."""
 
     def validate(self, path: str) -> None:
         _non_negative(self, path, "interval")
         _positive(self, path, "batches")
-        if self.interval and not self.paths:
+        if self.interval and not (self.paths or self.tasks):
             raise ConfigError(
                 f"{path}.interval={self.interval} needs {path}.paths (held-out data, e.g. a "
-                f"directory written by moe-train prepare-data); or set {path}.interval=0"
+                f"directory written by moe-train prepare-data) or {path}.tasks (task files); "
+                f"or set {path}.interval=0"
             )
+        names: dict[str, str] = {}
+        for task in self.tasks:
+            if not task.endswith((".jsonl", ".txt")):
+                raise ConfigError(
+                    f"{path}.tasks holds {task!r}; a task file ends in .jsonl (multiple "
+                    "choice, or text rows) or .txt (held-out text)"
+                )
+            name = PurePath(task).stem
+            if name in names:
+                raise ConfigError(
+                    f"{path}.tasks holds {names[name]!r} and {task!r}, both named {name!r} "
+                    "in the metrics; rename one file"
+                )
+            names[name] = task

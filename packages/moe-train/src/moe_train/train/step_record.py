@@ -62,6 +62,9 @@ class StepRecord:
     """Unix time at the end of the step."""
     eval_loss: float | None = None
     """Held-out loss after the step; not in the row of a step that did not evaluate."""
+    task_metrics: dict[str, float] = field(default_factory=dict, metadata=_NOT_IN_ROW)
+    """The eval.tasks figures after the step, keyed as in the row (`eval/<task>/acc`, ...,
+    and `eval/tasks_s`, the seconds the scoring took); empty when it did not evaluate."""
     tokens: int = field(default=0, metadata=_NOT_IN_ROW)
     """Tokens of this step, all ranks together."""
     applied: bool = field(default=True, metadata=_NOT_IN_ROW)
@@ -72,7 +75,13 @@ class StepRecord:
         row = {f.name: _json_safe(getattr(self, f.name)) for f in fields(self) if not f.metadata}
         if self.eval_loss is None:
             del row["eval_loss"]
+        row.update(self.task_metrics)
         return row
+
+    @property
+    def evaluated(self) -> bool:
+        """Whether the step evaluated (held-out loss or tasks)."""
+        return self.eval_loss is not None or bool(self.task_metrics)
 
 
 def _json_safe(value: Any) -> Any:
