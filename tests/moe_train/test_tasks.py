@@ -20,6 +20,7 @@ from moe_train.tasks import (
     ChoiceRow,
     MultipleChoiceTask,
     choice_metrics,
+    choice_predictions,
     choice_requests,
     read_task,
     text_requests,
@@ -235,3 +236,72 @@ def test_eval_command_prints_json_and_refuses_bad_files(files, trained, capsys, 
     assert capsys.readouterr().err == (
         f'error: {bad} row 1: "gold"=3 must be an index into "choices" (0 to 0)\n'
     )
+
+
+AGREEMENT_TASK = """task: moe_stack_agreement
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: gold
+target_delimiter: ""
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+LINES = ["def add(a, b):", "    return a + b", "class Point:", "    x: int = 0", "x = 1", "pass"]
+
+
+def _agreement_rows(count: int) -> list[dict]:
+    """Short questions (all within SEQ_LEN + 1 bytes, so neither side truncates) whose
+    contexts end in a newline (which lm-eval moves into the continuation)."""
+    rng = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(count):
+        pick = torch.randperm(len(LINES), generator=rng).tolist()
+        context = LINES[pick[0]][:12] + "\n"
+        choices = [LINES[i][:16] for i in pick[1:5]]
+        rows.append({"context": context, "choices": choices, "gold": pick[5] % 4})
+    return rows
+
+
+@pytest.mark.slow
+def test_lm_eval_on_the_export_makes_our_choices(files, trained, tmp_path, monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from moe_train.hf import export_checkpoint
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    checkpoint = trained[0].run_dir / "checkpoints"
+    export_checkpoint(checkpoint, tmp_path / "hf")
+    data = tmp_path / "agreement.jsonl"
+    rows = _agreement_rows(120)
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "agreement.yaml").write_text(AGREEMENT_TASK.format(data=data))
+
+    _, (ours,) = evaluate_checkpoint(checkpoint, [data])
+    theirs = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={tmp_path / 'hf'},dtype=float32,max_length={SEQ_LEN}",
+        tasks=["moe_stack_agreement"],
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+        batch_size=64,
+        device="cpu",
+        log_samples=True,
+    )
+    samples = sorted(theirs["samples"]["moe_stack_agreement"], key=lambda s: s["doc_id"])
+    their_lls = [float(resp[0]) for s in samples for resp in s["filtered_resps"]]
+    _close("lm-eval", their_lls, ours.loglikelihoods, tol=1e-4)
+    task = read_task(data)
+    assert choice_predictions(task, their_lls) == choice_predictions(task, ours.loglikelihoods)
+    metrics = theirs["results"]["moe_stack_agreement"]
+    assert metrics["acc,none"] == ours.metrics["acc"]
+    assert metrics["acc_norm,none"] == ours.metrics["acc_norm"]

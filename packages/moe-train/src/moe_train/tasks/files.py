@@ -20,6 +20,9 @@ from moe_train.errors import DataError
 
 TASK_SUFFIXES = (".jsonl", ".txt")
 """The file kinds a task can be."""
+BUILTIN_TASK_PREFIX = "builtin:"
+BUILTIN_TASKS = ("builtin:next_line",)
+"""The eval.tasks entries that name a built-in task (see `moe_train.tasks.builtin`)."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,11 @@ Task = MultipleChoiceTask | TextTask
 
 
 def task_name(path: str | Path) -> str:
-    """The name a task file's metrics carry: its file name without the suffix."""
-    return Path(path).stem
+    """The name a task file's metrics carry: its file name without the suffix (a built-in
+    task's name without `builtin:`)."""
+    return (
+        str(path).removeprefix("builtin:") if str(path).startswith("builtin:") else Path(path).stem
+    )
 
 
 def read_task(path: str | Path) -> Task:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -29,7 +30,7 @@ from moe_train.tasks import (
     Task,
     choice_metrics,
     choice_requests,
-    read_task,
+    open_task,
     text_bytes,
     text_metrics,
     text_requests,
@@ -64,7 +65,8 @@ def open_task_scorer(config: Config, runner: StepRunner) -> TaskScorer:
             )
         )
     try:
-        tasks = [read_task(path) for path in config.eval.tasks]
+        cache_dir = Path(config.data.cache_dir) if config.data.cache_dir else None
+        tasks = [open_task(spec, cache_dir) for spec in config.eval.tasks]
         return TaskScorer(runner, tokenizer, tasks)
     except DataError as e:
         raise on_every_rank(e) from None
