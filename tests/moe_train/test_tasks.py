@@ -305,3 +305,22 @@ def test_lm_eval_on_the_export_makes_our_choices(files, trained, tmp_path, monke
     metrics = theirs["results"]["moe_stack_agreement"]
     assert metrics["acc,none"] == ours.metrics["acc"]
     assert metrics["acc_norm,none"] == ours.metrics["acc_norm"]
+
+
+def test_task_figures_reach_console_and_plots(trained, tmp_path):
+    from moe_train.plot import plot_runs
+    from moe_train.train.console import task_figures
+
+    line = task_figures(
+        {
+            "eval/code_mc/acc": 0.5,
+            "eval/code_mc/acc_norm": 0.25,
+            "eval/held_out/bits_per_byte": 2.125,
+            "eval/tasks_s": 0.3,
+        }
+    )
+    assert line == "code_mc acc 0.500 acc_norm 0.250, held_out bpb 2.125"
+    result = plot_runs([trained[0].run_dir], tmp_path / "plots")
+    assert tmp_path / "plots" / "tasks.png" in result.files
+    without = plot_runs([trained[1].run_dir], tmp_path / "plain")
+    assert not any(path.name == "tasks.png" for path in without.files)
