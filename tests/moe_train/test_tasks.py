@@ -203,10 +203,17 @@ def test_log_likelihoods_are_the_reference_on_every_layout(files, trained):
         assert choice_metrics(mc, per_rank[0][name][0]) == one[0].metrics, name
 
 
+TIMED = {"tokens_per_s", "mfu", "step_time_s", "data_wait_s", "time", "peak_mem_bytes"}
+"""Metrics keys that measure time or memory, which differ from run to run."""
+
+
 def test_tasks_in_the_loop_leave_training_unchanged(files, trained):
     with_tasks, without = trained
     assert with_tasks.losses == without.losses  # bitwise
     rows = {r["step"]: r for r in read_metrics(with_tasks.run_dir / "metrics.jsonl")}
+    for plain in read_metrics(without.run_dir / "metrics.jsonl"):  # routing figures too
+        same = {k: v for k, v in rows[plain["step"]].items() if k in plain and k not in TIMED}
+        assert same == {k: v for k, v in plain.items() if k not in TIMED}, plain["step"]
     evaluated = [s for s, r in rows.items() if "eval/code_mc/acc" in r]
     assert evaluated == [2, 4]
     last = rows[STEPS]
