@@ -299,7 +299,8 @@ def test_lm_eval_on_the_export_makes_our_choices(files, trained, tmp_path, monke
         model="hf",
         model_args=f"pretrained={tmp_path / 'hf'},dtype=float32,max_length={SEQ_LEN}",
         tasks=["moe_stack_agreement"],
-        task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+        # Our task alone: indexing lm-eval's thousands of task files takes most of the time.
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False),
         batch_size=64,
         device="cpu",
         log_samples=True,
@@ -331,3 +332,20 @@ def test_task_figures_reach_console_and_plots(trained, tmp_path):
     assert tmp_path / "plots" / "tasks.png" in result.files
     without = plot_runs([trained[1].run_dir], tmp_path / "plain")
     assert not any(path.name == "tasks.png" for path in without.files)
+
+
+def test_next_line_asks_for_the_line_that_follows(tmp_path):
+    from moe_train.tasks.builtin import next_line_rows
+
+    source = tmp_path / "module.py"
+    source.write_text("".join(f"    value_{i} = compute({i}, {i * i})\n" for i in range(40)))
+    rows = next_line_rows([source], questions=20)
+    assert rows == next_line_rows([source], questions=20)  # the same every time
+    lines = source.read_text().splitlines()
+    for row in rows:
+        assert len(row["choices"]) == 4 and len(set(row["choices"])) == 4
+        context = row["context"].splitlines()
+        at = lines.index(context[0])
+        assert lines[at : at + 3] == context
+        assert row["choices"][row["gold"]] == lines[at + 3]
+    assert len({row["gold"] for row in rows}) > 1  # the answer moves around
