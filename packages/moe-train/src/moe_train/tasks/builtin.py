@@ -3,9 +3,9 @@
 `builtin:next_line`: which of four lines comes next in a Python source file. Each question
 shows three lines of a standard-library test module (`Lib/test`, which builtin:stdlib does not
 train on; the library's own modules where a Python installs no tests) and offers the line
-that follows with three other lines of the same file, in a seeded random order. A byte-level
-model learns indentation and syntax early, so its accuracy leaves chance (0.25) within a
-short run.
+that follows with three other lines of the same file, in a seeded random order; chance is
+0.25. Indentation and syntax decide many questions, which a small byte-level model learns
+early.
 """
 
 from __future__ import annotations
