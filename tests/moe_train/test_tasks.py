@@ -315,8 +315,9 @@ def test_lm_eval_on_the_export_makes_our_choices(files, trained, tmp_path, monke
     assert metrics["acc_norm,none"] == ours.metrics["acc_norm"]
 
 
-def test_task_figures_reach_console_and_plots(trained, tmp_path):
-    from moe_train.plot import plot_runs
+def test_task_figures_reach_console_and_plots(trained):
+    from moe_train.plot import read_runs
+    from moe_train.plot.training import TASK_METRICS, tasks_figure
     from moe_train.train.console import task_figures
 
     line = task_figures(
@@ -328,10 +329,11 @@ def test_task_figures_reach_console_and_plots(trained, tmp_path):
         }
     )
     assert line == "code_mc acc 0.500 acc_norm 0.250, held_out bpb 2.125"
-    result = plot_runs([trained[0].run_dir], tmp_path / "plots")
-    assert tmp_path / "plots" / "tasks.png" in result.files
-    without = plot_runs([trained[1].run_dir], tmp_path / "plain")
-    assert not any(path.name == "tasks.png" for path in without.files)
+    figure = tasks_figure(read_runs([trained[0].run_dir]))
+    titles = [axes.get_title() for axes in figure.axes]
+    assert titles == [f"Tasks: {title}" for title in TASK_METRICS.values()]
+    assert [len(axes.lines) for axes in figure.axes] == [1, 1, 1]  # one task each
+    assert tasks_figure(read_runs([trained[1].run_dir])) is None  # no tasks, no tasks.png
 
 
 def test_next_line_asks_for_the_line_that_follows(tmp_path):
