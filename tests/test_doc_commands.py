@@ -161,6 +161,29 @@ COMMANDS: dict[str, Run | Skip] = {
     ),
     "moe-train generate CKPT --prompt-ids 100,101,102 --temperature 0.8 --top-k 40 --seed 1 "
     "--json": Run(),
+    # docs/evaluation.md
+    "moe-train train configs/tiny.yaml --eval.tasks=[builtin:next_line] --eval.interval=25": Skip(
+        "scoring builtin:next_line (800 rows of forward) would cost this test tens of seconds; "
+        "tests/moe_train/test_tasks.py scores tasks in the loop and builds builtin:next_line"
+    ),
+    "moe-train eval runs/tiny/checkpoints --tasks tasks/code_questions.jsonl tasks/held_out.txt": (
+        Skip(
+            "the reader's task files; tests/moe_train/test_tasks.py runs moe-train eval on its own"
+        )
+    ),
+    "moe-train eval runs/tiny/checkpoints --tasks builtin:next_line --json": Skip(
+        "800 rows of forward; tests/moe_train/test_tasks.py runs moe-train eval --json"
+    ),
+    "torchrun --nproc-per-node 2 -m moe_train.cli eval runs/tiny/checkpoints "
+    "--tasks builtin:next_line --parallel.ep=2": Skip(
+        "2 processes; tests/moe_train/test_tasks.py scores a checkpoint on dp2, ep2 and pp2 in "
+        "one 2-rank launch"
+    ),
+    "lm_eval --model hf --model_args pretrained=exported/small,dtype=float32,max_length=128 "
+    "--tasks agreement --include_path tasks --device cpu": Skip(
+        "the reader's lm-eval task; tests/moe_train/test_tasks.py runs lm-eval's Hugging Face "
+        "backend on an export through its Python API (a slow test)"
+    ),
 }
 """Every command of the pages, in the order the Run ones run (a later one may read what an
 earlier one wrote)."""

@@ -138,11 +138,11 @@ def test_compile_without_a_cpp_compiler_is_one_line(capsys, tmp_path):
 
 
 def test_commands_that_take_no_overrides_refuse_unknown_arguments(capsys, tmp_path):
-    """Only train, plan and verify hand `--section.key=value` on; the others stop with their
-    own usage line and exit 2 before they touch anything."""
+    """Only train, eval, plan and verify hand `--section.key=value` on; the others stop with
+    their own usage line and exit 2 before they touch anything."""
     from moe_train.cli import COMMANDS
 
-    assert [c.name for c in COMMANDS if c.takes_overrides] == ["train", "plan", "verify"]
+    assert [c.name for c in COMMANDS if c.takes_overrides] == ["train", "eval", "plan", "verify"]
     with pytest.raises(SystemExit) as stop:
         main(["inspect", str(tmp_path / "ckpt"), "--model.d_model=64"])
     assert stop.value.code == 2
@@ -156,8 +156,8 @@ def test_commands_that_take_no_overrides_refuse_unknown_arguments(capsys, tmp_pa
 def test_help_lists_every_command_with_its_line(capsys):
     from moe_train.cli import COMMANDS
 
-    names = ["train", "prepare-data", "inspect", "export", "import-hf", "generate", "plot",
-             "plan", "verify"]  # fmt: skip
+    names = ["train", "prepare-data", "inspect", "export", "import-hf", "generate", "eval",
+             "plot", "plan", "verify"]  # fmt: skip
     assert [c.name for c in COMMANDS] == names
     with pytest.raises(SystemExit) as stop:
         main(["--help"])

@@ -1,5 +1,5 @@
 """The `moe-train` command line: train, prepare-data, inspect, export, import-hf, generate,
-plot, plan, verify. Each command is one module (its arguments and its handler) listed in
+eval, plot, plan, verify. Each command is one module (its arguments and its handler) listed in
 COMMANDS; `run` parses a command line and calls the chosen command's handler."""
 
 import argparse
@@ -8,6 +8,7 @@ import os
 import sys
 
 from moe_train.cli.command import Command
+from moe_train.cli.evaluate import EVAL
 from moe_train.cli.export import EXPORT
 from moe_train.cli.generate import GENERATE
 from moe_train.cli.import_hf import IMPORT_HF
@@ -26,6 +27,7 @@ COMMANDS: tuple[Command, ...] = (
     EXPORT,
     IMPORT_HF,
     GENERATE,
+    EVAL,
     PLOT,
     PLAN,
     VERIFY,

@@ -30,7 +30,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
     eval: EvalConfig = field(default_factory=EvalConfig)
-    """Held-out evaluation."""
+    """Held-out evaluation: loss and downstream tasks."""
 
     def validate(self) -> None:
         for section in dataclasses.fields(self):

@@ -8,6 +8,7 @@ from typing import Literal
 
 from moe_train.config.checks import _non_negative, _positive
 from moe_train.errors import ConfigError
+from moe_train.tasks.files import BUILTIN_TASKS, TASK_SUFFIXES, task_name
 
 
 @dataclass(kw_only=True)
@@ -163,12 +164,40 @@ class EvalConfig:
     batches: int = 1
     """Global batches (data.global_batch_size sequences each) per evaluation: the same ones,
     in the same order, every time."""
+    tasks: list[str] = field(default_factory=list)
+    """Downstream task files scored at every evaluation, each reported as eval/<file
+    stem>/<metric>: multiple choice (.jsonl rows {"context", "choices", "gold"}: acc and
+    acc_norm) or held-out text (.txt, or .jsonl rows {"text"}: bits_per_byte), or
+    builtin:next_line (which of four lines comes next in Python source). Needs the tokenizer
+    of data.paths (prepared directories or builtin:stdlib)."""
 
     def validate(self, path: str) -> None:
         _non_negative(self, path, "interval")
         _positive(self, path, "batches")
-        if self.interval and not self.paths:
+        if self.interval and not (self.paths or self.tasks):
             raise ConfigError(
                 f"{path}.interval={self.interval} needs {path}.paths (held-out data, e.g. a "
-                f"directory written by moe-train prepare-data); or set {path}.interval=0"
+                f"directory written by moe-train prepare-data) or {path}.tasks (task files); "
+                f"or set {path}.interval=0"
             )
+        names: dict[str, str] = {}
+        for task in self.tasks:
+            if task.startswith("builtin:"):
+                if task not in BUILTIN_TASKS:
+                    raise ConfigError(
+                        f"{path}.tasks holds {task!r}; the built-in tasks are "
+                        f"{', '.join(BUILTIN_TASKS)}"
+                    )
+            elif not task.endswith(TASK_SUFFIXES):
+                raise ConfigError(
+                    f"{path}.tasks holds {task!r}; a task file ends in .jsonl (multiple "
+                    "choice, or text rows) or .txt (held-out text), or a built-in task is "
+                    f"one of {', '.join(BUILTIN_TASKS)}"
+                )
+            name = task_name(task)
+            if name in names:
+                raise ConfigError(
+                    f"{path}.tasks holds {names[name]!r} and {task!r}, both named {name!r} "
+                    "in the metrics; rename one file"
+                )
+            names[name] = task

@@ -9,7 +9,7 @@ from moe_train.model.dispatchers import (
     local_dispatcher,
 )
 from moe_train.model.documents import Documents
-from moe_train.model.loss import head_lm_loss, lm_loss
+from moe_train.model.loss import head_lm_loss, head_token_logprobs, lm_loss
 from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput
 from moe_train.model.parallelize import (
     apply_context_parallel,
@@ -57,6 +57,7 @@ __all__ = [
     "count_params",
     "flops_per_token",
     "head_lm_loss",
+    "head_token_logprobs",
     "layer_dispatchers",
     "lm_loss",
     "local_dispatcher",

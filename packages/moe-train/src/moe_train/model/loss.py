@@ -102,3 +102,25 @@ class _HeadCrossEntropy(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weight = (grad_weight_VD * grad_loss).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None
+
+
+@torch.no_grad()
+def head_token_logprobs(normed_BSD: Tensor, head_weight_VD: Tensor, targets_BS: Tensor) -> Tensor:
+    """[B, S] fp32 log-probability of each target under the logits `normed_BSD @
+    head_weight_VD.T` (forward only, chunk by chunk as `head_lm_loss`, the head's matmul in
+    the compute dtype)."""
+    dtype = normed_BSD.dtype
+    if torch.is_autocast_enabled(normed_BSD.device.type):
+        dtype = torch.get_autocast_dtype(normed_BSD.device.type)
+    hidden_ND = normed_BSD.reshape(-1, normed_BSD.shape[-1]).to(dtype)
+    weight_VD = head_weight_VD.to(dtype)
+    targets_N = targets_BS.flatten()
+    chunk = max(1, CHUNK_LOGITS // weight_VD.shape[0])
+    logprobs_N = torch.empty(targets_N.shape, dtype=torch.float32, device=normed_BSD.device)
+    with torch.autocast(normed_BSD.device.type, enabled=False):
+        for start in range(0, targets_N.numel(), chunk):
+            rows = slice(start, min(start + chunk, targets_N.numel()))
+            logits_CV = (hidden_ND[rows] @ weight_VD.T).float()
+            target_logits_C = logits_CV.gather(1, targets_N[rows, None]).squeeze(1)
+            logprobs_N[rows] = target_logits_C - torch.logsumexp(logits_CV, dim=-1)
+    return logprobs_N.view(targets_BS.shape)

@@ -1,6 +1,7 @@
 """`moe-train plot`: PNG figures of one or more runs (needs the extra moestack-train[plot]).
 
-Written files: `loss.png`, `lr.png`, `throughput.png` (several runs overlaid), and for each run
+Written files: `loss.png`, `lr.png`, `throughput.png` (several runs overlaid), `tasks.png` when
+a run scored eval.tasks (overlaid likewise), and for each run
 with an expert_load.jsonl `expert_load.png`, `rank_load.png` (only with several EP ranks) and
 `balance.png` (named `expert_load-RUN.png` and so on when several runs are plotted). Step axes
 are ticked at whole steps, and the steps a resumed run continued from are marked.
@@ -17,7 +18,7 @@ from moe_train.errors import MoeTrainError
 from moe_train.plot.routing import balance_figure, expert_load_figure, rank_load_figure
 from moe_train.plot.runs import Run, read_run, read_runs
 from moe_train.plot.style import matplotlib_module
-from moe_train.plot.training import loss_figure, lr_figure, throughput_figure
+from moe_train.plot.training import loss_figure, lr_figure, tasks_figure, throughput_figure
 
 __all__ = ["PlotResult", "Run", "plot_runs", "read_run", "read_runs"]
 
@@ -51,6 +52,9 @@ def plot_runs(run_dirs: list[Path], out: Path | None = None) -> PlotResult:
         ("throughput", throughput_figure),
     ):
         _save(build(runs), result, f"{name}.png")
+    tasks = tasks_figure(runs)
+    if tasks is not None:
+        _save(tasks, result, "tasks.png")
     per_run: list[tuple[str, Callable[[Run], Any]]] = [
         ("expert_load", expert_load_figure),
         ("rank_load", rank_load_figure),

@@ -1,4 +1,5 @@
-"""Figures of the training curves: loss and eval loss, learning rate, throughput and MFU.
+"""Figures of the training curves: loss and eval loss, learning rate, throughput and MFU, and
+the downstream tasks' figures (eval.tasks).
 
 Each takes one or more runs and overlays them (one colour per run).
 """
@@ -65,6 +66,44 @@ def throughput_figure(runs: list[Run]) -> Any:
     speed.set_ylim(bottom=0)
     mfu.set_ylim(bottom=0)
     speed.legend(fontsize="small")
+    return figure
+
+
+TASK_METRICS = {
+    "acc": "accuracy",
+    "acc_norm": "accuracy, length-normalised",
+    "bits_per_byte": "bits per byte",
+}
+"""The task figures drawn, each in its own panel, with its title."""
+
+
+def tasks_figure(runs: list[Run]) -> Any | None:
+    """Each task's figures by step (eval/<task>/<metric>), one panel per kind of figure and
+    one line per run and task; None when no run scored tasks."""
+    keys = sorted({key for run in runs for row in run.metrics for key in row})
+    panels = {
+        metric: [k for k in keys if k.startswith("eval/") and k.endswith(f"/{metric}")]
+        for metric in TASK_METRICS
+    }
+    panels = {metric: found for metric, found in panels.items() if found}
+    if not panels:
+        return None
+    figure, axes_list = new_figure(1, len(panels), width=6.5 * len(panels), height=4.6)
+    for axes, (metric, metric_keys) in zip(axes_list, panels.items(), strict=True):
+        for index, run in enumerate(runs):
+            for style_index, key in enumerate(metric_keys):
+                steps, values = run.series(key)
+                if steps:
+                    label = (
+                        f"{run.name}: {key.split('/')[1]}" if len(runs) > 1 else key.split("/")[1]
+                    )
+                    marker = "os^vD"[style_index % 5]
+                    axes.plot(
+                        steps, values, marker=marker, ms=4, color=run_colour(index), label=label
+                    )
+            _mark_resumes(axes, runs, index)
+        axes.set(title=f"Tasks: {TASK_METRICS[metric]}", ylabel=metric)
+        axes.legend(fontsize="small")
     return figure
 
 

@@ -33,6 +33,8 @@ class RunTotals:
     step_seconds: float = 0.0
     peak_mem_bytes: int = 0
     eval_losses: list[float] = field(default_factory=list)
+    task_metrics: dict[str, float] = field(default_factory=dict)
+    """The latest eval.tasks figures."""
 
 
 class Console:
@@ -89,7 +91,9 @@ class Console:
         totals.peak_mem_bytes = max(totals.peak_mem_bytes, record.peak_mem_bytes)
         if record.eval_loss is not None:
             totals.eval_losses.append(record.eval_loss)
-        if not self.progress or not (self.live or logged or record.eval_loss is not None):
+        if record.task_metrics:
+            totals.task_metrics = record.task_metrics
+        if not self.progress or not (self.live or logged or record.evaluated):
             return
         # This process's own pace (a resumed run counts only the steps it ran).
         eta = (now - self._first_step_at) / self._steps_here * (self.max_steps - record.step)
@@ -122,6 +126,8 @@ class Console:
             parts.append(
                 f"eval loss best {min(totals.eval_losses):.4f}, last {totals.eval_losses[-1]:.4f}"
             )
+        if totals.task_metrics:
+            parts.append(f"tasks last {task_figures(totals.task_metrics)}")
         parts.append(f"peak memory {totals.peak_mem_bytes / GIB:.2f} GiB")
         parts.append(f"checkpoint {checkpoint}" if checkpoint else "no checkpoint")
         self.message("summary: " + " | ".join(parts))
@@ -137,6 +143,8 @@ def progress_line(record: StepRecord, max_steps: int, world_size: int, eta: floa
     parts = [f"step {record.step}/{max_steps}", f"loss {record.loss:.4f}"]
     if record.eval_loss is not None:
         parts.append(f"eval {record.eval_loss:.4f}")
+    if record.task_metrics:
+        parts.append(task_figures(record.task_metrics))
     parts += [
         f"lr {record.lr:.2e}",
         f"gnorm {record.grad_norm:.3f}",
@@ -151,6 +159,18 @@ def progress_line(record: StepRecord, max_steps: int, world_size: int, eta: floa
         parts.append(f"hidden imbalance {record.hidden_imbalance_layers} layers")
     parts.append(f"ETA {clock(eta)}")
     return " | ".join(parts)
+
+
+def task_figures(task_metrics: dict[str, float]) -> str:
+    """`name acc 0.412 acc_norm 0.398, other bpb 2.31`: the task figures of a step."""
+    tasks: dict[str, list[str]] = {}
+    for key, value in task_metrics.items():
+        parts = key.split("/")
+        if len(parts) != 3:  # eval/tasks_s
+            continue
+        label = "bpb" if parts[2] == "bits_per_byte" else parts[2]
+        tasks.setdefault(parts[1], []).append(f"{label} {value:.3f}")
+    return ", ".join(f"{name} {' '.join(figures)}" for name, figures in tasks.items())
 
 
 def load_scale(num_experts: int, top_k: int) -> str:

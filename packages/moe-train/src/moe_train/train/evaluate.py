@@ -117,16 +117,28 @@ def _pipeline_micro_loss(
     normalizer: Tensor | None,
     documents: Documents | None,
 ) -> Tensor:
+    """The LM loss of one micro-batch run through the pipeline (0 on ranks without the last
+    stage)."""
+    normed = pipeline_forward(runner, inputs, documents)
+    if normed is None:
+        return torch.zeros((), dtype=torch.float64, device=inputs.device)
+    with runner.autocast():
+        return head_lm_loss(normed, runner.model.head.weight, targets, normalizer).double()
+
+
+def pipeline_forward(
+    runner: StepRunner, inputs: Tensor, documents: Documents | None
+) -> Tensor | None:
     """Forward of one micro-batch through the pipeline stages in order, hidden states passed
     from stage to stage by point-to-point sends (every rank of a pipeline walks the same
-    stage sequence, so each send meets its receive)."""
+    stage sequence, so each send meets its receive): the normed output of the last stage on
+    the rank holding it, None elsewhere."""
     pipeline, layout = runner.pipeline, runner.runtime.layout
     plan = pipeline.plan
     modules = {stage: s.submod for stage, s in zip(plan.stages, pipeline.stages, strict=True)}
     inputs = inputs.contiguous()
     device = inputs.device
     hidden_shape = (*inputs.shape, runner.config.model.d_model)
-    loss = torch.zeros((), dtype=torch.float64, device=device)
     hidden: Tensor | None = None
     for stage in range(plan.num_stages):
         owner = dist.get_global_rank(layout.pp_group, stage % layout.pp)
@@ -140,12 +152,9 @@ def _pipeline_micro_loss(
         modules[stage].expect([documents] if documents is not None else None)
         output = modules[stage](inputs if stage == 0 else hidden)
         if stage == plan.num_stages - 1:
-            with runner.autocast():
-                weight = runner.model.head.weight
-                loss += head_lm_loss(output, weight, targets, normalizer).double()
-            continue
+            return output
         hidden = output.contiguous()
         following = dist.get_global_rank(layout.pp_group, (stage + 1) % layout.pp)
         if following != owner:
             dist.send(hidden, dst=following)
-    return loss
+    return None

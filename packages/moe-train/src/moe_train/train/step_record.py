@@ -65,6 +65,9 @@ class StepRecord:
     mtp_loss: float | None = None
     """Multi-token-prediction loss (unweighted, mean over micro-batches and MTP modules);
     only in the rows of runs with model.mtp_depth > 0."""
+    task_metrics: dict[str, float] = field(default_factory=dict, metadata=_NOT_IN_ROW)
+    """The eval.tasks figures after the step, keyed as in the row (`eval/<task>/acc`, ...,
+    and `eval/tasks_s`, the seconds the scoring took); empty when it did not evaluate."""
     tokens: int = field(default=0, metadata=_NOT_IN_ROW)
     """Tokens of this step, all ranks together."""
     applied: bool = field(default=True, metadata=_NOT_IN_ROW)
@@ -76,7 +79,13 @@ class StepRecord:
         for optional in ("eval_loss", "mtp_loss"):
             if row[optional] is None:
                 del row[optional]
+        row.update(self.task_metrics)
         return row
+
+    @property
+    def evaluated(self) -> bool:
+        """Whether the step evaluated (held-out loss or tasks)."""
+        return self.eval_loss is not None or bool(self.task_metrics)
 
 
 def _json_safe(value: Any) -> Any:

@@ -37,6 +37,7 @@ from moe_train.train.runtime import Runtime, launched_by_torchrun, lost_rank_err
 from moe_train.train.schedule import describe_schedule, lr_at
 from moe_train.train.step import DTYPES, StepResult, StepRunner
 from moe_train.train.step_record import StepRecord
+from moe_train.train.task_scoring import open_task_scorer
 from moe_train.train.tracking import Trackers, check_tracking_available
 
 
@@ -162,7 +163,17 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         # Built before anything is written, so a backend that cannot run leaves no run directory.
         self.runner = StepRunner(config, runtime, self.dataset.eos_id)
-        self.evaluator = Evaluator(config, self.runner, runtime) if config.eval.interval else None
+        evaluation = config.eval
+        self.evaluator = (
+            Evaluator(config, self.runner, runtime)
+            if evaluation.interval and evaluation.paths
+            else None
+        )
+        self.task_scorer = (
+            open_task_scorer(config, self.runner)
+            if evaluation.interval and evaluation.tasks
+            else None
+        )
         self.feed = BatchFeed(
             self.dataset,
             self.runner.my_rows,
@@ -219,7 +230,6 @@ class Trainer:
         if ckpt.interval_minutes:
             saves.append(f"every {ckpt.interval_minutes:g} min")
         saving = f"{' or '.join(saves)} into {checkpoint_dir}" if saves else "off"
-        evaluation = config.eval
         return [
             *start_rows(self.start, config, layout.describe()),
             (
@@ -252,15 +262,22 @@ class Trainer:
                 f"{config.train.max_steps} ({describe_schedule(config.optim, config.train.max_steps)})",
             ),
             ("checkpoints", saving),
-            (
-                "eval",
-                f"{evaluation.batches} x {config.data.global_batch_size} sequences of "
-                f"{', '.join(evaluation.paths)} every "
-                f"{evaluation.interval} steps"
-                if evaluation.interval
-                else "off",
-            ),
+            ("eval", self._eval_banner()),
         ]
+
+    def _eval_banner(self) -> str:
+        """What an evaluation holds and how often it runs."""
+        evaluation, size = self.config.eval, self.config.data.global_batch_size
+        if not evaluation.interval:
+            return "off"
+        parts = []
+        if evaluation.paths:
+            parts.append(
+                f"{evaluation.batches} x {size} sequences of {', '.join(evaluation.paths)}"
+            )
+        if self.task_scorer is not None:
+            parts.append(f"tasks {self.task_scorer.describe()}")
+        return f"{'; '.join(parts)} every {evaluation.interval} steps"
 
     def _packing_note(self) -> str:
         """With data.label_mask: how documents longer than a sequence were handled."""
@@ -366,7 +383,9 @@ class Trainer:
             torch.cuda.synchronize(runtime.device)
         step_time = time.perf_counter() - start
         peak_mem = peak_memory_bytes(runtime.device)
-        eval_loss = self.evaluator.evaluate() if self.cadence.evaluates(step) else None
+        evaluates = self.cadence.evaluates(step)
+        eval_loss = self.evaluator.evaluate() if evaluates and self.evaluator else None
+        task_metrics = self._score_tasks() if evaluates and self.task_scorer else {}
         time_due = runtime.is_main and self.checkpoints.due_by_time()
         step_time, data_wait, peak_mem, stop, time_due = runtime.max_over_world(
             [
@@ -382,9 +401,23 @@ class Trainer:
         logged = self.cadence.logs(step, final=stop or step == self.end_step)
         if self.expert_load is not None and logged and result.stats.routing is not None:
             self.expert_load.write(step, result.stats.routing)
-        record = self._record(step, lr, result, (step_time, data_wait), int(peak_mem), eval_loss)
+        record = self._record(
+            step, lr, result, (step_time, data_wait), int(peak_mem), eval_loss, task_metrics
+        )
         self._report(record, logged=logged)
         return result, stop, time_due > 0
+
+    def _score_tasks(self) -> dict[str, float]:
+        """The eval.tasks figures of the current state, keyed as in metrics.jsonl."""
+        start = time.perf_counter()
+        figures = {
+            f"eval/{result.name}/{metric}": value
+            for result in self.task_scorer.score()
+            for metric, value in result.metrics.items()
+        }
+        (seconds,) = self.runtime.max_over_world([time.perf_counter() - start])
+        figures["eval/tasks_s"] = seconds
+        return figures
 
     def _record(
         self,
@@ -394,6 +427,7 @@ class Trainer:
         times: tuple[float, float],
         peak: int,
         eval_loss: float | None,
+        task_metrics: dict[str, float],
     ) -> StepRecord:
         """The record of step `step` (`times`: step time and data wait, in seconds), with the
         balance check's verdict so far (after the step's routing row is written)."""
@@ -423,6 +457,7 @@ class Trainer:
             time=time.time(),
             eval_loss=eval_loss,
             mtp_loss=stats.mtp_loss,
+            task_metrics=task_metrics,
             tokens=self.tokens_per_step,
             applied=result.applied,
         )
@@ -430,7 +465,7 @@ class Trainer:
     def _report(self, record: StepRecord, *, logged: bool) -> None:
         """The log phase: the metrics row of a logged step (and of a skipped or evaluated
         one), the trackers, and the console."""
-        evaluated = record.eval_loss is not None
+        evaluated = record.evaluated
         if self.metrics is not None and (logged or not record.applied or evaluated):
             row = record.row()
             self.metrics.write(row)
