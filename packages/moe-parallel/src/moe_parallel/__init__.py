@@ -6,6 +6,7 @@ else here works on any `nn.Module`.
 
 import importlib.metadata
 
+from moe_parallel.distributed_muon import DistributedMuon
 from moe_parallel.distributed_optimizer import (
     DistributedAdamW,
     StatePiece,
@@ -37,6 +38,7 @@ except importlib.metadata.PackageNotFoundError:  # imported from source via PYTH
 
 __all__ = [
     "DistributedAdamW",
+    "DistributedMuon",
     "GradientReducer",
     "Layout",
     "LayoutError",
