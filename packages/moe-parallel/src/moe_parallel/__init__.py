@@ -28,6 +28,7 @@ from moe_parallel.layout import (
     check_layout,
     single_process_layout,
 )
+from moe_parallel.owned_matrices import assign_owners
 from moe_parallel.replicated_muon import ReplicatedMuon
 from moe_parallel.replicated_optimizer import ReplicatedAdamW, TrainingOptimizer
 
@@ -47,6 +48,7 @@ __all__ = [
     "StatePiece",
     "StateRequest",
     "TrainingOptimizer",
+    "assign_owners",
     "build_layout",
     "check_layout",
     "clip_grad_norm",
