@@ -14,6 +14,7 @@ of `optimizer.step` in the step's wall time. Single process, CPU; bf16 compute a
 
     uv run python benchmarks/optimizers.py [--steps 300] [--seeds 0 1 2]
         [--adamw-lrs 1.5e-3 3e-3 6e-3] [--muon-lrs 3e-3 6e-3 1.2e-2] [--set=--KEY=VALUE ...]
+        [--optimizers adamw muon]
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def optimizer_share(config: Config, steps: int) -> float:
 def compare(args: argparse.Namespace, root: Path) -> list[dict]:
     """Sweep both, pick, run the other seeds, time the step share: one row per optimizer."""
     first, rest = args.seeds[0], args.seeds[1:]
-    names = {"adamw": args.adamw_lrs, "muon": args.muon_lrs}
+    lrs = {"adamw": args.adamw_lrs, "muon": args.muon_lrs}
+    names = {name: lrs[name] for name in args.optimizers}
     sweeps = {
         name: {lr: final_loss(args, name, lr, first, root) for lr in lrs}
         for name, lrs in names.items()
@@ -125,6 +127,13 @@ def main() -> None:
     parser.add_argument("--muon-lrs", type=float, nargs="+", default=[3e-3, 6e-3, 1.2e-2])
     parser.add_argument("--loss-window", type=int, default=20, help="final loss: mean of last N")
     parser.add_argument("--share-steps", type=int, default=10, help="timed steps of the share")
+    parser.add_argument(
+        "--optimizers",
+        nargs="+",
+        choices=("adamw", "muon"),
+        default=["adamw", "muon"],
+        help="which to run (one each in parallel processes on a machine with spare cores)",
+    )
     parser.add_argument(
         "--set",
         action="append",
