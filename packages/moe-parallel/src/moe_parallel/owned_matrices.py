@@ -73,13 +73,13 @@ class MatrixRun:
         return (
             self.param.numel()
             if self.experts is None
-            else len(self.experts) * self.param[0].numel()
+            else len(self.experts) * self.param.shape[1:].numel()
         )
 
     @property
     def param_start(self) -> int:
         """First element of the run in the row-major flattening of the parameter."""
-        return 0 if self.experts is None else self.experts.start * self.param[0].numel()
+        return 0 if self.experts is None else self.experts.start * self.param.shape[1:].numel()
 
     def of(self, tensor: Tensor) -> Tensor:
         """The run's part of `tensor` (shaped like the parameter)."""
@@ -125,7 +125,7 @@ class OwnedMatrices:
             for name, p in named_params
             for e in (range(p.shape[0]) if is_expert_parameter(p) else [None])
         ]
-        sizes = [p[0].numel() if experts else p.numel() for _, p, experts in matrices]
+        sizes = [p.shape[1:].numel() if experts else p.numel() for _, p, experts in matrices]
         owners = assign_owners(sizes, self.group_size)
         loads = [0] * self.group_size
         for owner, size in zip(owners, sizes, strict=True):
