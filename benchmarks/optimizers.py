@@ -1,17 +1,20 @@
-"""AdamW against Muon on the tiny config: the loss after N steps at each one's tuned
-learning rate, over several seeds, and the optimizer step's share of the step time.
+"""AdamW against Muon on a config (the tiny one by default): the loss after N steps at each
+one's tuned learning rate, over several seeds, and the optimizer step's share of the step time.
 
 Phase 1 (sweep): each optimizer trains at every learning rate of its --lrs list at the first
 seed; the lowest final loss (mean of the last --loss-window steps) picks its learning rate.
 Phase 2: both train at their picked rate for the other seeds, and the table gives the mean
-and spread (sample standard deviation) of the final losses over all seeds. Muon runs with
+and spread (sample standard deviation) of the final losses over all seeds. Each run prints
+its line as it ends, so a cut-short benchmark still says what it measured. --set adds config
+overrides to every run (a larger model: ``--set=--model.n_layers=6 --set=--model.d_model=160``). Muon runs with
 optim.adamw_lr_ratio=1 (the Moonlight scale makes its updates the size of AdamW's, so one
 rate serves both parts). Phase 3 (step share): one process times --share-steps steps of each
 optimizer's StepRunner on random tokens (after two warm steps) and reports the median share
 of `optimizer.step` in the step's wall time. Single process, CPU; bf16 compute as the config.
 
     uv run python benchmarks/optimizers.py [--steps 300] [--seeds 0 1 2]
-        [--adamw-lrs 1.5e-3 3e-3 6e-3] [--muon-lrs 3e-3 6e-3 1.2e-2]
+        [--adamw-lrs 1.5e-3 3e-3 6e-3] [--muon-lrs 3e-3 6e-3 1.2e-2] [--set=--KEY=VALUE ...]
+        [--optimizers adamw muon]
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def run_config(args: argparse.Namespace, name: str, lr: float, seed: int, root: 
             f"--optim.name={name}",
             f"--optim.lr={lr}",
             f"--train.seed={seed}",
+            *args.set,
         ],
     )
 
@@ -84,22 +88,30 @@ def optimizer_share(config: Config, steps: int) -> float:
 
 
 def compare(args: argparse.Namespace, root: Path) -> list[dict]:
-    """Sweep, pick, run the other seeds, time the step share: one row per optimizer."""
+    """Sweep both, pick, run the other seeds, time the step share: one row per optimizer."""
     first, rest = args.seeds[0], args.seeds[1:]
+    lrs = {"adamw": args.adamw_lrs, "muon": args.muon_lrs}
+    names = {name: lrs[name] for name in args.optimizers}
+    sweeps = {
+        name: {lr: final_loss(args, name, lr, first, root) for lr in lrs}
+        for name, lrs in names.items()
+    }
+    best = {name: min(sweep, key=sweep.__getitem__) for name, sweep in sweeps.items()}
+    losses = {name: [sweeps[name][best[name]]] for name in names}
+    for seed in rest:
+        for name in names:
+            losses[name].append(final_loss(args, name, best[name], seed, root))
     rows = []
-    for name, lrs in (("adamw", args.adamw_lrs), ("muon", args.muon_lrs)):
-        sweep = {lr: final_loss(args, name, lr, first, root) for lr in lrs}
-        best = min(sweep, key=sweep.__getitem__)
-        losses = [sweep[best], *(final_loss(args, name, best, seed, root) for seed in rest)]
-        share = optimizer_share(run_config(args, name, best, first, root), args.share_steps)
+    for name in names:
+        share = optimizer_share(run_config(args, name, best[name], first, root), args.share_steps)
         rows.append(
             {
                 "optimizer": name,
-                "sweep": {f"{lr:g}": loss for lr, loss in sweep.items()},
-                "lr": best,
-                "final_losses": losses,
-                "mean": statistics.fmean(losses),
-                "stdev": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+                "sweep": {f"{lr:g}": loss for lr, loss in sweeps[name].items()},
+                "lr": best[name],
+                "final_losses": losses[name],
+                "mean": statistics.fmean(losses[name]),
+                "stdev": statistics.stdev(losses[name]) if len(losses[name]) > 1 else 0.0,
                 "optimizer_step_share": share,
             }
         )
@@ -115,12 +127,26 @@ def main() -> None:
     parser.add_argument("--muon-lrs", type=float, nargs="+", default=[3e-3, 6e-3, 1.2e-2])
     parser.add_argument("--loss-window", type=int, default=20, help="final loss: mean of last N")
     parser.add_argument("--share-steps", type=int, default=10, help="timed steps of the share")
+    parser.add_argument(
+        "--optimizers",
+        nargs="+",
+        choices=("adamw", "muon"),
+        default=["adamw", "muon"],
+        help="which to run (one each in parallel processes on a machine with spare cores)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="--KEY=VALUE",
+        help="a config override for every run (repeat for several)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_results/optimizers.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rows = compare(args, Path(tmp))
     print(
-        f"\n{args.config.name}, {args.steps} steps, seeds {' '.join(map(str, args.seeds))}; "
+        f"\n{args.config.name} {' '.join(args.set)}, {args.steps} steps, seeds {' '.join(map(str, args.seeds))}; "
         f"loss = mean of the last {args.loss_window} steps (mean +- stdev over the seeds)"
     )
     print_table(
@@ -136,7 +162,10 @@ def main() -> None:
             for row in rows
         ],
     )
-    write_json(args.out, {"config": str(args.config), "steps": args.steps, "rows": rows})
+    write_json(
+        args.out,
+        {"config": str(args.config), "set": args.set, "steps": args.steps, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

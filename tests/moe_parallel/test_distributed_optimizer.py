@@ -21,7 +21,9 @@ from assertions import assert_close_report
 from harness.ranks import run_distributed
 from moe_parallel import (
     DistributedAdamW,
+    DistributedMuon,
     Layout,
+    ReplicatedMuon,
     StateRequest,
     build_layout,
     decay_matrices,
@@ -285,8 +287,55 @@ def _assert_same_state(actual: dict, expected: dict) -> None:
             assert torch.equal(actual[name][kind], expected[name][kind]), (name, kind)
 
 
+MUON_MATRICES = ("embed", "proj.weight", "experts_up", "experts_down")
+"""What Muon updates in the Muon runs (AdamW: the norm, the bias, `odd`)."""
+
+
+def _muon(model: nn.Module, layout: Layout, distributed: bool):
+    optimizer_class = DistributedMuon if distributed else ReplicatedMuon
+    return optimizer_class(
+        model,
+        layout,
+        lr=LRS[0],
+        orthogonalized=lambda name, p: name in MUON_MATRICES,
+        ns_dtype=torch.float32,
+        adamw_lr_ratio=0.5,
+        **HYPER,
+    )
+
+
+def _train_muon(model: nn.Module, optimizer, ranks: range) -> None:
+    """Three steps, each the sum of two micro-batches of every rank in `ranks`."""
+    for step, (lr, max_norm) in enumerate(zip(LRS, CLIPS, strict=True)):
+        for rank in ranks:
+            for micro in range(2):
+                _backward(model, _coefficients(rank, step, micro, model))
+        optimizer.clip_grad_norm_(max_norm)
+        optimizer.step(lr)
+        optimizer.zero_grad()
+
+
+def _run_muon(rank: int) -> dict:
+    """DistributedMuon at dp4 (dense and expert matrices owned over four ranks): its
+    weights after three steps, its state bytes and its momentum pieces."""
+    layout = build_layout(pp=1, ep=1)
+    model = _local_model(_global_params(0), 0, 1)
+    optimizer = _muon(model, layout, distributed=True)
+    _train_muon(model, optimizer, range(rank, rank + 1))
+    return {
+        "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "state_bytes": optimizer.state_bytes(),
+        "momentum": [
+            (p.name, p.flat_start, p.momentum.clone())
+            for p in optimizer.state_pieces()
+            if p.momentum is not None
+        ],
+    }
+
+
 def _world_four(rank: int, world_size: int) -> dict:
     results = {
+        "muon": _run_muon(rank),
         "dp4": _run(rank, pp=1, ep=1, bucket_bytes=2**20),
         "dp4_ep2": _run(rank, pp=1, ep=2, bucket_bytes=64),
         "pp2_ep2": _run(rank, pp=2, ep=2, bucket_bytes=2**20),  # experts: groups of one
@@ -472,3 +521,43 @@ def test_bad_input_is_refused_clearly():
     _backward(model, _coefficients(0, 1, 0, model))
     with pytest.raises(ValueError, match=re.escape("call zero_grad() after each step")):
         optimizer.step()
+
+
+def test_distributed_muon_at_dp4_takes_the_replicated_steps(world_four):
+    model = _local_model(_global_params(0), 0, 1)
+    optimizer = _muon(model, single_process_layout(), distributed=False)
+    _train_muon(model, optimizer, range(4))  # the gradients of all four ranks, summed
+    for rank, result in enumerate(world_four):
+        for name, p in model.named_parameters():
+            label = f"rank {rank} {name}"
+            assert_close_report(result["muon"]["weights"][name], p, **UPDATE_TOL, name=label)
+    # Every momentum element lies on exactly one rank, and equals the replicated one.
+    counts = {n: torch.zeros(dict(model.named_parameters())[n].numel()) for n in MUON_MATRICES}
+    for rank, result in enumerate(world_four):
+        for name, start, momentum in result["muon"]["momentum"]:
+            counts[name][start : start + momentum.numel()] += 1
+            want = optimizer.state_pieces()  # the replicated optimizer: whole tensors
+            want = next(p.momentum for p in want if p.name == name)[
+                start : start + momentum.numel()
+            ]
+            assert_close_report(momentum, want, **UPDATE_TOL, name=f"rank {rank} momentum {name}")
+    assert all(torch.all(c == 1) for c in counts.values()), counts
+
+
+def test_distributed_muon_state_per_rank_is_a_quarter_plus_the_largest_matrix(world_four):
+    """At dp4 a rank holds at most 1/4 of the replicated state plus the largest Muon matrix
+    (and the padding of AdamW's shards: under one element per rank and bucket)."""
+    params = dict(_Model(EXPERTS).named_parameters())
+    matrices = [
+        p[e].numel() if is_expert_parameter(p) else p.numel()
+        for name in MUON_MATRICES
+        for p in (params[name],)
+        for e in range(p.shape[0] if is_expert_parameter(p) else 1)
+    ]
+    adamw = sum(p.numel() for n, p in params.items() if n not in MUON_MATRICES and p.requires_grad)
+    replicated = 4 * sum(matrices) + 8 * adamw
+    largest = 4 * max(matrices)
+    adamw_padding = 8 * 2  # a dense and an expert bucket
+    held = [r["muon"]["state_bytes"] for r in world_four]
+    assert max(held) <= replicated / 4 + largest + adamw_padding, (held, replicated, largest)
+    assert min(held) > 0

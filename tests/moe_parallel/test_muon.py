@@ -10,6 +10,7 @@ from torch import nn
 from moe_parallel import (
     ReplicatedMuon,
     StateRequest,
+    assign_owners,
     mark_expert_parameter,
     single_process_layout,
 )
@@ -180,3 +181,18 @@ def test_muon_state_pieces_and_load_state_continue_exactly():
 def test_muon_refuses_a_parameter_that_is_not_a_matrix():
     with pytest.raises(ValueError, match="Muon updates matrices; bias of shape"):
         ReplicatedMuon(_Model(), single_process_layout(), lr=1e-2, orthogonalized=lambda n, p: True)
+
+
+def test_assign_owners_balances_by_size_largest_first():
+    # Largest first, each to the least loaded rank (ties: the lowest rank).
+    assert assign_owners([3, 5, 4, 1, 3], 2) == [1, 0, 1, 1, 0]
+    assert assign_owners([2, 2, 2], 4) == [0, 1, 2]
+    generator = torch.Generator().manual_seed(3)
+    for group_size in (2, 3, 4, 8):
+        sizes = torch.randint(1, 1000, (40,), generator=generator).tolist()
+        owners = assign_owners(sizes, group_size)
+        loads = [
+            sum(s for s, o in zip(sizes, owners, strict=True) if o == r) for r in range(group_size)
+        ]
+        assert sum(loads) == sum(sizes)
+        assert max(loads) <= sum(sizes) / group_size + max(sizes), (group_size, loads)

@@ -1,12 +1,12 @@
-"""optim.name=muon trains: which parameters Muon updates, the same losses on every replicated
-layout as in one process, checkpoints that resume bitwise and on another layout, and the
-optimizer switch on resume."""
+"""optim.name=muon trains: which parameters Muon updates, the same losses on every layout as
+in one process (replicated and with the distributed optimizer), checkpoints that resume
+bitwise and on another layout or optimizer sharding, and the optimizer switch on resume."""
 
 import pytest
 import torch
 
 from harness.ranks import run_distributed
-from moe_parallel import ReplicatedMuon
+from moe_parallel import DistributedMuon, ReplicatedMuon
 from moe_train.config import config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.model import Transformer
@@ -36,6 +36,11 @@ def _data(token_file, run_dir, optim=None, checkpoint=None, precision=None, **pa
 
 def _checkpoint(run_dir) -> str:
     return str(run_dir / "checkpoints" / f"step_{SAVED_AT:08d}")
+
+
+def _resume(run_dir) -> dict:
+    """checkpoint.* that resumes the run in `run_dir` from SAVED_AT."""
+    return {"resume": _checkpoint(run_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +86,27 @@ def test_muon_single_process_learns_and_resumes_bitwise(shared_token_file, tmp_p
 
 
 @pytest.mark.slow
-def test_muon_replicated_layouts_match_single_process(shared_token_file, tmp_path, reference):
-    """dp2, ep2 over each dispatcher and pp2 in one spawn; then one process resumes the ep2
-    run's checkpoint."""
+def test_muon_layouts_match_single_process(shared_token_file, tmp_path, reference):
+    """dp2, ep2 over each dispatcher and pp2 in one spawn, and dp2 with the distributed
+    optimizer, which resumes its own checkpoint (bitwise) and the single-process one; then
+    one process resumes the ep2 run's and the distributed run's checkpoints."""
     ep2 = {"ep": 2, "dispatcher": "all_to_all"}
+    sharded = {"distributed_optimizer": True}
+    every = {"interval": SAVED_AT}
     cases = {
+        "dp2_distributed": _data(shared_token_file, tmp_path / "dist", checkpoint=every, **sharded),
+        "dp2_distributed_resumed": _data(
+            shared_token_file,
+            tmp_path / "dist_resumed",
+            checkpoint=_resume(tmp_path / "dist"),
+            **sharded,
+        ),
+        "dp2_distributed_from_single": _data(
+            shared_token_file,
+            tmp_path / "dist_from_single",
+            checkpoint=_resume(reference[0]),
+            **sharded,
+        ),
         "dp2": _data(shared_token_file, tmp_path / "dp2"),
         "ep2_all_to_all": _data(
             shared_token_file, tmp_path / "ep2", checkpoint={"interval": SAVED_AT}, **ep2
@@ -97,18 +118,36 @@ def test_muon_replicated_layouts_match_single_process(shared_token_file, tmp_pat
     cases["ep2_rowwise"]["model"]["moe"]["capacity_factor"] = 4.0
     per_rank = run_distributed(train_cases, world_size=2, args=(cases,), timeout=600)
     _, losses = reference
-    for name in cases:
+    resumed = {"dp2_distributed_resumed", "dp2_distributed_from_single"}
+    for name in cases.keys() - resumed:
         assert_losses_match(name, per_rank[0][name], losses)
-    single = _data(shared_token_file, tmp_path / "from_ep2", checkpoint={"resume": ""})
-    single["checkpoint"]["resume"] = _checkpoint(tmp_path / "ep2")
-    assert_losses_match("ep2 -> 1", train(config_from_dict(single)).losses, losses[SAVED_AT:])
+    assert_losses_match(
+        "1 -> dp2 distributed", per_rank[0]["dp2_distributed_from_single"], losses[SAVED_AT:]
+    )
+    dist_losses = per_rank[0]["dp2_distributed"]
+    assert per_rank[0]["dp2_distributed_resumed"] == dist_losses[SAVED_AT:], "same layout: bitwise"
+    for source in ("ep2", "dist"):
+        single = _data(
+            shared_token_file, tmp_path / f"from_{source}", checkpoint=_resume(tmp_path / source)
+        )
+        assert_losses_match(
+            f"{source} -> 1", train(config_from_dict(single)).losses, losses[SAVED_AT:]
+        )
 
 
 @pytest.mark.slow
 def test_muon_pp2_dp2_ep2_matches_single_process(shared_token_file, tmp_path, reference):
-    cases = {"pp2_dp2_ep2": _data(shared_token_file, tmp_path / "pp2dp2ep2", pp=2, ep=2)}
+    """Replicated and with the distributed optimizer (dense matrices owned over dp2, each
+    expert's on the rank that holds it)."""
+    cases = {
+        "pp2_dp2_ep2": _data(shared_token_file, tmp_path / "pp2dp2ep2", pp=2, ep=2),
+        "pp2_dp2_ep2_distributed": _data(
+            shared_token_file, tmp_path / "distributed", pp=2, ep=2, distributed_optimizer=True
+        ),
+    }
     per_rank = run_distributed(train_cases, world_size=4, args=(cases,), timeout=600)
-    assert_losses_match("pp2_dp2_ep2", per_rank[0]["pp2_dp2_ep2"], reference[1])
+    for name in cases:
+        assert_losses_match(name, per_rank[0][name], reference[1])
 
 
 def test_switching_optimizer_on_resume(shared_token_file, tmp_path, reference, capsys):
@@ -134,12 +173,6 @@ def test_switching_optimizer_on_resume(shared_token_file, tmp_path, reference, c
     assert "adamw starts with fresh optimizer state" in changed[0], changed
 
 
-def test_muon_with_the_distributed_optimizer_is_a_config_error(shared_token_file, tmp_path):
-    data = _data(shared_token_file, tmp_path, distributed_optimizer=True)
-    with pytest.raises(ConfigError, match=r"optim\.name=muon does not work with parallel\.distrib"):
-        config_from_dict(data)
-
-
 def test_muon_config_values_are_checked(shared_token_file, tmp_path):
     for optim, message in [
         ({"name": "sgd"}, "optim.name='sgd' must be one of 'adamw', 'muon'"),
@@ -151,22 +184,29 @@ def test_muon_config_values_are_checked(shared_token_file, tmp_path):
             config_from_dict(_data(shared_token_file, tmp_path, optim=optim))
 
 
-def test_build_optimizer_gives_replicated_muon(shared_token_file, tmp_path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "distributed"])
+def test_build_optimizer_gives_muon(shared_token_file, tmp_path, sharded):
     from moe_parallel import single_process_layout
     from moe_train.train.step import build_optimizer
 
-    config = config_from_dict(_data(shared_token_file, tmp_path, optim={"adamw_lr_ratio": 0.5}))
+    data = _data(
+        shared_token_file, tmp_path, optim={"adamw_lr_ratio": 0.5}, distributed_optimizer=sharded
+    )
+    config = config_from_dict(data)
     model = Transformer(config.model)
     optimizer = build_optimizer(model, config, single_process_layout())
-    assert isinstance(optimizer, ReplicatedMuon)
+    assert isinstance(optimizer, DistributedMuon if sharded else ReplicatedMuon)
     assert optimizer.ns_dtype == torch.float32 and optimizer.adamw_lr_ratio == 0.5
     hidden = sum(p.numel() for n, p in model.named_parameters() if is_hidden_matrix(n, p))
-    assert optimizer.state_bytes() == 4 * hidden, "one FP32 buffer per Muon element, once built"
+    rest = sum(p.numel() for n, p in model.named_parameters() if not is_hidden_matrix(n, p))
+    adamw = 8 * rest if sharded else 0  # the distributed one allocates AdamW's moments at once
+    assert optimizer.state_bytes() == 4 * hidden + adamw, "one FP32 buffer per Muon element"
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "distributed"])
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_planner_counts_muon_state_as_the_optimizer_holds_it(
-    shared_token_file, tmp_path, param_dtype
+    shared_token_file, tmp_path, param_dtype, sharded
 ):
     from moe_parallel import single_process_layout
     from moe_train.model import apply_param_dtype
@@ -174,7 +214,7 @@ def test_planner_counts_muon_state_as_the_optimizer_holds_it(
     from moe_train.train.step import DTYPES, build_optimizer
 
     precision = {"param_dtype": param_dtype, "compute_dtype": param_dtype}
-    data = _data(shared_token_file, tmp_path, precision=precision)
+    data = _data(shared_token_file, tmp_path, precision=precision, distributed_optimizer=sharded)
     config = config_from_dict(data)
     model = Transformer(config.model)
     apply_param_dtype(model, DTYPES[param_dtype])
@@ -184,6 +224,29 @@ def test_planner_counts_muon_state_as_the_optimizer_holds_it(
     adamw = config_from_dict({**data, "optim": {**data["optim"], "name": "adamw"}})
     hidden = sum(p.numel() for n, p in model.named_parameters() if is_hidden_matrix(n, p))
     assert _rank_memory(adamw, 1, 0).optimizer - _rank_memory(config, 1, 0).optimizer == 4 * hidden
+
+
+def test_planner_balances_distributed_muon_matrices_over_the_group(shared_token_file, tmp_path):
+    """On dp ranks a rank holds the most loaded owner's matrices: at most 1/dp of them plus
+    the largest (per reduction group), and with the AdamW shards at most 1/dp of the
+    replicated state plus the largest matrix of each group."""
+    from moe_train.plan.memory import _rank_memory, hidden_matrix_sizes, most_owned
+
+    data = _data(shared_token_file, tmp_path, distributed_optimizer=True)
+    data["model"]["n_layers"] = 4
+    config = config_from_dict(data)
+    replicated = config_from_dict({**data, "parallel": {"distributed_optimizer": False}})
+    dense, expert = hidden_matrix_sizes(config, 0)
+    hidden = sum(
+        p.numel() for n, p in Transformer(config.model).named_parameters() if is_hidden_matrix(n, p)
+    )
+    assert sum(dense) + sum(expert) == hidden
+    for dp in (2, 4):
+        owned = most_owned(dense, dp)
+        assert sum(dense) / dp <= owned <= sum(dense) / dp + max(dense), dp
+        held = _rank_memory(config, dp, 0).optimizer
+        bound = _rank_memory(replicated, dp, 0).optimizer / dp + 4 * (max(dense) + max(expert))
+        assert held <= bound, (dp, held, bound)
 
 
 def test_planner_times_the_newton_schulz_iterations(shared_token_file, tmp_path):
@@ -199,6 +262,9 @@ def test_planner_times_the_newton_schulz_iterations(shared_token_file, tmp_path)
             m, n = sorted(p.shape[-2:])
             expected += matrices.shape[0] * 5 * (4 * m * m * n + 2 * m**3)
     assert newton_schulz_flops(config) == expected
+    sharded = config_from_dict(_data(shared_token_file, tmp_path, distributed_optimizer=True))
+    assert newton_schulz_flops(sharded, 2) == expected / 2, "dp2: a rank iterates half of them"
+    assert newton_schulz_flops(config, 2) == expected, "replicated: every rank iterates all"
     adamw = config_from_dict(_data(shared_token_file, tmp_path, optim={"name": "adamw"}))
     assert newton_schulz_flops(adamw) == 0
     device, traffic = next(iter(DEVICES.values())), Traffic(wire={})

@@ -6,6 +6,7 @@ else here works on any `nn.Module`.
 
 import importlib.metadata
 
+from moe_parallel.distributed_muon import DistributedMuon
 from moe_parallel.distributed_optimizer import (
     DistributedAdamW,
     StatePiece,
@@ -27,6 +28,7 @@ from moe_parallel.layout import (
     check_layout,
     single_process_layout,
 )
+from moe_parallel.owned_matrices import assign_owners
 from moe_parallel.replicated_muon import ReplicatedMuon
 from moe_parallel.replicated_optimizer import ReplicatedAdamW, TrainingOptimizer
 
@@ -37,6 +39,7 @@ except importlib.metadata.PackageNotFoundError:  # imported from source via PYTH
 
 __all__ = [
     "DistributedAdamW",
+    "DistributedMuon",
     "GradientReducer",
     "Layout",
     "LayoutError",
@@ -45,6 +48,7 @@ __all__ = [
     "StatePiece",
     "StateRequest",
     "TrainingOptimizer",
+    "assign_owners",
     "build_layout",
     "check_layout",
     "clip_grad_norm",

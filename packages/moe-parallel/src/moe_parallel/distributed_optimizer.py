@@ -30,7 +30,6 @@ micro-batch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,62 +41,7 @@ from moe_parallel.flat_shards import ShardedBucket
 from moe_parallel.grad_norm import scale_to_norm_, squared_norm
 from moe_parallel.grad_sync import DEFAULT_BUCKET_BYTES, _runs
 from moe_parallel.layout import Layout
-
-STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
-"""What `StatePiece` holds for a range of a parameter, and what `load_state` asks for."""
-
-
-class StatePiece(NamedTuple):
-    """Optimizer state this rank owns for elements ``[flat_start, flat_start + numel)`` of
-    the row-major flattening of the local parameter `name` (expert parameters: this rank's
-    experts only). The tensors are 1-D FP32 views of the live state: writing them changes it."""
-
-    name: str
-    flat_start: int
-    param: Tensor
-    """FP32 master weights (what a checkpoint stores as the model tensor); for FP32
-    parameters a view of the parameter itself."""
-    exp_avg: Tensor | None = None
-    """AdamW's first moment (None where Muon updates the parameter)."""
-    exp_avg_sq: Tensor | None = None
-    """AdamW's second moment (None where Muon updates the parameter)."""
-    momentum: Tensor | None = None
-    """Muon's momentum buffer (None where AdamW updates the parameter)."""
-
-    def moments(self) -> dict[str, Tensor]:
-        """The optimizer state tensors it holds, by kind (the `StateRequest` kind)."""
-        kinds = ("exp_avg", "exp_avg_sq", "momentum")
-        return {k: getattr(self, k) for k in kinds if getattr(self, k) is not None}
-
-
-class StateRequest(NamedTuple):
-    """Elements ``[flat_start, flat_start + numel)`` of state `kind` (one of `STATE_KINDS`,
-    or `momentum` for a parameter that Muon updates)
-    of the local parameter `name`, in the same coordinates as `StatePiece`."""
-
-    kind: str
-    name: str
-    flat_start: int
-    numel: int
-
-
-@torch.no_grad()
-def fill_from_read(
-    requests: Sequence[StateRequest], values: Sequence[Tensor], targets: Sequence[Tensor]
-) -> None:
-    """Copy what a `load_state` reader returned into the state tensors, after checking that
-    it returned one tensor of the requested size per request."""
-    if len(values) != len(requests):
-        raise ValueError(
-            f"read returned {len(values)} tensors for {len(requests)} requests; "
-            "it must return one per request"
-        )
-    for request, value, target in zip(requests, values, targets, strict=True):
-        if value.numel() != request.numel:
-            raise ValueError(
-                f"read returned {value.numel()} elements for {request}; expected {request.numel}"
-            )
-        target.copy_(value.reshape(target.shape))
+from moe_parallel.optimizer_state import StatePiece, StateRequest, fill_from_read
 
 
 def decay_matrices(name: str, param: nn.Parameter) -> bool:
@@ -158,12 +102,10 @@ class DistributedAdamW:
         self.device = devices.pop()
         self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.device)
         position = {id(p): i for i, (_, p) in enumerate(named)}
-        name_of = {id(p): n for n, p in named}
         buckets: list[ShardedBucket] = []
         for group, expert in ((dense_group, False), (expert_group, True)):
-            members = [p for _, p in named if is_expert_parameter(p) == expert]
-            for run in _runs(members, bucket_bytes):
-                buckets.append(ShardedBucket(group, [(name_of[id(p)], p) for p in run], decays))
+            members = [(n, p) for n, p in named if is_expert_parameter(p) == expert]
+            buckets.extend(self._make_buckets(group, members, decays, bucket_bytes))
         # One launch order on every rank: by when a bucket's last gradient is expected.
         buckets.sort(key=lambda b: max(position[id(p)] for p in b.params))
         self._buckets = buckets
@@ -175,6 +117,21 @@ class DistributedAdamW:
         for bucket in buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _make_buckets(
+        self,
+        group: ProcessGroup | None,
+        named: list[tuple[str, nn.Parameter]],
+        decays: Callable[[str, nn.Parameter], bool],
+        bucket_bytes: int,
+    ) -> list[ShardedBucket]:
+        """The buckets of the parameters `named` of one reduction group: consecutive runs
+        of about `bucket_bytes`, each sharded evenly over the group."""
+        name_of = {id(p): n for n, p in named}
+        return [
+            ShardedBucket(group, [(name_of[id(p)], p) for p in run], decays)
+            for run in _runs([p for _, p in named], bucket_bytes)
+        ]
 
     # Gradient reduction (the GradientReducer protocol).
 
@@ -256,6 +213,15 @@ class DistributedAdamW:
         self.finish()
         self.step_count += 1
         self._step_tensor.fill_(self.step_count)
+        self._update()
+        self._write_params()
+
+    def _update(self) -> None:
+        """Update this rank's state from its reduced gradients (AdamW on its shards)."""
+        self._adamw_update(self.lr)
+
+    def _adamw_update(self, lr: float) -> None:
+        """AdamW at `lr` on every range of the buckets' shards that AdamW updates."""
         # Ranges with and without weight decay, each kind run through one fused kernel call.
         groups: dict[bool, tuple[list[Tensor], ...]] = {d: ([], [], [], []) for d in (True, False)}
         for bucket in self._buckets:
@@ -275,7 +241,7 @@ class DistributedAdamW:
                 [],
                 [self._step_tensor] * len(masters),
                 amsgrad=False,
-                lr=self.lr,
+                lr=lr,
                 beta1=self.betas[0],
                 beta2=self.betas[1],
                 weight_decay=self.weight_decay if decays else 0.0,
@@ -284,7 +250,6 @@ class DistributedAdamW:
                 grad_scale=None,
                 found_inf=None,
             )
-        self._write_params()
 
     def zero_grad(self) -> None:
         """Drop the reduced gradient shards, the FP32 gradient sums and any `.grad` of the
@@ -302,8 +267,7 @@ class DistributedAdamW:
         for bucket in self._buckets:
             if bucket.grad_shard is None:
                 raise ValueError("no reduced gradients: call finish() first (not zero_grad())")
-            for s in bucket.segments:
-                pieces.append(bucket.grad_shard[s.shard_start : s.shard_start + s.numel])
+            pieces.extend(bucket.grad_pieces())
         return pieces
 
     def _write_params(self) -> None:
@@ -329,16 +293,7 @@ class DistributedAdamW:
     def state_pieces(self) -> list[StatePiece]:
         """The state this rank owns, piece by piece. Over the ranks of a reduction group the
         pieces of a parameter partition it exactly (every element in one piece)."""
-        pieces = []
-        for bucket in self._buckets:
-            for s, master in zip(bucket.segments, bucket.master_views(), strict=True):
-                part = slice(s.shard_start, s.shard_start + s.numel)
-                pieces.append(
-                    StatePiece(
-                        s.name, s.param_start, master, bucket.exp_avg[part], bucket.exp_avg_sq[part]
-                    )
-                )
-        return pieces
+        return [piece for bucket in self._buckets for piece in bucket.state_pieces()]
 
     @torch.no_grad()
     def load_state(self, step: int, read: Callable[[list[StateRequest]], Sequence[Tensor]]) -> None:
@@ -350,12 +305,17 @@ class DistributedAdamW:
         if step < 0:
             raise ValueError(f"step={step} must be non-negative")
         pieces = self.state_pieces()
+        kinds = [("param", *piece.moments()) for piece in pieces]
         requests = [
             StateRequest(kind, piece.name, piece.flat_start, piece.param.numel())
-            for piece in pieces
-            for kind in STATE_KINDS
+            for piece, piece_kinds in zip(pieces, kinds, strict=True)
+            for kind in piece_kinds
         ]
-        targets = [getattr(piece, kind) for piece in pieces for kind in STATE_KINDS]
+        targets = [
+            getattr(piece, kind)
+            for piece, piece_kinds in zip(pieces, kinds, strict=True)
+            for kind in piece_kinds
+        ]
         fill_from_read(requests, read(requests), targets)
         self.step_count = step
         self._write_params()

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from moe_parallel.grad_sync import Fp32Sums, is_low_precision
+from moe_parallel.optimizer_state import StatePiece
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,21 @@ class ShardedBucket:
         if self.master is None:
             return [s.param_view() for s in self.segments]
         return [self.master[s.shard_start : s.shard_start + s.numel] for s in self.segments]
+
+    def state_pieces(self) -> list[StatePiece]:
+        """This rank's state of the bucket, one piece per segment: master weights and
+        moments."""
+        pieces = []
+        for s, master in zip(self.segments, self.master_views(), strict=True):
+            part = slice(s.shard_start, s.shard_start + s.numel)
+            pieces.append(
+                StatePiece(s.name, s.param_start, master, self.exp_avg[part], self.exp_avg_sq[part])
+            )
+        return pieces
+
+    def grad_pieces(self) -> list[Tensor]:
+        """The reduced gradient of each of `state_pieces()` (views of `grad_shard`)."""
+        return [self.grad_shard[s.shard_start : s.shard_start + s.numel] for s in self.segments]
 
     def adam_ranges(self) -> list[tuple[bool, Tensor, Tensor, Tensor, Tensor]]:
         """What one AdamW step updates: (decays, master weights, gradient, exp_avg, exp_avg_sq)

@@ -52,7 +52,7 @@ class ReplicatedMuon(ReplicatedAdamW):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         for name, p in named:
             if orthogonalized(name, p):
-                _check_matrix(name, p)
+                check_matrix(name, p)
         super().__init__(
             module,
             layout,
@@ -116,7 +116,7 @@ class ReplicatedMuon(ReplicatedAdamW):
         return super()._moments(name, p)
 
 
-def _check_matrix(name: str, p: nn.Parameter) -> None:
+def check_matrix(name: str, p: nn.Parameter) -> None:
     """Refuse a Muon parameter that is not a matrix (or a stack of expert matrices)."""
     matrix_dims = 3 if is_expert_parameter(p) else 2
     if p.dim() != matrix_dims:

@@ -48,11 +48,6 @@ class Config:
             )
         self._validate_mtp()
         optim, max_steps = self.optim, self.train.max_steps
-        if optim.name == "muon" and self.parallel.distributed_optimizer:
-            raise ConfigError(
-                "optim.name=muon does not work with parallel.distributed_optimizer=true yet; "
-                "set parallel.distributed_optimizer=false or optim.name=adamw"
-            )
         wsd_steps = optim.warmup_steps + (optim.decay_steps or 0)
         if optim.schedule == "wsd" and wsd_steps > max_steps:
             raise ConfigError(

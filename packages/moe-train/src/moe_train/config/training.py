@@ -16,8 +16,8 @@ class OptimConfig:
     """adamw: AdamW on every parameter. muon: Muon (momentum orthogonalised by a Newton-Schulz
     iteration, scaled to AdamW's update size) on the hidden matrices (attention projections,
     dense and shared-expert FFN matrices, each routed expert's matrices on their own), AdamW
-    on the embedding, output head, norms and router. Not with
-    parallel.distributed_optimizer yet."""
+    on the embedding, output head, norms and router. With parallel.distributed_optimizer
+    each Muon matrix is owned whole by one rank of its reduction group (balanced by size)."""
     lr: float = 1e-3
     """Peak learning rate: AdamW's, or with name=muon Muon's (its updates are scaled to the
     size of AdamW's, so the same value fits both; see adamw_lr_ratio)."""

@@ -173,11 +173,10 @@ def layout_label(config: Config, world_size: int) -> str:
 def candidate_layouts(config: Config, world_size: int, device: Device) -> Iterator[Config]:
     """The layouts the planner compares: pipeline and expert-parallel sizes that divide the
     devices, schedules, micro-batch sizes that divide the batch, recompute modes, the
-    distributed optimizer (not for Muon), bf16 parameters and MXFP8 (where the device runs
+    distributed optimizer, bf16 parameters and MXFP8 (where the device runs
     it)."""
     model, data, precision = config.model, config.data, config.precision
     bf16 = precision.compute_dtype == "bfloat16"
-    dist_opts = (False,) if config.optim.name == "muon" else (False, True)  # Muon: replicated
     for pp in _divisors(world_size):
         if pp > model.n_layers:
             continue
@@ -188,7 +187,7 @@ def candidate_layouts(config: Config, world_size: int, device: Device) -> Iterat
             for schedule, virtual in _schedules(pp, model.n_layers):
                 for micro in _micro_batch_sizes(data.global_batch_size // dp):
                     for recompute in ("none", "selective", "full"):
-                        for dist_opt in dist_opts:
+                        for dist_opt in (False, True):
                             for param_dtype in ("float32", "bfloat16") if bf16 else ("float32",):
                                 for gemm in _expert_gemms(precision.expert_gemm, bf16, device):
                                     yield _with(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_parallel import assign_owners
 from moe_train.config import Config
 from moe_train.model.accounting import count_params, qk_norm_params
 from moe_train.plan.activations import DTYPE_BYTES, FP32, capacity, held_per_micro_batch
@@ -109,6 +110,40 @@ def rank_params(config: Config, pp_rank: int) -> RankParams:
     return RankParams(dense=dense, expert=expert, hidden_matrices=matrices + expert)
 
 
+def hidden_matrix_sizes(config: Config, pp_rank: int) -> tuple[list[int], list[int]]:
+    """Elements of each matrix that Muon updates on pipeline rank `pp_rank`: the dense ones
+    (attention projections, dense and shared-expert FFNs) and each of its routed experts'."""
+    model, moe, parallel = config.model, config.model.moe, config.parallel
+    d = model.d_model
+    kv = model.n_kv_heads * (d // model.n_heads)
+    stages = plan_stages(model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
+    dense: list[int] = []
+    expert: list[int] = []
+    shared = moe.shared_experts * moe.expert_hidden
+    for layer in stages.layers:
+        dense += [d * (d + 2 * kv), d * d]
+        if layer < model.dense_layers:
+            dense += [2 * model.dense_hidden * d, d * model.dense_hidden]
+            continue
+        dense += [2 * shared * d, d * shared] if shared else []
+        expert += [2 * moe.expert_hidden * d, d * moe.expert_hidden] * (
+            moe.num_experts // parallel.ep
+        )
+    return dense, expert
+
+
+def most_owned(sizes: list[int], group_size: int) -> int:
+    """Elements of the most loaded owner when `sizes` are owned whole over a group of
+    `group_size` ranks, as the distributed optimizer assigns them (each rank's Muon state
+    is that long)."""
+    if not sizes:
+        return 0
+    owners = assign_owners(sizes, group_size)
+    return max(
+        sum(s for s, o in zip(sizes, owners, strict=True) if o == rank) for rank in set(owners)
+    )
+
+
 def in_flight_micro_batches(config: Config, dp: int, pp_rank: int) -> float:
     """Micro-batches' worth of this rank's activations held at once by the schedule."""
     parallel = config.parallel
@@ -145,6 +180,16 @@ def _rank_memory(config: Config, world_size: int, pp_rank: int) -> MemoryPredict
         sharded = params.dense / dp + params.expert / expert_dp
         words = 3 if low_precision else 2
         optimizer = words * FP32 * sharded
+        if config.optim.name == "muon":
+            # Muon's matrices owned whole: one momentum (and master) per owned element.
+            dense_sizes, expert_sizes = hidden_matrix_sizes(config, pp_rank)
+            owned = most_owned(dense_sizes, dp) + most_owned(expert_sizes, expert_dp)
+            sharded = (
+                (params.dense - sum(dense_sizes)) / dp
+                + (params.expert - sum(expert_sizes)) / expert_dp
+                + owned
+            )
+            optimizer = words * FP32 * (sharded - owned) + (words - 1) * FP32 * owned
         # FP32 parameters: `.grad` until its bucket's reduce-scatter, then the shard.
         # Low-precision ones: the FP32 accumulation buffer, reduce-scattered in place.
         gradients = FP32 * (params.total if low_precision else sharded)

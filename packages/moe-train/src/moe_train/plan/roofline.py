@@ -102,18 +102,20 @@ def step_time(config: Config, world_size: int, device: Device, traffic: Traffic)
         chunks = parallel.virtual_stages if parallel.pp_schedule == "interleaved_1f1b" else 1
         bubble = (parallel.pp - 1) / (chunks * num_micro)
     busy = compute_s + exchange_s
-    optimizer_s = newton_schulz_flops(config) / parallel.pp / (device.bf16_tflops * 1e12)
+    optimizer_s = newton_schulz_flops(config, dp) / parallel.pp / (device.bf16_tflops * 1e12)
     if config.optim.muon_ns_dtype == "float32":
         optimizer_s *= FP32_SLOWDOWN
     optimizer_s /= MATMUL_EFFICIENCY
     return StepTime(compute_s, exchange_s, reduction_s, bubble * busy, pipeline_s, optimizer_s)
 
 
-def newton_schulz_flops(config: Config) -> float:
-    """FLOPs of one Muon step's Newton-Schulz iterations over the hidden matrices of all
-    layers (the routed experts of one expert-parallel rank), zero with optim.name=adamw.
-    Per iteration on an m x n matrix (m <= n): X X^T, its square and the product with X,
-    4 m^2 n + 2 m^3."""
+def newton_schulz_flops(config: Config, dp: int = 1) -> float:
+    """FLOPs of one Muon step's Newton-Schulz iterations on one rank, over the hidden
+    matrices of all layers (the routed experts of one expert-parallel rank), zero with
+    optim.name=adamw. With the distributed optimizer on `dp` data-parallel ranks a rank
+    iterates only the matrices it owns: about 1/dp of the dense ones and 1/(dp / ep) of its
+    experts'. Per iteration on an m x n matrix (m <= n): X X^T, its square and the product
+    with X, 4 m^2 n + 2 m^3."""
     if config.optim.name != "muon":
         return 0.0
     model, moe = config.model, config.model.moe
@@ -127,7 +129,15 @@ def newton_schulz_flops(config: Config) -> float:
     shared = moe.shared_experts * moe.expert_hidden
     shapes += [(moe_layers, 2 * shared, d), (moe_layers, d, shared)] if shared else []
     experts = moe_layers * moe.num_experts // config.parallel.ep
-    shapes += [(experts, d, 2 * moe.expert_hidden), (experts, moe.expert_hidden, d)]
+    expert_shapes = [(experts, d, 2 * moe.expert_hidden), (experts, moe.expert_hidden, d)]
+    dense_share = expert_share = 1.0
+    if config.parallel.distributed_optimizer:
+        dense_share, expert_share = 1 / dp, config.parallel.ep / dp
+    return dense_share * _iteration_flops(shapes) + expert_share * _iteration_flops(expert_shapes)
+
+
+def _iteration_flops(shapes: list[tuple[int, int, int]]) -> float:
+    """Newton-Schulz FLOPs of (count, rows, columns) matrices."""
     flops = 0.0
     for count, rows, cols in shapes:
         m, n = min(rows, cols), max(rows, cols)

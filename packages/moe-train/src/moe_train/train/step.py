@@ -21,6 +21,7 @@ from torch import nn
 
 from moe_parallel import (
     DistributedAdamW,
+    DistributedMuon,
     Layout,
     ReplicatedAdamW,
     ReplicatedMuon,
@@ -63,8 +64,9 @@ def build_optimizer(model: nn.Module, config: Config, layout: Layout) -> Trainin
 
     AdamW: with `parallel.distributed_optimizer` its FP32 state is sharded over each gradient
     reduction group (gradients reduce-scattered); otherwise every replica holds it whole.
-    Muon: on the hidden matrices (`is_hidden_matrix`), AdamW on the rest; state whole on
-    every replica.
+    Muon: on the hidden matrices (`is_hidden_matrix`), AdamW on the rest; with
+    `parallel.distributed_optimizer` each matrix is owned whole by one rank of its reduction
+    group and AdamW's state is sharded, otherwise every replica holds the state whole.
     """
     optim = config.optim
     common = {
@@ -75,7 +77,8 @@ def build_optimizer(model: nn.Module, config: Config, layout: Layout) -> Trainin
         "decays": decay_matrices,
     }
     if optim.name == "muon":
-        return ReplicatedMuon(
+        muon_class = DistributedMuon if config.parallel.distributed_optimizer else ReplicatedMuon
+        return muon_class(
             model,
             layout,
             orthogonalized=is_hidden_matrix,
