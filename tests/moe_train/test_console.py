@@ -89,7 +89,8 @@ def test_a_real_run_prints_a_readable_banner_lines_and_a_summary(tmp_path, make_
     # The ceiling of `load` (4 experts, top-2), and a run that is all warmup says so.
     assert "4 experts top-2 (load from 1.00 (even) to at most 2.00)" in err[1], err[1]
     assert err[4].endswith(
-        "float32 params, float32 compute; expert GEMMs torch (as configured); linears bf16"
+        "float32 params, float32 compute; expert GEMMs torch (as configured); linears in the "
+        "compute dtype"
     ), err[4]
     assert err[5].endswith(
         "(cosine schedule, peak lr 0.003; all 6 steps are warmup, optim.warmup_steps=6: "

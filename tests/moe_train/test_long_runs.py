@@ -199,14 +199,14 @@ def _poison_gradients_at(monkeypatch, steps: set[int], rank: int | None = None) 
     original = StepRunner.forward_backward
     calls = {"n": 0}
 
-    def poisoned(self: StepRunner, micro_batches: torch.Tensor) -> torch.Tensor:
+    def poisoned(self: StepRunner, micro_batches: torch.Tensor, *args) -> torch.Tensor:
         step, calls["n"] = calls["n"], calls["n"] + 1
         if step not in steps or (rank is not None and self.runtime.layout.rank != rank):
-            return original(self, micro_batches)
+            return original(self, micro_batches, *args)
         param = next(self.model.parameters())
         hook = param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
         try:
-            return original(self, micro_batches)
+            return original(self, micro_batches, *args)
         finally:
             hook.remove()
 

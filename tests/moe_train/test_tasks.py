@@ -173,6 +173,7 @@ LAYOUTS = {
     "dp2": [],
     "ep2": ["--parallel.ep=2", "--parallel.dispatcher=all_to_all"],
     "pp2": ["--parallel.pp=2"],
+    "cp2": ["--parallel.cp=2"],
 }
 
 

@@ -36,6 +36,7 @@ from moe_train.tasks import (
     text_requests,
 )
 from moe_train.train.evaluate import pipeline_forward
+from moe_train.train.micro_batches import model_inputs
 from moe_train.train.step import StepRunner
 
 
@@ -117,7 +118,9 @@ class TaskScorer:
         """The sum of the scored targets' log-probabilities of each request."""
         runner, model = self.runner, self.runner.model
         device = runner.runtime.device
-        rows_BW, scored_BW = _rows(requests, self.tokenizer.eos_id)
+        context = model.context  # under context parallelism each rank scores its positions
+        chunks = 2 * context.cp if context is not None else 1
+        rows_BW, scored_BW = _rows(requests, self.tokenizer.eos_id, chunks)
         size = runner.config.data.global_batch_size
         batches = -(-len(requests) // size)
         rows_BW, scored_BW = _pad_rows(rows_BW, scored_BW, batches * size)
@@ -131,10 +134,11 @@ class TaskScorer:
             for batch in range(batches):
                 for start in range(batch * size + first, batch * size + stop, mbs):
                     rows = slice(start, start + mbs)
-                    micro = rows_BW[rows].to(device)
-                    logprobs = self._target_logprobs(micro[:, :-1], micro[:, 1:])
+                    inputs, targets = model_inputs(rows_BW[rows].to(device), False, context)
+                    logprobs = self._target_logprobs(inputs, targets)
                     if logprobs is not None:
                         scored = scored_BW[rows].to(device)
+                        scored = scored if context is None else context.local(scored)
                         totals[rows] = torch.where(scored, logprobs.double(), 0.0).sum(dim=1)
         finally:
             model.train()
@@ -164,10 +168,11 @@ def _size(task: Task) -> str:
     return f"{text_bytes(task):,} bytes of text"
 
 
-def _rows(requests: list[Request], pad_id: int) -> tuple[Tensor, Tensor]:
-    """[R, W] token rows right-padded with `pad_id` to the longest, and [R, W - 1] which of
-    their targets are scored."""
-    width = max(len(r.tokens) for r in requests)
+def _rows(requests: list[Request], pad_id: int, chunks: int = 1) -> tuple[Tensor, Tensor]:
+    """[R, W] token rows right-padded with `pad_id` to the longest (and further, so that the
+    W - 1 inputs split into `chunks` equal chunks), and [R, W - 1] which of their targets are
+    scored."""
+    width = 1 + -(-max(len(r.tokens) - 1 for r in requests) // chunks) * chunks
     rows = torch.full((len(requests), width), pad_id, dtype=torch.long)
     scored = torch.zeros((len(requests), width - 1), dtype=torch.bool)
     for index, request in enumerate(requests):

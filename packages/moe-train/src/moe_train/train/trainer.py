@@ -224,6 +224,7 @@ class Trainer:
         config, layout = self.config, self.runtime.layout
         model, moe, data, ckpt = config.model, config.model.moe, config.data, config.checkpoint
         params = count_params(model)
+        linear = config.precision.linear
         saves = []
         if ckpt.interval:
             saves.append(f"every {ckpt.interval} steps")
@@ -255,7 +256,7 @@ class Trainer:
                 "precision",
                 f"{config.precision.param_dtype} params, {config.precision.compute_dtype} "
                 f"compute; expert GEMMs {self.runner.expert_gemm}; linears "
-                f"{config.precision.linear}",
+                f"{'in the compute dtype' if linear == 'bf16' else linear}",
             ),
             (
                 "steps",
