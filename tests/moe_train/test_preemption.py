@@ -16,8 +16,9 @@ from launch import (
 )
 from moe_train.train import PREEMPTED_EXIT, read_metrics
 
-STEPS = 100
-"""Long enough (seconds) that a signal sent after the first records lands mid-run."""
+STEPS = 40
+"""Enough steps that a signal sent after the first 3 records lands mid-run (the stop comes
+within a step or two of the signal)."""
 
 
 def committed(run_dir):

@@ -50,7 +50,8 @@ def check_layout(
     if dp % ep:
         raise LayoutError(
             f"parallel.ep={ep} must divide the data-parallel size {dp} "
-            f"(world size {world_size} / parallel.pp={pp}, context ranks included)"
+            f"(world size {world_size} / parallel.pp={pp}"
+            f"{f', its parallel.cp={cp} context ranks included' if cp > 1 else ''})"
         )
     if num_experts is not None and num_experts % ep:
         raise LayoutError(f"parallel.ep={ep} must divide model.moe.num_experts={num_experts}")
