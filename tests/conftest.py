@@ -14,3 +14,9 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import torch
 
 torch.set_num_threads(1)
+
+from harness.ranks import keep_rank_processes  # noqa: E402  (after the thread settings)
+
+# Gloo ranks of `run_distributed` stay alive between tests: each test pays its work, not the
+# seconds of imports of a new process per rank.
+keep_rank_processes()
