@@ -19,16 +19,20 @@ the tokens/s ratios with care.
 
 import argparse
 import statistics
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from harness.output import print_table, write_json
-from harness.processes import benchmark_run_overrides
-from moe_train.config import load_config
-from moe_train.train import measure_matmul_peak, read_metrics, train
+from harness.seeds import (
+    add_seed_arguments,
+    gap_cells,
+    median_ratio,
+    run_seeds,
+    seed_comparison,
+    train_seeded,
+)
+from moe_train.train import measure_matmul_peak
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -54,23 +58,11 @@ TARGET_GAPS = {
 """Largest relative gap of each variant's final loss from the baseline's."""
 
 
-def run_one(
-    config_path: Path, name: str, seed: int, args: argparse.Namespace, peak: float, root: Path
-) -> dict:
+def run_one(name: str, seed: int, args: argparse.Namespace, peak: float, root: Path) -> dict:
     """Train one variant at one seed; its final loss and speed."""
-    config = load_config(
-        config_path,
-        [
-            "--precision.compute_dtype=bfloat16",
-            *VARIANTS[name],
-            *benchmark_run_overrides(args.steps, root / f"{name}-{seed}", peak),
-            f"--train.seed={seed}",
-        ],
+    result, records, wall_s = train_seeded(
+        args, VARIANTS[name], seed, root / f"{name}-{seed}", peak
     )
-    start = time.perf_counter()
-    result = train(config)
-    wall_s = time.perf_counter() - start
-    records = read_metrics(result.run_dir / "metrics.jsonl")
     timed = records[args.warmup :]
     return {
         "run": name,
@@ -87,28 +79,12 @@ def run_one(
 def summarise(runs: list[dict], names: list[str]) -> list[dict]:
     """Per variant: the loss and speed over the seeds, and each seed's gap from the baseline
     of the same seed (relative, signed); the target is judged on the mean gap."""
-    by_key = {(run["run"], run["seed"]): run for run in runs}
-    seeds = sorted({run["seed"] for run in runs})
     rows = []
     for name in names:
-        mine = [by_key[name, seed] for seed in seeds]
-        base = [by_key["bf16", seed] for seed in seeds]
-        gaps = [
-            (m["final_loss"] - b["final_loss"]) / b["final_loss"]
-            for m, b in zip(mine, base, strict=True)
-        ]
-        row = {
-            "run": name,
-            "seeds": seeds,
-            "final_loss_mean": statistics.fmean(m["final_loss"] for m in mine),
-            "relative_loss_gaps": gaps,
-            "relative_loss_gap_mean": statistics.fmean(gaps),
-            "tokens_per_s": statistics.median(m["tokens_per_s"] for m in mine),
-            "tokens_per_s_ratio": statistics.median(
-                m["tokens_per_s"] / b["tokens_per_s"] for m, b in zip(mine, base, strict=True)
-            ),
-            "mfu": statistics.median(m["mfu"] for m in mine),
-        }
+        row, pairs = seed_comparison(runs, name, "bf16")
+        row["tokens_per_s"] = statistics.median(mine["tokens_per_s"] for mine, _ in pairs)
+        row["tokens_per_s_ratio"] = median_ratio(pairs, "tokens_per_s")
+        row["mfu"] = statistics.median(mine["mfu"] for mine, _ in pairs)
         if name in TARGET_GAPS:
             row["target_gap"] = TARGET_GAPS[name]
             row["within_target"] = abs(row["relative_loss_gap_mean"]) <= row["target_gap"]
@@ -118,18 +94,10 @@ def summarise(runs: list[dict], names: list[str]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=CONFIGS / "tiny.yaml")
+    add_seed_arguments(parser, config=CONFIGS / "tiny.yaml", steps=300)
     parser.add_argument(
         "--variants", nargs="+", choices=list(TARGET_GAPS), default=list(TARGET_GAPS)
     )
-    parser.add_argument("--steps", type=int, default=300, help="steps per run (default 300)")
-    parser.add_argument(
-        "--seeds", type=int, nargs="+", default=[0, 1, 2], help="one run per seed and variant"
-    )
-    parser.add_argument(
-        "--loss-window", type=int, default=10, help="final loss: mean of the last this many steps"
-    )
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's, as training)"
     )
@@ -140,17 +108,15 @@ def main() -> None:
 
     peak = measure_matmul_peak(torch.bfloat16, torch.device("cpu"))
     names = ["bf16", *args.variants]
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
-            for name in names:
-                runs.append(run_one(args.config, name, seed, args, peak, Path(tmp)))
-                run = runs[-1]
-                print(
-                    f"{run['run']:>11} seed {seed}: loss {run['final_loss']:.4f}  "
-                    f"{run['tokens_per_s']:,.0f} tok/s  ({run['wall_s']:.0f} s)",
-                    flush=True,
-                )
+    runs = run_seeds(
+        names,
+        args.seeds,
+        lambda name, seed, root: run_one(name, seed, args, peak, root),
+        lambda run: (
+            f"{run['run']:>11} seed {run['seed']}: loss {run['final_loss']:.4f}  "
+            f"{run['tokens_per_s']:,.0f} tok/s  ({run['wall_s']:.0f} s)"
+        ),
+    )
     rows = summarise(runs, names)
     print_summary(rows, args)
     document = {
@@ -183,13 +149,11 @@ def _table_row(row: dict) -> list:
     if "target_gap" in row:
         verdict = "ok" if row["within_target"] else "OUT"
         target = f"{100 * row['target_gap']:.1f}% {verdict}"
-    per_seed = ""
-    if row["run"] != "bf16":  # the baseline's own gaps are zero
-        per_seed = " ".join(f"{100 * gap:+.2f}%" for gap in row["relative_loss_gaps"])
+    mean_gap, per_seed = gap_cells(row, "bf16")
     return [
         row["run"],
         f"{row['final_loss_mean']:.4f}",
-        f"{100 * row['relative_loss_gap_mean']:+.2f}%",
+        mean_gap,
         target,
         per_seed,
         f"{row['tokens_per_s']:,.0f}",

@@ -16,16 +16,20 @@ over the seeds, beside the per-seed gaps.
 
 import argparse
 import statistics
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from harness.output import print_table, write_json
-from harness.processes import benchmark_run_overrides
-from moe_train.config import load_config
-from moe_train.train import measure_matmul_peak, read_metrics, train
+from harness.seeds import (
+    add_seed_arguments,
+    gap_cells,
+    median_ratio,
+    run_seeds,
+    seed_comparison,
+    train_seeded,
+)
+from moe_train.train import measure_matmul_peak
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 BASELINE = "micro_batch"
@@ -38,24 +42,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 """The baseline and the variants, each one change from it."""
 
 
-def run_one(
-    config_path: Path, name: str, seed: int, args: argparse.Namespace, peak: float, root: Path
-) -> dict:
+def run_one(name: str, seed: int, args: argparse.Namespace, peak: float, root: Path) -> dict:
     """Train one variant at one seed; its final losses, load and speed."""
-    config = load_config(
-        config_path,
-        [
-            "--precision.compute_dtype=bfloat16",
-            f"--data.micro_batch_size={args.micro_batch_size}",
-            *VARIANTS[name],
-            *benchmark_run_overrides(args.steps, root / f"{name}-{seed}", peak),
-            f"--train.seed={seed}",
-        ],
-    )
-    start = time.perf_counter()
-    result = train(config)
-    wall_s = time.perf_counter() - start
-    records = read_metrics(result.run_dir / "metrics.jsonl")
+    overrides = (f"--data.micro_batch_size={args.micro_batch_size}", *VARIANTS[name])
+    result, records, wall_s = train_seeded(args, overrides, seed, root / f"{name}-{seed}", peak)
     window = records[-args.loss_window :]
     return {
         "run": name,
@@ -77,66 +67,41 @@ def run_one(
 def summarise(runs: list[dict], names: list[str]) -> list[dict]:
     """Per run: means over the seeds, and each seed's loss gap from the baseline of the same
     seed (relative, signed)."""
-    by_key = {(run["run"], run["seed"]): run for run in runs}
-    seeds = sorted({run["seed"] for run in runs})
     rows = []
     for name in names:
-        mine = [by_key[name, seed] for seed in seeds]
-        base = [by_key[BASELINE, seed] for seed in seeds]
-        gaps = [
-            (m["final_loss"] - b["final_loss"]) / b["final_loss"]
-            for m, b in zip(mine, base, strict=True)
-        ]
-        mtp = [m["final_mtp_loss"] for m in mine if m["final_mtp_loss"] is not None]
-        rows.append(
-            {
-                "run": name,
-                "seeds": seeds,
-                "final_loss_mean": statistics.fmean(m["final_loss"] for m in mine),
-                "relative_loss_gaps": gaps,
-                "relative_loss_gap_mean": statistics.fmean(gaps),
-                "final_mtp_loss_mean": statistics.fmean(mtp) if mtp else None,
-                "load_max_over_mean": statistics.fmean(m["final_load_max_over_mean"] for m in mine),
-                "tokens_per_s_ratio": statistics.median(
-                    m["tokens_per_s"] / b["tokens_per_s"] for m, b in zip(mine, base, strict=True)
-                ),
-            }
+        row, pairs = seed_comparison(runs, name, BASELINE)
+        mtp = [mine["final_mtp_loss"] for mine, _ in pairs if mine["final_mtp_loss"] is not None]
+        row["final_mtp_loss_mean"] = statistics.fmean(mtp) if mtp else None
+        row["load_max_over_mean"] = statistics.fmean(
+            mine["final_load_max_over_mean"] for mine, _ in pairs
         )
+        row["tokens_per_s_ratio"] = median_ratio(pairs, "tokens_per_s")
+        rows.append(row)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=CONFIGS / "tiny.yaml")
+    add_seed_arguments(parser, config=CONFIGS / "tiny.yaml", steps=200)
     variants = [name for name in VARIANTS if name != BASELINE]
     parser.add_argument("--variants", nargs="+", choices=variants, default=variants)
-    parser.add_argument("--steps", type=int, default=200, help="steps per run (default 200)")
-    parser.add_argument(
-        "--seeds", type=int, nargs="+", default=[0, 1, 2], help="one run per seed and variant"
-    )
     parser.add_argument(
         "--micro-batch-size", type=int, default=2, help="data.micro_batch_size of every run"
     )
-    parser.add_argument(
-        "--loss-window", type=int, default=10, help="final loss: mean of the last this many steps"
-    )
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
     parser.add_argument("--out", type=Path, default=Path("bench_results/recipe_training.json"))
     args = parser.parse_args()
 
     peak = measure_matmul_peak(torch.bfloat16, torch.device("cpu"))
     names = [BASELINE, *args.variants]
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
-            for name in names:
-                runs.append(run_one(args.config, name, seed, args, peak, Path(tmp)))
-                run = runs[-1]
-                print(
-                    f"{run['run']:>12} seed {seed}: loss {run['final_loss']:.4f}  "
-                    f"({run['wall_s']:.0f} s)",
-                    flush=True,
-                )
+    runs = run_seeds(
+        names,
+        args.seeds,
+        lambda name, seed, root: run_one(name, seed, args, peak, root),
+        lambda run: (
+            f"{run['run']:>12} seed {run['seed']}: loss {run['final_loss']:.4f}  "
+            f"({run['wall_s']:.0f} s)"
+        ),
+    )
     rows = summarise(runs, names)
     print(
         f"\n{args.config.name}, {args.steps} steps, micro-batches of {args.micro_batch_size}, "
@@ -161,14 +126,12 @@ def main() -> None:
 
 
 def _table_row(row: dict) -> list:
-    per_seed = ""
-    if row["run"] != BASELINE:
-        per_seed = " ".join(f"{100 * gap:+.2f}%" for gap in row["relative_loss_gaps"])
+    mean_gap, per_seed = gap_cells(row, BASELINE)
     mtp = row["final_mtp_loss_mean"]
     return [
         row["run"],
         f"{row['final_loss_mean']:.4f}",
-        f"{100 * row['relative_loss_gap_mean']:+.2f}%",
+        mean_gap,
         per_seed,
         "" if mtp is None else f"{mtp:.4f}",
         f"{row['load_max_over_mean']:.2f}",

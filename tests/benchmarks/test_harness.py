@@ -1,5 +1,5 @@
-"""benchmarks/harness: the table, the JSON files, the interleaved timing loop and the runs in
-fresh processes that every benchmark shares."""
+"""benchmarks/harness: the table, the JSON files, the interleaved timing loop, the runs in
+fresh processes and the seed-by-seed comparisons that the benchmarks share."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from harness.output import print_table, write_json, write_whole
 from harness.processes import json_from_fresh_process
+from harness.seeds import gap_cells, median_ratio, run_seeds, seed_comparison
 from harness.timing import interleaved_medians, interleaved_samples, median_seconds
 
 
@@ -107,3 +108,49 @@ def test_a_fresh_process_that_fails_raises(tmp_path):
     script.write_text("import sys\nsys.exit(3)\n")
     with pytest.raises(subprocess.CalledProcessError, match="exit status 3"):
         json_from_fresh_process(script)
+
+
+def _run(name: str, seed: int, loss: float, speed: float = 1.0) -> dict:
+    return {"run": name, "seed": seed, "final_loss": loss, "tokens_per_s": speed}
+
+
+def test_seed_gaps_compare_each_seed_with_the_baseline_of_the_same_seed():
+    runs = [  # out of order, and the variant's losses ranked unlike the baseline's
+        _run("fp8", 1, 3.3, speed=30.0),
+        _run("bf16", 0, 2.0, speed=10.0),
+        _run("fp8", 0, 1.9, speed=5.0),
+        _run("bf16", 1, 3.0, speed=20.0),
+        _run("fp8", 2, 4.0, speed=4.0),
+        _run("bf16", 2, 4.0, speed=2.0),
+    ]
+    row, pairs = seed_comparison(runs, "fp8", "bf16")
+    assert row["run"] == "fp8" and row["seeds"] == [0, 1, 2]
+    assert row["relative_loss_gaps"] == pytest.approx([-0.05, 0.1, 0.0])
+    assert row["relative_loss_gap_mean"] == pytest.approx(0.05 / 3)
+    assert row["final_loss_mean"] == pytest.approx(3.0666666666666664)
+    assert [(mine["seed"], base["run"], base["seed"]) for mine, base in pairs] == [
+        (0, "bf16", 0),
+        (1, "bf16", 1),
+        (2, "bf16", 2),
+    ]
+    assert median_ratio(pairs, "tokens_per_s") == pytest.approx(1.5)  # of 0.5, 1.5 and 2
+    assert gap_cells(row, "bf16") == ("+1.67%", "-5.00% +10.00% +0.00%")
+    baseline, _ = seed_comparison(runs, "bf16", "bf16")
+    assert baseline["relative_loss_gaps"] == [0.0, 0.0, 0.0]
+    assert gap_cells(baseline, "bf16") == ("+0.00%", "")
+
+
+def test_seeded_runs_go_seed_by_seed_and_print_each_line_as_the_run_ends(capsys):
+    order = []
+
+    def run_one(name: str, seed: int, root) -> dict:
+        assert root.is_dir()
+        order.append((name, seed))
+        print(f"training {name} {seed}")
+        return _run(name, seed, float(seed))
+
+    runs = run_seeds(["base", "new"], [3, 5], run_one, lambda run: f"{run['run']}@{run['seed']}")
+    assert order == [("base", 3), ("new", 3), ("base", 5), ("new", 5)]
+    assert [run["seed"] for run in runs] == [3, 3, 5, 5]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:4] == ["training base 3", "base@3", "training new 3", "new@3"]

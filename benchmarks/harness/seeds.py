@@ -1,0 +1,108 @@
+"""Training comparisons over several seeds: each variant of a config trained once per seed,
+the runs of one seed compared with the baseline's run of the same seed.
+
+Runs of one seed see the same batches and start from the same weights, yet their
+trajectories part, so one seed's gap from the baseline says little; a variant is judged on
+the mean of its per-seed gaps, shown beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+RunOne = Callable[[str, int, Path], dict]
+"""Train variant ``name`` at ``seed`` under the folder ``root``; its run record: a dict with
+at least ``run``, ``seed``, ``final_loss`` and ``wall_s``."""
+
+
+def add_seed_arguments(parser: argparse.ArgumentParser, *, config: Path, steps: int) -> None:
+    """The options every seeded comparison takes: ``--config``, ``--steps``, ``--seeds``,
+    ``--loss-window`` and ``--warmup`` (``--out`` and the variants stay the benchmark's)."""
+    parser.add_argument("--config", type=Path, default=config)
+    parser.add_argument("--steps", type=int, default=steps, help=f"steps per run (default {steps})")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0, 1, 2], help="one run per seed and variant"
+    )
+    parser.add_argument(
+        "--loss-window", type=int, default=10, help="final loss: mean of the last this many steps"
+    )
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
+
+
+def train_seeded(
+    args: argparse.Namespace, overrides: Sequence[str], seed: int, run_dir: Path, peak: float
+) -> tuple[Any, list[dict], float]:
+    """Train ``args.config`` in bf16 compute with ``overrides`` for ``args.steps`` steps at
+    ``seed`` in ``run_dir`` (``benchmark_run_overrides``); the training result, its metrics
+    rows and its wall seconds."""
+    from harness.processes import benchmark_run_overrides
+    from moe_train.config import load_config
+    from moe_train.train import read_metrics, train
+
+    config = load_config(
+        args.config,
+        [
+            "--precision.compute_dtype=bfloat16",
+            *overrides,
+            *benchmark_run_overrides(args.steps, run_dir, peak),
+            f"--train.seed={seed}",
+        ],
+    )
+    start = time.perf_counter()
+    result = train(config)
+    wall_s = time.perf_counter() - start
+    return result, read_metrics(result.run_dir / "metrics.jsonl"), wall_s
+
+
+def run_seeds(
+    names: Sequence[str], seeds: Sequence[int], run_one: RunOne, line: Callable[[dict], str]
+) -> list[dict]:
+    """Every variant at every seed (seed by seed), in a temporary folder; each run's ``line``
+    printed as it ends, so a cut-short comparison still says what it measured."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for name in names:
+                runs.append(run_one(name, seed, Path(tmp)))
+                print(line(runs[-1]), flush=True)
+    return runs
+
+
+def seed_comparison(
+    runs: list[dict], name: str, baseline: str
+) -> tuple[dict, list[tuple[dict, dict]]]:
+    """Variant ``name`` against ``baseline`` over the seeds of ``runs``: the row fields
+    ``run``, ``seeds``, ``final_loss_mean``, ``relative_loss_gaps`` (each seed's signed
+    relative gap from the baseline's final loss at that seed) and ``relative_loss_gap_mean``;
+    and the (variant, baseline) run records seed by seed, for the benchmark's own fields."""
+    by_key = {(run["run"], run["seed"]): run for run in runs}
+    seeds = sorted({run["seed"] for run in runs})
+    pairs = [(by_key[name, seed], by_key[baseline, seed]) for seed in seeds]
+    gaps = [(mine["final_loss"] - base["final_loss"]) / base["final_loss"] for mine, base in pairs]
+    return {
+        "run": name,
+        "seeds": seeds,
+        "final_loss_mean": statistics.fmean(mine["final_loss"] for mine, _ in pairs),
+        "relative_loss_gaps": gaps,
+        "relative_loss_gap_mean": statistics.fmean(gaps),
+    }, pairs
+
+
+def median_ratio(pairs: Sequence[tuple[dict, dict]], key: str) -> float:
+    """The median over the seeds of the variant's ``key`` over the baseline's."""
+    return statistics.median(mine[key] / base[key] for mine, base in pairs)
+
+
+def gap_cells(row: dict, baseline: str) -> tuple[str, str]:
+    """A row's mean gap and its per-seed gaps as table cells, in percent (the baseline's
+    per-seed cell is empty: its own gaps are zero)."""
+    per_seed = ""
+    if row["run"] != baseline:
+        per_seed = " ".join(f"{100 * gap:+.2f}%" for gap in row["relative_loss_gaps"])
+    return f"{100 * row['relative_loss_gap_mean']:+.2f}%", per_seed
