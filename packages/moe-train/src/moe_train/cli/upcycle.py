@@ -47,7 +47,7 @@ def _handle(args: argparse.Namespace) -> int:
 UPCYCLE = Command(
     name="upcycle",
     help="turn a dense Hugging Face model into an MoE checkpoint",
-    description="Read HF_DENSE_DIR (a dense Qwen3 or Llama model: config.json and "
+    description="Read HF_DENSE_DIR (a dense Qwen3, Llama or OLMo-2 model: config.json and "
     "safetensors) and write DIR/step_00000000 and DIR/config.yaml as import-hf does, each "
     "MLP replaced by N experts: copies of it, or with --granularity G, G slices of each copy "
     "(down projections scaled by G, the router row of a copy shared by its slices, K a "

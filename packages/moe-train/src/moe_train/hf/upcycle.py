@@ -1,6 +1,8 @@
 """`moe-train upcycle`: a dense transformers model as an MoE checkpoint of ours.
 
-Reads a dense Qwen3 (`Qwen3ForCausalLM`) or Llama (`LlamaForCausalLM`) model directory and
+Reads a dense Qwen3 (`Qwen3ForCausalLM`), Llama (`LlamaForCausalLM`) or OLMo-2
+(`Olmo2ForCausalLM`, its norms on the sublayers' outputs: `model.norm_placement: output`,
+its QK-norm over the whole projections: `model.qk_norm: projection`) model directory and
 writes what `import-hf` writes (OUT/step_00000000, a weights-only checkpoint of step 0, and
 OUT/config.yaml with `checkpoint.init_from` set to OUT), with every feed-forward replaced by
 an MoE layer of `experts` experts, `top_k` of them per token, built from the dense MLP.
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ from torch import Tensor
 from moe_checkpoint import CheckpointError, OwnedSlice, save_checkpoint
 from moe_train.config import Config, config_from_dict, dump_config
 from moe_train.errors import MoeTrainError
-from moe_train.hf.architectures import QWEN3, Architecture, _tensors
+from moe_train.hf.architectures import QWEN3, Architecture, HFTensor, _tensors
 from moe_train.hf.import_hf import (
     ImportHFError,
     _read_weights,
@@ -51,10 +53,8 @@ from moe_train.hf.import_hf import (
 )
 from moe_train.hf.output_dir import written_whole
 
-SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 """model_type -> the dense transformers class upcycling reads."""
-POST_NORM = {"olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
-"""Dense families refused with a reason: their blocks normalise after attention and MLP."""
 
 
 class UpcycleError(ImportHFError):
@@ -98,7 +98,7 @@ def upcycle(hf_dir: str | Path, out: str | Path, options: UpcycleOptions) -> Upc
     hf = _transformers().AutoConfig.for_model(**raw)
     _check_options(options, hf.intermediate_size)
     dense_config = _dense_config(hf, hf_dir / "config.json", raw["model_type"])
-    table = Architecture(architecture, "", {}, _tensors(dense_config.model, QWEN3))
+    table = Architecture(architecture, "", {}, _dense_tensors(dense_config))
     dense, _ = _read_weights(hf_dir, dense_config, table)
     config = _moe_config(dense_config, options)
     config.checkpoint.init_from = str(out.resolve())
@@ -134,11 +134,6 @@ def _read_raw_config(hf_dir: Path) -> tuple[dict[str, Any], str]:
     architectures = raw.get("architectures") or [] if isinstance(raw, dict) else []
     supported = ", ".join(f"{c} ({t})" for t, c in SUPPORTED.items())
     name = architectures[0] if architectures else model_type
-    if model_type in POST_NORM:
-        raise UpcycleError(
-            f"{path}: {name} (model_type {model_type!r}) is not upcyclable: it normalises "
-            f"after attention and MLP, our blocks before them; supported: {supported}"
-        )
     if model_type not in SUPPORTED:
         raise UpcycleError(
             f"{path}: {name} (model_type {model_type!r}) is not a dense model upcycle reads; "
@@ -208,7 +203,9 @@ def _dense_config(hf: Any, path: Path, model_type: str) -> Config:
         "n_layers": hf.num_hidden_layers,
         "n_heads": heads,
         "n_kv_heads": hf.num_key_value_heads,
-        "qk_norm": model_type == "qwen3",
+        # Qwen3 normalises each head's q and k, OLMo-2 the whole projections, Llama neither.
+        "qk_norm": {"qwen3": True, "olmo2": "projection"}.get(model_type, False),
+        "norm_placement": "output" if model_type == "olmo2" else "input",
         "rope_theta": float(rope.get("rope_theta", 10000.0)),
         "rope_scaling": _rope_scaling(rope, path),
         "norm_eps": float(hf.rms_norm_eps),
@@ -222,6 +219,25 @@ def _dense_config(hf: Any, path: Path, model_type: str) -> Config:
         return config_from_dict({"model": model})
     except MoeTrainError as e:
         raise UpcycleError(f"{path} is not representable: {e}") from e
+
+
+def _dense_tensors(config: Config) -> list[HFTensor]:
+    """The dense model's hub tensors and the tensors of our dense config they fill. With the
+    norms on the outputs (OLMo-2) a layer's norms are post_attention_layernorm (attention's)
+    and post_feedforward_layernorm (the MLP's); else input_layernorm and
+    post_attention_layernorm."""
+    tensors = _tensors(config.model, QWEN3)
+    if config.model.norm_placement == "input":
+        return tensors
+    renamed = {"input_layernorm": "post_attention_layernorm",
+               "post_attention_layernorm": "post_feedforward_layernorm"}  # fmt: skip
+    result = []
+    for t in tensors:
+        parts = t.name.split(".")
+        if len(parts) == 5 and parts[3] in renamed:
+            t = replace(t, name=".".join([*parts[:3], renamed[parts[3]], parts[4]]))
+        result.append(t)
+    return result
 
 
 def _moe_config(dense: Config, options: UpcycleOptions) -> Config:
