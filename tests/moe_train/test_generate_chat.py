@@ -77,7 +77,6 @@ def _chat_checkpoint(tmp_path, directory):
     return train(config_from_dict(data)).checkpoint
 
 
-@pytest.mark.slow
 def test_chat_generation_stops_at_the_end_of_turn_token(tokenizer_dirs, tmp_path, capsys):
     directory = tokenizer_dirs["qwen"]
     ckpt = _chat_checkpoint(tmp_path, directory)
