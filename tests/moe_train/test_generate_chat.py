@@ -77,33 +77,37 @@ def _chat_checkpoint(tmp_path, directory):
     return train(config_from_dict(data)).checkpoint
 
 
-def test_chat_generation_stops_at_the_end_of_turn_token(tokenizer_dirs, tmp_path, capsys):
+def test_chat_generation_stops_at_the_end_of_turn_token(tokenizer_dirs, tmp_path, capsys, monkeypatch):  # fmt: skip
     directory = tokenizer_dirs["qwen"]
     ckpt = _chat_checkpoint(tmp_path, directory)
     hf = transformers.AutoTokenizer.from_pretrained(str(directory))
     end_of_turn, eos = hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")  # fmt: skip
+    messages = [{"role": "user", "content": PROMPT}]
+    encoded = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    # A model that draws the end of turn where it drew its third token: its head row for
+    # <|im_end|> a little larger than that token's. Generation runs on this model.
+    model, config, path = load_checkpoint_model(ckpt, "cpu")
+    third = generate_ids(model, torch.tensor([prompt_ids]), 40)[0].tolist()[2]
+    with torch.no_grad():
+        model.head.weight[end_of_turn] = model.head.weight[third] * 1.001
+    free = generate_ids(model, torch.tensor([prompt_ids]), 40)[0].tolist()
+    assert end_of_turn in free and eos not in free, free
+    monkeypatch.setattr("moe_train.generate.load_checkpoint_model", lambda *_: (model, config, path))  # fmt: skip
+
     capsys.readouterr()
     args = ["generate", str(ckpt), "--chat", "--prompt", PROMPT, "--max-new-tokens", "40"]
     assert main([*args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    messages = [{"role": "user", "content": PROMPT}]
-    encoded = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    assert out["prompt_ids"] == list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-
-    # The model's own greedy tokens without a stop, cut after the first end of turn.
-    model, _, _ = load_checkpoint_model(ckpt, "cpu")
-    free = generate_ids(model, torch.tensor([out["prompt_ids"]]), 40)[0].tolist()
-    stops = [i for i, token in enumerate(free) if token in (end_of_turn, eos)]
-    expected = free[: stops[0] + 1] if stops else free
-    assert out["ids"] == expected, (out["ids"], free)
-    reason = {end_of_turn: "end_of_turn", eos: "eos"}.get(expected[-1], "length")
-    assert out["stop_reason"] == reason
+    assert out["prompt_ids"] == prompt_ids
+    expected = free[: free.index(end_of_turn) + 1]
+    assert out["ids"] == expected and out["stop_reason"] == "end_of_turn", (out, free)
     assert out["text"] == hf.decode(expected, skip_special_tokens=True)
 
     # Several stop ids: the first drawn of any of them ends generation.
-    third = free[2]
-    stopped = generate_ids(model, torch.tensor([out["prompt_ids"]]), 40, eos_id=[10**6, third])
-    assert stopped[0].tolist() == free[: free.index(third) + 1]
+    stopped = generate_ids(model, torch.tensor([prompt_ids]), 40, eos_id=[10**6, free[1]])
+    assert stopped[0].tolist() == free[: free.index(free[1]) + 1]
 
 
 def _refused(argv, expected, capsys):
