@@ -52,6 +52,15 @@ TWO_PROCESSES = (
     "-m moe_train.cli train` on 2 processes and trains tiny.yaml at ep=2 against one process"
 )
 
+WALKTHROUGH = (
+    "the fine-tuning walkthrough, on the tiny model its script builds; "
+    "tests/moe_train/test_sft_walkthrough.py runs the page's script and commands in order"
+)
+UPCYCLE = (
+    "needs a downloaded dense model; tests/moe_train/test_upcycle.py upcycles tiny Qwen3 and "
+    "Llama models built with transformers"
+)
+
 COMMANDS: dict[str, Run | Skip] = {
     # README.md, docs/index.md, docs/quickstart.md
     "moe-train --help": Run(),
@@ -184,6 +193,19 @@ COMMANDS: dict[str, Run | Skip] = {
         "the reader's lm-eval task; tests/moe_train/test_tasks.py runs lm-eval's Hugging Face "
         "backend on an export through its Python API (a slow test)"
     ),
+    # docs/fine-tuning.md
+    "python make_tiny_chat_moe.py": Skip(WALKTHROUGH),
+    "moe-train import-hf tiny-chat-moe --out imported": Skip(WALKTHROUGH),
+    "moe-train prepare-data chats/train.jsonl --format chat --tokenizer tiny-chat-moe "
+    "--out data/chat-train": Skip(WALKTHROUGH),
+    "moe-train prepare-data chats/heldout.jsonl --format chat --tokenizer tiny-chat-moe "
+    "--out data/chat-heldout": Skip(WALKTHROUGH),
+    "moe-train train configs/sft-tiny.yaml": Skip(WALKTHROUGH),
+    "moe-train export runs/sft-tiny/checkpoints --out exported/sft-tiny": Skip(WALKTHROUGH),
+    "moe-train generate runs/sft-tiny/checkpoints --chat --prompt What is 3+4?": Skip(WALKTHROUGH),
+    "moe-train upcycle ./Qwen3-0.6B --experts 8 --top-k 2 --out upcycled": Skip(UPCYCLE),
+    "moe-train upcycle ./Qwen3-0.6B --experts 32 --top-k 8 --granularity 4 --noise 0.01 "
+    "--out upcycled-fine": Skip(UPCYCLE),
 }
 """Every command of the pages, in the order the Run ones run (a later one may read what an
 earlier one wrote)."""

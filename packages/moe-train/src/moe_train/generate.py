@@ -28,6 +28,7 @@ from torch import Tensor
 from moe_checkpoint import CheckpointError, load_into, read_trainer_state, resolve_checkpoint
 from moe_parallel import single_process_layout
 from moe_train.config import Config, ModelConfig, config_from_dict
+from moe_train.data.chat_template import ChatTemplate, RowError, end_of_turn_text
 from moe_train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from moe_train.errors import MoeTrainError
 from moe_train.model import Transformer
@@ -41,11 +42,13 @@ class Generated:
     """The checkpoint used (resolved from a checkpoints root if one was given)."""
     prompt_ids: list[int]
     ids: list[int]
-    """The new tokens only; the end-of-text token last when generation stopped at it."""
+    """The new tokens only; the end-of-text (or end-of-turn) token last when generation
+    stopped at it."""
     text: str | None
     """The continuation decoded (end-of-text skipped); None when no tokenizer is known."""
     stop_reason: str
-    """``eos`` (the end-of-text token was drawn) or ``length`` (max_new_tokens reached)."""
+    """``eos`` (the end-of-text token was drawn), ``end_of_turn`` (with `chat`: the chat
+    template's end-of-turn token was drawn) or ``length`` (max_new_tokens reached)."""
 
 
 def generation_model(model_config: ModelConfig, seed: int = 0) -> Transformer:
@@ -129,12 +132,12 @@ def generate_ids(
     temperature: float = 0.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     use_cache: bool = True,
 ) -> Tensor:
     """[B, N] the new tokens after `prompt_BS`, N <= `max_new_tokens`: stops when every
-    sequence has drawn `eos_id`. `use_cache=False` runs the whole sequence again for each
-    token (the reference the cache is checked against)."""
+    sequence has drawn `eos_id` (or one of them, when several). `use_cache=False` runs the
+    whole sequence again for each token (the reference the cache is checked against)."""
     generator = generator or torch.Generator().manual_seed(0)
     batch, prompt_len = prompt_BS.shape
     device = model.rope_cos.device
@@ -142,18 +145,74 @@ def generate_ids(
     cache = model.new_kv_cache(batch, prompt_len + max_new_tokens) if use_cache else None
     new: list[Tensor] = []
     finished_B = torch.zeros(batch, dtype=torch.bool)
+    stop_ids = torch.tensor(
+        [eos_id] if isinstance(eos_id, int) else list(eos_id or []), dtype=torch.long
+    )
     step_input_BS = tokens_BS
     for _ in range(max_new_tokens):
         logits_BSV = model(step_input_BS, cache) if use_cache else model(tokens_BS)
         token_B = next_token(logits_BSV[:, -1], temperature, top_k, generator)
         new.append(token_B)
-        if eos_id is not None:
-            finished_B |= token_B == eos_id
+        if stop_ids.numel():
+            finished_B |= torch.isin(token_B, stop_ids)
             if bool(finished_B.all()):
                 break
         step_input_BS = token_B.to(device)[:, None]
         tokens_BS = torch.cat([tokens_BS, step_input_BS], dim=1)
     return torch.stack(new, dim=1) if new else torch.zeros(batch, 0, dtype=torch.long)
+
+
+def chat_prompt(tokenizer: Tokenizer | None, prompt: str, where: Path) -> tuple[list[int], int]:
+    """The ids of `prompt` as the one user message of a conversation rendered by the chat
+    template of `tokenizer`'s directory with the generation prompt (as transformers'
+    `apply_chat_template(..., add_generation_prompt=True)` tokenizes it), and the id of the
+    template's end-of-turn token: the first special token it renders after an assistant
+    reply (the token training on conversations ends each reply's trained span with)."""
+    if not isinstance(tokenizer, HFTokenizer):
+        what = "not known here" if tokenizer is None else "the byte tokenizer"
+        raise MoeTrainError(
+            f"{where}: --chat needs the chat template of the run's tokenizer, which is {what}; "
+            "train on data prepared with a chat model's tokenizer directory"
+        )
+    template = ChatTemplate(Path(tokenizer.name).parent, missing="generate without --chat")
+    try:
+        text = template.render([{"role": "user", "content": prompt}], generation_prompt=True)
+        reply = "\x00reply\x00"
+        turn = template.render([{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}])  # fmt: skip
+    except RowError as e:
+        raise MoeTrainError(f"--chat: {e}") from e
+    after = turn.find(reply) + len(reply) if reply in turn else len(turn)
+    end = end_of_turn_text(turn, after, tokenizer.special_token_texts())
+    end_ids = [int(i) for i in tokenizer.encode(end)] if end else []
+    if len(end_ids) != 1:
+        raise MoeTrainError(
+            f"--chat: the chat template of {template.origin} ends an assistant reply with no "
+            "special token of the tokenizer, so generation would not know where a turn ends"
+        )
+    return [int(i) for i in tokenizer.encode(text)], end_ids[0]
+
+
+def _prompt_ids(
+    tokenizer: Tokenizer | None,
+    prompt: str | None,
+    prompt_ids: Sequence[int] | str | None,
+    vocab_size: int,
+    ckpt: Path,
+) -> list[int]:
+    """The prompt as ids: `prompt` encoded by the run's tokenizer, or `prompt_ids`."""
+    if prompt is not None:
+        if tokenizer is None:
+            raise MoeTrainError(
+                f"{ckpt}: the tokenizer of the run's data.paths is not known here; "
+                "give the prompt as token ids with --prompt-ids 1,2,3"
+            )
+        ids = [int(i) for i in tokenizer.encode(prompt)]
+        if any(i >= vocab_size for i in ids):
+            raise MoeTrainError(f"--prompt encodes to ids beyond model.vocab_size={vocab_size}")
+        return ids
+    if isinstance(prompt_ids, str):
+        return parse_prompt_ids(prompt_ids, vocab_size)
+    return parse_prompt_ids(",".join(str(i) for i in prompt_ids or []), vocab_size)
 
 
 def generate(
@@ -165,12 +224,17 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     seed: int = 0,
+    chat: bool = False,
     device: torch.device | str | None = None,
 ) -> Generated:
     """Continue `prompt` (text, needing the run's tokenizer) or `prompt_ids` (ids, or their
-    comma-separated text) with the model of `checkpoint`; see `generate_ids`."""
+    comma-separated text) with the model of `checkpoint`; see `generate_ids`. `chat`: the
+    prompt text is a user message put through the run's chat template (`chat_prompt`), and
+    generation also stops at the template's end-of-turn token."""
     if (prompt is None) == (prompt_ids is None):
         raise MoeTrainError("give a prompt as --prompt TEXT or as --prompt-ids 1,2,3")
+    if chat and prompt is None:
+        raise MoeTrainError("--chat takes the prompt as text (--prompt TEXT), a user message")
     if max_new_tokens < 0:
         raise MoeTrainError(f"--max-new-tokens={max_new_tokens} must be at least 0")
     if not temperature >= 0:
@@ -180,19 +244,16 @@ def generate(
     model, config, ckpt = load_checkpoint_model(checkpoint, device)
     tokenizer, eos_id = run_tokenizer(config)
     vocab_size = config.model.vocab_size
-    if prompt is not None:
-        if tokenizer is None:
-            raise MoeTrainError(
-                f"{ckpt}: the tokenizer of the run's data.paths is not known here; "
-                "give the prompt as token ids with --prompt-ids 1,2,3"
-            )
-        ids = [int(i) for i in tokenizer.encode(prompt)]
-        if any(i >= vocab_size for i in ids):
-            raise MoeTrainError(f"--prompt encodes to ids beyond model.vocab_size={vocab_size}")
-    elif isinstance(prompt_ids, str):
-        ids = parse_prompt_ids(prompt_ids, vocab_size)
+    stop_ids = [] if eos_id is None else [eos_id]
+    end_of_turn = None
+    if chat:
+        assert prompt is not None
+        ids, end_of_turn = chat_prompt(tokenizer, prompt, ckpt)
+        if any(i >= vocab_size for i in [*ids, end_of_turn]):
+            raise MoeTrainError(f"--chat prompt encodes to ids beyond model.vocab_size={vocab_size}")  # fmt: skip
+        stop_ids.append(end_of_turn)
     else:
-        ids = parse_prompt_ids(",".join(str(i) for i in prompt_ids or []), vocab_size)
+        ids = _prompt_ids(tokenizer, prompt, prompt_ids, vocab_size, ckpt)
     if not ids:
         raise MoeTrainError("the prompt is empty; give at least one token")
     new_BN = generate_ids(
@@ -202,9 +263,14 @@ def generate(
         temperature=temperature,
         top_k=top_k,
         generator=torch.Generator().manual_seed(seed),
-        eos_id=eos_id,
+        eos_id=stop_ids,
     )
     new_ids = [int(i) for i in new_BN[0]]
-    stop_reason = "eos" if new_ids and eos_id is not None and new_ids[-1] == eos_id else "length"
+    last = new_ids[-1] if new_ids else None
+    stop_reason = "length"
+    if last is not None and last == end_of_turn:
+        stop_reason = "end_of_turn"
+    elif last is not None and last == eos_id:
+        stop_reason = "eos"
     text = tokenizer.decode(new_ids) if tokenizer is not None else None
     return Generated(ckpt, ids, new_ids, text, stop_reason)

@@ -17,6 +17,7 @@ from moe_train.cli.plan import PLAN
 from moe_train.cli.plot import PLOT
 from moe_train.cli.prepare_data import PREPARE_DATA
 from moe_train.cli.train import TRAIN
+from moe_train.cli.upcycle import UPCYCLE
 from moe_train.cli.verify import VERIFY
 from moe_train.errors import MoeTrainError
 
@@ -31,6 +32,7 @@ COMMANDS: tuple[Command, ...] = (
     PLOT,
     PLAN,
     VERIFY,
+    UPCYCLE,
 )
 """Every subcommand, in the order `moe-train --help` lists them."""
 

@@ -21,6 +21,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     parser.add_argument("--json", action="store_true", help="print prompt_ids, ids and text")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user message: put it through the chat template of the run's "
+        "tokenizer (with the generation prompt) and stop at its end-of-turn token",
+    )
 
 
 def _handle(args: argparse.Namespace) -> int:
@@ -34,6 +40,7 @@ def _handle(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
+        chat=args.chat,
     )
     if args.json:
         fields = ("prompt_ids", "ids", "text", "stop_reason")
@@ -51,7 +58,8 @@ GENERATE = Command(
     description="Load CKPT (or the newest checkpoint under a checkpoints root) in one "
     "process (CUDA when available, else CPU; fp32, dropless routing) and print the "
     "continuation of the prompt. Stops at the tokenizer's end-of-text token or after "
-    "--max-new-tokens. --prompt needs the tokenizer the run's data was prepared with.",
+    "--max-new-tokens. --prompt needs the tokenizer the run's data was prepared with; --chat "
+    "also its chat template (a chat model's tokenizer directory given to prepare-data).",
     add_arguments=_add_arguments,
     handle=_handle,
 )

@@ -58,7 +58,12 @@ def _token_text(value: Any) -> str | None:
 class ChatTemplate:
     """The chat template of a model or tokenizer directory."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        missing: str = "give the directory of a chat model's tokenizer, or use --format text",
+    ) -> None:
+        """The template of `directory`; a DataError ending with `missing` when it has none."""
         config_path = directory / CONFIG_FILE
         config: dict[str, Any] = {}
         if config_path.is_file():
@@ -74,8 +79,7 @@ class ChatTemplate:
         else:
             raise DataError(
                 f"{directory} has no chat template (neither {TEMPLATE_FILE} nor a chat_template "
-                f"in {CONFIG_FILE}); give the directory of a chat model's tokenizer, or use "
-                "--format text"
+                f"in {CONFIG_FILE}); {missing}"
             )
         self.special_tokens = {
             key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key)))
@@ -231,12 +235,19 @@ def _find_content(text: str, content: str, cursor: int) -> tuple[int, int] | Non
 
 def _end_of_turn(text: str, position: int, special_tokens: Sequence[str]) -> int:
     """The end of the first special token at or after `position` (`position` if none)."""
-    first: tuple[int, int] | None = None
+    token = end_of_turn_text(text, position, special_tokens)
+    return text.find(token, position) + len(token) if token is not None else position
+
+
+def end_of_turn_text(text: str, position: int, special_tokens: Sequence[str]) -> str | None:
+    """The first of `special_tokens` in `text` at or after `position` (None if none): after
+    an assistant reply, its end-of-turn token."""
+    first: tuple[int, str] | None = None
     for token in special_tokens:
         found = text.find(token, position) if token else -1
         if found >= 0 and (first is None or found < first[0]):
-            first = (found, found + len(token))
-    return first[1] if first is not None else position
+            first = (found, token)
+    return first[1] if first is not None else None
 
 
 def tokens_in_spans(offsets_T2: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:

@@ -83,6 +83,11 @@ def choose_architecture(config: Config, expert_bias_nonzero: bool) -> Architectu
     naming the first option none represents. `expert_bias_nonzero`: some MoE layer's
     selection bias (`model.moe.bias_update_rate`) is not all zero."""
     model, moe = config.model, config.model.moe
+    if model.norm_placement != "input":
+        raise ExportError(
+            f"model.norm_placement={model.norm_placement!r} normalises the outputs of attention "
+            "and feed-forward; every exported architecture normalises their inputs (input)"
+        )
     if moe.random_routing:
         raise ExportError(
             "model.moe.random_routing=true routes at random; no exported architecture does "

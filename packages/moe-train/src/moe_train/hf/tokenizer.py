@@ -41,8 +41,9 @@ def byte_tokenizer() -> Any:
 
 
 def write_tokenizer(transformers: Any, source: Path | None, eos_id: int | None, out: Path) -> None:
-    """tokenizer.json and tokenizer_config.json in `out`: from the tokenizer.json `source`, or
-    the byte tokenizer when `source` is None."""
+    """tokenizer.json and tokenizer_config.json in `out`: from the tokenizer.json `source`
+    (with the chat template of its directory, when it has one), or the byte tokenizer when
+    `source` is None."""
     if source is None:
         # Training never turned text into id 256: the token's name in a text stays bytes.
         fast = transformers.PreTrainedTokenizerFast(
@@ -52,4 +53,18 @@ def write_tokenizer(transformers: Any, source: Path | None, eos_id: int | None, 
         fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(source))
         if eos_id is not None:
             fast.eos_token = fast.convert_ids_to_tokens(eos_id)
+        template = _chat_template_beside(source)
+        if template is not None:
+            fast.chat_template = template
     fast.save_pretrained(out)
+
+
+def _chat_template_beside(tokenizer_file: Path) -> str | None:
+    """The chat template of the directory holding `tokenizer_file` (None if it has none)."""
+    from moe_train.data.chat_template import ChatTemplate
+    from moe_train.errors import DataError
+
+    try:
+        return ChatTemplate(tokenizer_file.parent).source
+    except DataError:
+        return None

@@ -37,7 +37,8 @@ class KVCache:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: attention then a dense or MoE feed-forward."""
+    """Transformer block: attention then a dense or MoE feed-forward, each with an RMSNorm on
+    its input (pre-norm) or on its output (`model.norm_placement`)."""
 
     def __init__(self, config: ModelConfig, layer: int, *, dense: bool = False):
         """Block `layer` (global index); its feed-forward is dense for the first
@@ -55,6 +56,8 @@ class Block(nn.Module):
             qkv_bias=config.qkv_bias,
         )
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.norm_output = config.norm_placement == "output"
+        """The norms act on the outputs of attention and feed-forward (`model.norm_placement`)."""
         self.ffn: nn.Module
         if dense or layer < config.dense_layers:
             self.ffn = SwiGLU(config.d_model, config.dense_hidden)
@@ -84,6 +87,10 @@ class Block(nn.Module):
         cache: LayerKVCache | None = None,
         start: int = 0,
     ) -> Tensor:
+        if self.norm_output:  # OLMo-2's placement: the sublayers' outputs are normalised
+            attended = self.attn(x_BSD, cos, sin, cache, start, documents)
+            x_BSD = x_BSD + self.attn_norm(attended)
+            return x_BSD + self.ffn_norm(self.ffn(x_BSD))
         attended = self.attn(self.attn_norm(x_BSD), cos, sin, cache, start, documents)
         x_BSD = x_BSD + attended
         return x_BSD + self.ffn(self.ffn_norm(x_BSD))

@@ -1,0 +1,140 @@
+"""`moe-train generate --chat`: the prompt goes through the run's chat template as
+transformers renders it, and generation stops at the template's end-of-turn token."""
+
+import json
+
+import pytest
+import torch
+from test_chat_data import (
+    CONVERSATIONS,
+    LLAMA_SPECIALS,
+    LLAMA_TEMPLATE,
+    QWEN_SPECIALS,
+    QWEN_TEMPLATE,
+    _tokenizer_dir,
+)
+
+from moe_train.cli import main
+from moe_train.config import config_from_dict
+from moe_train.data import prepare_data
+from moe_train.data.conversations import prepare_conversations
+from moe_train.data.tokenizer import HFTokenizer
+from moe_train.generate import chat_prompt, generate_ids, load_checkpoint_model
+from moe_train.train import train
+from tokenizer_files import bpe_tokenizer_file
+from training import CODE_TEXT, small_config_data
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = "What is 2+2?"
+FAMILIES = {
+    # name: (specials, eos_token, template, template in tokenizer_config.json, bos, end of turn)
+    "qwen": (QWEN_SPECIALS, "<|im_end|>", QWEN_TEMPLATE, False, None, "<|im_end|>"),
+    "llama": (
+        LLAMA_SPECIALS,
+        "<|end_of_text|>",
+        LLAMA_TEMPLATE,
+        True,
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat-tokenizers")
+    return {
+        name: _tokenizer_dir(root / name, specials, eos, template, in_config, bos=bos)
+        for name, (specials, eos, template, in_config, bos, _) in FAMILIES.items()
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_prompt_ids_equal_transformers_apply_chat_template(family, tokenizer_dirs, tmp_path):
+    directory = tokenizer_dirs[family]
+    hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+    for prompt in (PROMPT, "  Name a colour.\n", "Thanks"):
+        ids, end_of_turn = chat_prompt(HFTokenizer(directory), prompt, tmp_path)
+        messages = [{"role": "user", "content": prompt}]
+        encoded = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        want = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        assert ids == list(want), (prompt, hf.convert_ids_to_tokens(ids))
+        assert end_of_turn == hf.convert_tokens_to_ids(FAMILIES[family][-1])
+
+
+def _chat_checkpoint(tmp_path, directory):
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS * 8))
+    prepare_conversations([rows], tmp_path / "data", str(directory))
+    data = small_config_data(
+        tmp_path / "run",
+        tmp_path / "unused.npy",
+        model={"vocab_size": 512},
+        data={"paths": [str(tmp_path / "data")], "seq_len": 64, "label_mask": True},
+        train={"max_steps": 2},
+    )
+    return train(config_from_dict(data)).checkpoint
+
+
+def test_chat_generation_stops_at_the_end_of_turn_token(tokenizer_dirs, tmp_path, capsys, monkeypatch):  # fmt: skip
+    directory = tokenizer_dirs["qwen"]
+    ckpt = _chat_checkpoint(tmp_path, directory)
+    hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+    end_of_turn, eos = hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")  # fmt: skip
+    messages = [{"role": "user", "content": PROMPT}]
+    encoded = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    # A model that draws the end of turn where it drew its third token: its head row for
+    # <|im_end|> a little larger than that token's. Generation runs on this model.
+    model, config, path = load_checkpoint_model(ckpt, "cpu")
+    third = generate_ids(model, torch.tensor([prompt_ids]), 40)[0].tolist()[2]
+    with torch.no_grad():
+        model.head.weight[end_of_turn] = model.head.weight[third] * 1.001
+    free = generate_ids(model, torch.tensor([prompt_ids]), 40)[0].tolist()
+    assert end_of_turn in free and eos not in free, free
+    monkeypatch.setattr("moe_train.generate.load_checkpoint_model", lambda *_: (model, config, path))  # fmt: skip
+
+    capsys.readouterr()
+    args = ["generate", str(ckpt), "--chat", "--prompt", PROMPT, "--max-new-tokens", "40"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_ids"] == prompt_ids
+    expected = free[: free.index(end_of_turn) + 1]
+    assert out["ids"] == expected and out["stop_reason"] == "end_of_turn", (out, free)
+    assert out["text"] == hf.decode(expected, skip_special_tokens=True)
+
+    # Several stop ids: the first drawn of any of them ends generation.
+    stopped = generate_ids(model, torch.tensor([prompt_ids]), 40, eos_id=[10**6, free[1]])
+    assert stopped[0].tolist() == free[: free.index(free[1]) + 1]
+
+
+def _refused(argv, expected, capsys):
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+
+
+def test_a_model_without_a_chat_template_is_refused(tmp_path, capsys):
+    text = CODE_TEXT * 100
+    bpe_tokenizer_file(tmp_path, text)  # a tokenizer.json alone: no template beside it
+    (tmp_path / "train.txt").write_text(text)
+    prepare_data([tmp_path / "train.txt"], tmp_path / "data", str(tmp_path / "tokenizer.json"))
+    data = small_config_data(
+        tmp_path / "run",
+        tmp_path / "unused.npy",
+        model={"vocab_size": 320},
+        data={"paths": [str(tmp_path / "data")], "seq_len": 16},
+        train={"max_steps": 1},
+    )
+    ckpt = str(train(config_from_dict(data)).checkpoint)
+    _refused(["generate", ckpt, "--chat", "--prompt", "hi"], f"{tmp_path} has no chat template", capsys)  # fmt: skip
+    _refused(["generate", ckpt, "--chat", "--prompt-ids", "1,2"], "--chat takes the prompt as text", capsys)  # fmt: skip
+
+
+def test_a_run_without_a_known_tokenizer_is_refused(tmp_path, capsys, token_file):
+    data = small_config_data(tmp_path / "run", token_file, train={"max_steps": 1})
+    ckpt = str(train(config_from_dict(data)).checkpoint)
+    _refused(["generate", ckpt, "--chat", "--prompt", "hi"], "which is not known here", capsys)
