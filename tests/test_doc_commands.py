@@ -171,20 +171,16 @@ COMMANDS: dict[str, Run | Skip] = {
     "moe-train generate CKPT --prompt-ids 100,101,102 --temperature 0.8 --top-k 40 --seed 1 "
     "--json": Run(),
     # docs/evaluation.md
-    "moe-train train configs/tiny.yaml --eval.tasks=[builtin:next_line] --eval.interval=25": Skip(
-        "scoring builtin:next_line (800 rows of forward) would cost this test tens of seconds; "
-        "tests/moe_train/test_tasks.py scores tasks in the loop and builds builtin:next_line"
-    ),
     "moe-train eval runs/tiny/checkpoints --tasks tasks/code_questions.jsonl tasks/held_out.txt": (
         Skip(
             "the reader's task files; tests/moe_train/test_tasks.py runs moe-train eval on its own"
         )
     ),
-    "moe-train eval runs/tiny/checkpoints --tasks builtin:next_line --json": Skip(
+    "moe-train eval runs/tiny/checkpoints --tasks builtin:code_order --json": Skip(
         "800 rows of forward; tests/moe_train/test_tasks.py runs moe-train eval --json"
     ),
     "torchrun --nproc-per-node 2 -m moe_train.cli eval runs/tiny/checkpoints "
-    "--tasks builtin:next_line --parallel.ep=2": Skip(
+    "--tasks builtin:code_order --parallel.ep=2": Skip(
         "2 processes; tests/moe_train/test_tasks.py scores a checkpoint on dp2, ep2 and pp2 in "
         "one 2-rank launch"
     ),

@@ -337,18 +337,57 @@ def test_task_figures_reach_console_and_plots(trained):
     assert tasks_figure(read_runs([trained[1].run_dir])) is None  # no tasks, no tasks.png
 
 
-def test_next_line_asks_for_the_line_that_follows(tmp_path):
-    from moe_train.tasks.builtin import next_line_rows
+def test_code_order_asks_for_the_real_order_of_held_out_code(tmp_path):
+    from moe_train.data.builtin import stdlib_source_files
+    from moe_train.tasks.builtin import (
+        CHOICES,
+        CONTEXT_CHARS,
+        SPAN_CHARS,
+        code_order_rows,
+        held_out_files,
+    )
 
-    source = tmp_path / "module.py"
-    source.write_text("".join(f"    value_{i} = compute({i}, {i * i})\n" for i in range(40)))
-    rows = next_line_rows([source], questions=20)
-    assert rows == next_line_rows([source], questions=20)  # the same every time
-    lines = source.read_text().splitlines()
+    held_out = held_out_files()
+    assert held_out and not set(held_out) & set(stdlib_source_files())  # none trained on
+    sources = {}
+    for i in range(3):
+        path = tmp_path / f"module_{i}.py"
+        sources[path] = "".join(
+            f"    value_{i}_{j} = compute({j}, {j * j}) + other[{i}]\n" for j in range(30)
+        )
+        path.write_text(sources[path])
+    latin = "    name = 'caf\u00e9 cr\u00e8me br\u00fbl\u00e9e', compute(1, 2) + other\n" * 40
+    (tmp_path / "latin.py").write_text(latin)  # not ASCII (a byte is not a character): unused
+    files = sorted(tmp_path.iterdir())
+    rows = code_order_rows(files, questions=40, seed=3)
+    assert rows == code_order_rows(files, questions=40, seed=3)  # the same every time
+    assert rows != code_order_rows(files, questions=40, seed=4)
     for row in rows:
-        assert len(row["choices"]) == 4 and len(set(row["choices"])) == 4
-        context = row["context"].splitlines()
-        at = lines.index(context[0])
-        assert lines[at : at + 3] == context
-        assert row["choices"][row["gold"]] == lines[at + 3]
-    assert len({row["gold"] for row in rows}) > 1  # the answer moves around
+        choices, gold = row["choices"], row["gold"]
+        assert len(choices) == CHOICES and len(set(choices)) == CHOICES
+        assert 0 <= gold < CHOICES
+        assert len(row["context"]) == CONTEXT_CHARS
+        assert SPAN_CHARS[0] <= len(choices[gold]) <= SPAN_CHARS[1]
+        # the gold follows the context in one of the files; each distractor is the same
+        # characters (so the same length) in another order
+        assert any(row["context"] + choices[gold] in text for text in sources.values())
+        assert all(sorted(choice) == sorted(choices[gold]) for choice in choices)
+        assert not any(
+            row["context"] + c in t for c in choices if c != choices[gold] for t in sources.values()
+        )
+    assert len({row["gold"] for row in rows}) == CHOICES  # the answer moves around
+
+
+def test_builtin_code_order_is_made_once_from_the_held_out_files(tmp_path):
+    from moe_train.errors import DataError
+    from moe_train.tasks import BUILTIN_TASKS, builtin_task_file, open_task
+    from moe_train.tasks.builtin import QUESTIONS, code_order_rows, held_out_files
+
+    assert BUILTIN_TASKS == ("builtin:code_order",)
+    path = builtin_task_file("builtin:code_order", tmp_path)
+    task = open_task("builtin:code_order", tmp_path)  # read and checked as any task file
+    assert task.name == "code_order" and len(task.rows) == QUESTIONS
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == code_order_rows(held_out_files())
+    with pytest.raises(DataError, match=r"builtin:next_line: no such built-in task"):
+        builtin_task_file("builtin:next_line", tmp_path)

@@ -168,8 +168,8 @@ class EvalConfig:
     """Downstream task files scored at every evaluation, each reported as eval/<file
     stem>/<metric>: multiple choice (.jsonl rows {"context", "choices", "gold"}: acc and
     acc_norm) or held-out text (.txt, or .jsonl rows {"text"}: bits_per_byte), or
-    builtin:next_line (which of four lines comes next in Python source). Needs the tokenizer
-    of data.paths (prepared directories or builtin:stdlib)."""
+    builtin:code_order (which of four orderings of a span of held-out Python source is the
+    real one). Needs the tokenizer of data.paths (prepared directories or builtin:stdlib)."""
 
     def validate(self, path: str) -> None:
         _non_negative(self, path, "interval")

@@ -1,11 +1,13 @@
 """Built-in tasks that need no download, made on first use into the data cache directory.
 
-`builtin:next_line`: which of four lines comes next in a Python source file. Each question
-shows three lines of a standard-library test module (`Lib/test`, which builtin:stdlib does not
-train on; the library's own modules where a Python installs no tests) and offers the line
-that follows with three other lines of the same file, in a seeded random order; chance is
-0.25. Indentation and syntax decide many questions, which a small byte-level model learns
-early.
+`builtin:code_order`: which of four orderings of a short span of Python source is the real
+one. Each question shows the 32 characters before a token of a held-out source file (a
+standard-library file that builtin:stdlib does not train on: its test suite, IDLE) and
+offers the 8 to 24 characters that follow with three other orderings of their tokens (words,
+runs of white space, single punctuation marks), in a seeded random order. Every choice has
+the same characters, so the same length (acc_norm equals acc) and the same character
+counts: only knowing what follows what in code decides, which a byte-level model learns
+within its first hundred steps. Chance is 0.25.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import sys
 import sysconfig
 from pathlib import Path
@@ -24,24 +27,25 @@ from moe_train.file_modes import new_scratch_dir
 from moe_train.tasks.files import BUILTIN_TASKS
 
 QUESTIONS = 200
-CONTEXT_LINES = 3
 CHOICES = 4
-MIN_LINE_CHARS = 8
-"""Lines shorter than this (stripped) are neither asked for nor offered: blank lines and a
-lone `else:` say too little."""
+CONTEXT_CHARS = 32
+SPAN_CHARS = (8, 24)
+"""The shortest and longest span asked for (inclusive), drawn uniformly."""
+_TOKEN = re.compile(r"\w+|\s+|[^\w\s]")
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 def builtin_task_file(spec: str, cache_dir: Path | None = None) -> Path:
     """The task file of built-in task `spec`, written into `cache_dir` on first use."""
     if spec not in BUILTIN_TASKS:
         raise DataError(f"{spec}: no such built-in task; the built-in tasks are {BUILTIN_TASKS}")
-    files = _source_files()
+    files = held_out_files()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     listing = "\n".join(str(path.relative_to(stdlib)) for path in files)
     short_hash = hashlib.sha256(listing.encode("utf-8")).hexdigest()[:12]
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache_dir / "tasks" / f"next_line-py{version}-{short_hash}" / "next_line.jsonl"
+    final = cache_dir / "tasks" / f"code_order-py{version}-{short_hash}" / "code_order.jsonl"
     if final.is_file():
         return final
     try:
@@ -52,7 +56,7 @@ def builtin_task_file(spec: str, cache_dir: Path | None = None) -> Path:
             f"cannot write the {spec} cache under {cache_dir} ({e.strerror}); "
             "set XDG_CACHE_HOME to a writable directory"
         ) from e
-    rows = next_line_rows(files)
+    rows = code_order_rows(files)
     (scratch / final.name).write_text("".join(json.dumps(row) + "\n" for row in rows))
     try:
         os.rename(scratch, final.parent)
@@ -62,39 +66,81 @@ def builtin_task_file(spec: str, cache_dir: Path | None = None) -> Path:
     return final
 
 
-def next_line_rows(files: list[Path], questions: int = QUESTIONS, seed: int = 0) -> list[dict]:
+def held_out_files() -> list[Path]:
+    """The standard library's `.py` files that builtin:stdlib does not train on (its tests,
+    IDLE), sorted."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    trained = set(stdlib_source_files())
+    files: list[Path] = []
+    for root, dirs, names in os.walk(stdlib):
+        dirs[:] = [d for d in dirs if d not in _SKIPPED_DIRS and not d.startswith(".")]
+        files += [Path(root) / name for name in names if name.endswith(".py")]
+    held_out = sorted(path for path in files if path not in trained and path.is_file())
+    if not held_out:
+        raise DataError(
+            f"this Python's standard library ({stdlib}) has no source files that "
+            "builtin:stdlib does not train on (no test suite), so builtin:code_order has "
+            "nothing held out to ask about; list your own task file in eval.tasks"
+        )
+    return held_out
+
+
+def code_order_rows(files: list[Path], questions: int = QUESTIONS, seed: int = 0) -> list[dict]:
     """`questions` rows {"context", "choices", "gold"} drawn from `files` (see the module
     docstring), the same for the same files and seed."""
     rng = random.Random(seed)
-    sources = [lines for lines in (_lines(path) for path in files) if len(lines) > 20]
+    low, high = SPAN_CHARS
+    sources = [text for text in map(_ascii_text, files) if len(text) > CONTEXT_CHARS + high]
     if not sources:
-        raise DataError("no Python source files to build builtin:next_line from")
+        raise DataError("no ASCII Python source files to build builtin:code_order from")
     rows: list[dict] = []
-    while len(rows) < questions:
-        lines = rng.choice(sources)
-        index = rng.randrange(CONTEXT_LINES, len(lines))
-        answer = lines[index]
-        if len(answer.strip()) < MIN_LINE_CHARS:
+    for _ in range(1000 * questions):
+        if len(rows) == questions:
+            return rows
+        text = rng.choice(sources)
+        start = rng.randrange(CONTEXT_CHARS, len(text) - high)
+        answer = text[start : start + rng.randint(low, high)]
+        if not _starts_a_token(text, start) or "\n" in answer:
             continue
-        others = sorted({line for line in lines if len(line.strip()) >= MIN_LINE_CHARS} - {answer})
-        if len(others) < CHOICES - 1:
+        others = _reorderings(_TOKEN.findall(answer), CHOICES - 1, rng)
+        if others is None:
             continue
-        choices = [answer, *rng.sample(others, CHOICES - 1)]
+        choices = [answer, *others]
         rng.shuffle(choices)
-        context = "".join(line + "\n" for line in lines[index - CONTEXT_LINES : index])
+        context = text[start - CONTEXT_CHARS : start]
         rows.append({"context": context, "choices": choices, "gold": choices.index(answer)})
-    return rows
+    raise DataError(f"could not draw {questions} builtin:code_order questions from the files")
 
 
-def _source_files() -> list[Path]:
-    """The standard library's test modules, or its own modules where it has no tests."""
-    tests = Path(sysconfig.get_paths()["stdlib"]) / "test"
-    files = sorted(tests.glob("test_*.py")) if tests.is_dir() else []
-    return files or stdlib_source_files()
+def _starts_a_token(text: str, at: int) -> bool:
+    """Whether a token other than white space starts at `at` (not inside a word)."""
+    return not text[at].isspace() and not (_is_word(text[at]) and _is_word(text[at - 1]))
 
 
-def _lines(path: Path) -> list[str]:
+def _is_word(char: str) -> bool:
+    return char.isalnum() or char == "_"
+
+
+def _reorderings(tokens: list[str], count: int, rng: random.Random) -> list[str] | None:
+    """`count` distinct orderings of `tokens`, each unlike their own (None if too few)."""
+    seen = {"".join(tokens)}
+    found: list[str] = []
+    for _ in range(50 * count):
+        order = tokens[:]
+        rng.shuffle(order)
+        text = "".join(order)
+        if text not in seen:
+            seen.add(text)
+            found.append(text)
+            if len(found) == count:
+                return found
+    return None
+
+
+def _ascii_text(path: Path) -> str:
+    """The file's text if it is ASCII (a byte is a character), else ""."""
     try:
-        return path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
-        return []
+        return ""
+    return text if text.isascii() else ""

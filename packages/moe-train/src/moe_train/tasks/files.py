@@ -21,7 +21,7 @@ from moe_train.errors import DataError
 TASK_SUFFIXES = (".jsonl", ".txt")
 """The file kinds a task can be."""
 BUILTIN_TASK_PREFIX = "builtin:"
-BUILTIN_TASKS = ("builtin:next_line",)
+BUILTIN_TASKS = ("builtin:code_order",)
 """The eval.tasks entries that name a built-in task (see `moe_train.tasks.builtin`)."""
 
 
