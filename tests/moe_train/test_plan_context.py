@@ -286,7 +286,7 @@ def test_two_simulated_nodes_send_across_only_what_the_planner_predicts(two_rank
         if kind.startswith("ep ")
     )
     for rank, run in enumerate(runs):
-        assert run["to_peer"][1 - rank] == pytest.approx(predicted, rel=0.10), (rank, predicted)
+        assert run["to_peer"][1 - rank] == pytest.approx(predicted, rel=0.05), (rank, predicted)
     # One row per token and node would cross at most once per token.
     tokens = config.data.micro_batch_size * config.data.seq_len
     assert node_limited_bound(config, 1) == tokens * row

@@ -241,7 +241,7 @@ def _with(config: Config, **c) -> Config:
     )
 
 
-MIN_CHUNK = 128
+MIN_CHUNK = 1024
 """Fewest positions per chunk (of the 2 x cp a sequence is cut into) of the context-parallel
 sizes the planner tries: a planning constant; below it each layer's key/value gathers cost
 more than the activations they spare, so a short sequence is not split."""
