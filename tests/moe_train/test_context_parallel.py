@@ -114,11 +114,10 @@ def test_layouts_context_parallelism_cannot_use_name_the_key(
     assert "\n" not in str(raised.value)
 
 
-def test_the_planner_says_it_does_not_model_context_parallelism(tmp_path, token_file):
+def test_the_planner_plans_the_context_parallel_layout(tmp_path, token_file):
     from moe_train.plan import device_with, make_plan
 
     config = config_from_dict(small_config_data(tmp_path, token_file, parallel={"cp": 2}))
-    with pytest.raises(
-        ConfigError, match=r"does not model context parallelism yet \(parallel.cp=2\)"
-    ):
-        make_plan(config, 4, device_with("h100"))
+    plan = make_plan(config, 4, device_with("h100"))
+    assert plan.own.error is None and " cp2 " in plan.own.label
+    assert "cp K/V all-gather" in plan.own.traffic.payload

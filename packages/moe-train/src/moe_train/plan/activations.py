@@ -2,7 +2,7 @@
 
 Each term is a tensor the model's forward keeps for its backward (read off the model code and
 checked against torch's saved-tensor hooks in the tests). Legend: T tokens of the micro-batch
-on this rank, D model width, Q query width (D), K key/value width, F expert width, E experts,
+on this rank (under context parallelism its 2 x C positions of each sequence, S / cp), D model width, Q query width (D), K key/value width, F expert width, E experts,
 L local experts, k top-k, R rows the local experts compute (T * k copies, received from the
 expert-parallel group, plus alignment padding), c compute bytes, w parameter bytes.
 """
@@ -38,6 +38,9 @@ class Widths:
     c: int
     w: int
     seq_len: int
+    """Positions of each sequence on this rank (S / cp)."""
+    cp: int
+    """Ranks each sequence is split over; attention holds the keys and values of all S."""
     qk_norm: bool
     casts: bool
     """Whether the forward keeps compute-dtype copies of the weights (FP32 parameters with
@@ -60,7 +63,8 @@ class Widths:
             k=moe.top_k,
             c=c,
             w=w,
-            seq_len=config.data.seq_len,
+            seq_len=config.data.seq_len // config.parallel.cp,
+            cp=config.parallel.cp,
             qk_norm=bool(model.qk_norm),
             casts=c != w,
         )
@@ -102,7 +106,19 @@ def attention_block_bytes(x: Widths, tokens: int, batch: int) -> float:
     # RoPE tables cast to the compute dtype, for queries and keys (FP32 ones are views).
     rope = 0 if x.c == FP32 else 4 * x.seq_len * x.head_dim // 2 * x.c
     weights = (x.d * (x.d + 2 * x.kv) + x.d * x.d) * x.c if x.casts else 0
+    if x.cp > 1:
+        # Attention keeps the rotated queries and the gathered keys and values: the
+        # projection's output only where QK-norm keeps it.
+        rotated = t * x.d * x.c + gathered_kv_bytes(x, batch)
+        if not x.qk_norm:
+            qkv -= t * (x.d + 2 * x.kv) * x.c
     return norm + qkv + rotated + scores + qk_norm + out + rope + weights
+
+
+def gathered_kv_bytes(x: Widths, batch: int) -> float:
+    """Context parallelism: the keys and values of the whole sequences that attention keeps
+    for its backward (repeated to every query head under grouped-query attention)."""
+    return 2 * batch * x.seq_len * x.cp * x.d * x.c
 
 
 def moe_block_bytes(config: Config, x: Widths, tokens: int) -> float:
@@ -156,6 +172,8 @@ def held_per_micro_batch(config: Config, layers: list[int], first: bool, last: b
     batch = config.data.micro_batch_size
     t = batch * x.seq_len
     total = sum(_block_bytes(config, x, t, batch, layer < model.dense_layers) for layer in layers)
+    if x.cp > 1 and x.c == FP32 and layers:
+        total += x.seq_len * x.head_dim * FP32  # this rank's rows of the cos and sin tables
     if config.parallel.pp > 1 and not last:
         total += t * x.d * x.w  # the stage's output, kept until its gradient arrives
         if model.mtp_depth:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from fractions import Fraction
 
 from moe_train.config import Config
 from moe_train.errors import ConfigError
@@ -66,7 +67,7 @@ def evaluate(config: Config, world_size: int, device: Device) -> Evaluated:
     config = _resolved(config)
     memory = predict_memory(config, world_size)
     traffic = predict_traffic(config, world_size, memory.pp_rank)
-    time = step_time(config, world_size, device, traffic)
+    time = step_time(_per_rank_micro_batches(config), world_size, device, traffic)
     tokens = tokens_per_second_per_device(config, world_size, time)
     fits = memory.total <= device.memory_gib * GIB
     return Evaluated(
@@ -80,6 +81,19 @@ def evaluate(config: Config, world_size: int, device: Device) -> Evaluated:
         tokens,
         mfu(config, tokens, device),
         fits,
+    )
+
+
+def _per_rank_micro_batches(config: Config) -> Config:
+    """For the roofline, which counts a rank's micro-batches as global batch / micro-batch /
+    dp: under context parallelism the dp ranks of one cp group share each micro-batch, so it
+    is given micro / cp sequences a micro-batch (the tokens a rank computes per micro-batch)."""
+    cp = config.parallel.cp
+    if cp == 1:
+        return config
+    micro = Fraction(config.data.micro_batch_size, cp)
+    return dataclasses.replace(
+        config, data=dataclasses.replace(config.data, micro_batch_size=micro)
     )
 
 
@@ -113,6 +127,7 @@ LEGEND = {
     "ppP": "P pipeline stages",
     "dpD": "D data-parallel ranks per stage (devices = P x D)",
     "epE": "experts split over E ranks of each data-parallel group",
+    "cpC": "each sequence split over C of the data-parallel ranks (context parallelism)",
     "1f1b, interleaved_1f1bxV": "pipeline schedule; xV: V layer chunks (virtual stages) per rank",
     "mbM": "M sequences per micro-batch",
     "rc:none|selective|full": "activation recompute in the backward",
@@ -126,6 +141,7 @@ LEGEND = {
 LAYOUT_KEYS = (
     ("parallel.pp", lambda c: c.parallel.pp),
     ("parallel.ep", lambda c: c.parallel.ep),
+    ("parallel.cp", lambda c: c.parallel.cp),
     ("parallel.pp_schedule", lambda c: c.parallel.pp_schedule),
     ("parallel.virtual_stages", lambda c: c.parallel.virtual_stages),
     ("data.micro_batch_size", lambda c: c.data.micro_batch_size),
@@ -154,7 +170,7 @@ def layout_overrides(layout: Config, base: Config) -> list[str]:
 def layout_label(config: Config, world_size: int) -> str:
     p, precision = config.parallel, config.precision
     dp = world_size // p.pp if world_size % p.pp == 0 else 0
-    parts = [f"pp{p.pp}", f"dp{dp}", f"ep{p.ep}"]
+    parts = [f"pp{p.pp}", f"dp{dp}", f"ep{p.ep}"] + ([f"cp{p.cp}"] if p.cp > 1 else [])
     if p.pp > 1:
         parts.append(p.pp_schedule + (f"x{p.virtual_stages}" if p.virtual_stages > 1 else ""))
     parts.append(f"mb{config.data.micro_batch_size}")
@@ -171,8 +187,8 @@ def layout_label(config: Config, world_size: int) -> str:
 
 
 def candidate_layouts(config: Config, world_size: int, device: Device) -> Iterator[Config]:
-    """The layouts the planner compares: pipeline and expert-parallel sizes that divide the
-    devices, schedules, micro-batch sizes that divide the batch, recompute modes, the
+    """The layouts the planner compares: pipeline, expert- and context-parallel sizes that
+    divide the devices (cp also the sequence into 2 x cp chunks), schedules, micro-batch sizes that divide the batch, recompute modes, the
     distributed optimizer, bf16 parameters and MXFP8 (where the device runs
     it)."""
     model, data, precision = config.model, config.data, config.precision
@@ -181,11 +197,9 @@ def candidate_layouts(config: Config, world_size: int, device: Device) -> Iterat
         if pp > model.n_layers:
             continue
         dp = world_size // pp
-        for ep in _divisors(dp):
-            if model.moe.num_experts % ep:
-                continue
+        for ep, cp in _expert_context_sizes(config, dp):
             for schedule, virtual in _schedules(pp, model.n_layers):
-                for micro in _micro_batch_sizes(data.global_batch_size // dp):
+                for micro in _micro_batch_sizes(data.global_batch_size // (dp // cp)):
                     for recompute in ("none", "selective", "full"):
                         for dist_opt in (False, True):
                             for param_dtype in ("float32", "bfloat16") if bf16 else ("float32",):
@@ -194,6 +208,7 @@ def candidate_layouts(config: Config, world_size: int, device: Device) -> Iterat
                                         config,
                                         pp=pp,
                                         ep=ep,
+                                        cp=cp,
                                         schedule=schedule,
                                         virtual=virtual,
                                         micro=micro,
@@ -213,6 +228,7 @@ def _with(config: Config, **c) -> Config:
             parallel,
             pp=c["pp"],
             ep=c["ep"],
+            cp=c["cp"],
             pp_schedule=c["schedule"],
             virtual_stages=c["virtual"],
             recompute=c["recompute"],
@@ -223,6 +239,37 @@ def _with(config: Config, **c) -> Config:
             config.precision, param_dtype=c["param_dtype"], expert_gemm=c["gemm"]
         ),
     )
+
+
+MIN_CHUNK = 1024
+"""Fewest positions per chunk (of the 2 x cp a sequence is cut into) of the context-parallel
+sizes the planner tries: a planning constant; below it each layer's key/value gathers cost
+more than the activations they spare, so a short sequence is not split."""
+
+
+def context_sizes(config: Config, most: int) -> list[int]:
+    """The context-parallel sizes up to `most` the planner tries: 1, and each cp that cuts the
+    sequence into 2 x cp chunks of at least MIN_CHUNK positions (none with MTP modules, which
+    context parallelism does not serve)."""
+    seq_len = config.data.seq_len
+    if config.model.mtp_depth:
+        return [1]
+    return [1] + [
+        cp
+        for cp in range(2, most + 1)
+        if seq_len % (2 * cp) == 0 and seq_len // (2 * cp) >= MIN_CHUNK
+    ]
+
+
+def _expert_context_sizes(config: Config, dp: int) -> Iterator[tuple[int, int]]:
+    """(ep, cp) pairs for `dp` ranks per stage: ep dividing the experts, cp the sequence and
+    dp (see `context_sizes`)."""
+    for cp in context_sizes(config, dp):
+        if dp % cp:
+            continue
+        for ep in _divisors(dp):
+            if config.model.moe.num_experts % ep == 0:
+                yield ep, cp
 
 
 def _divisors(n: int) -> list[int]:

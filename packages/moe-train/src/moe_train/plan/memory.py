@@ -144,11 +144,12 @@ def most_owned(sizes: list[int], group_size: int) -> int:
     )
 
 
-def in_flight_micro_batches(config: Config, dp: int, pp_rank: int) -> float:
-    """Micro-batches' worth of this rank's activations held at once by the schedule."""
+def in_flight_micro_batches(config: Config, batch_ranks: int, pp_rank: int) -> float:
+    """Micro-batches' worth of this rank's activations held at once by the schedule, with
+    `batch_ranks` ranks per stage taking different sequences (dp / cp)."""
     parallel = config.parallel
     pp, virtual = parallel.pp, parallel.virtual_stages
-    num_micro = config.data.global_batch_size // config.data.micro_batch_size // dp
+    num_micro = config.data.global_batch_size // config.data.micro_batch_size // batch_ranks
     if pp == 1:
         return 1
     if parallel.pp_schedule == "gpipe":
@@ -203,7 +204,7 @@ def _rank_memory(config: Config, world_size: int, pp_rank: int) -> MemoryPredict
         before = 0
     stages = plan_stages(config.model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
     activations = held_per_micro_batch(config, stages.layers, stages.has_first, stages.has_last)
-    in_flight = in_flight_micro_batches(config, dp, pp_rank)
+    in_flight = in_flight_micro_batches(config, dp // parallel.cp, pp_rank)
     dispatch = _dispatch_buffers(config)
     state = params.total * w + gradients + before + optimizer + activations * in_flight
     return MemoryPrediction(
@@ -225,7 +226,8 @@ def _dispatch_buffers(config: Config) -> float:
     parallel, moe = config.parallel, config.model.moe
     if parallel.dispatcher != "rowwise" or parallel.rowwise_transport == "all_to_all":
         return 0
-    per_expert = capacity(config, config.data.micro_batch_size * config.data.seq_len)
+    tokens = config.data.micro_batch_size * config.data.seq_len // parallel.cp
+    per_expert = capacity(config, tokens)
     if per_expert is None:
         return 0
     local = moe.num_experts // parallel.ep

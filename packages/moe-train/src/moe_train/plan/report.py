@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_train.config import Config
-from moe_train.errors import ConfigError
 from moe_train.plan.hardware import Device
 from moe_train.plan.layouts import (
     GIB,
@@ -19,8 +18,8 @@ from moe_train.plan.layouts import (
     format_bytes,
     layout_overrides,
 )
-from moe_train.plan.roofline import across_nodes
 from moe_train.plan.search import Smallest, smallest_fitting
+from moe_train.plan.traffic import across_nodes, expert_nodes, node_limited_bound
 
 CLOSEST = 5
 """Layouts shown (and listed in JSON) when none fits."""
@@ -50,11 +49,6 @@ class Plan:
 def make_plan(config: Config, world_size: int, device: Device, *, search: bool = True) -> Plan:
     """Evaluate the config's own layout and every candidate on `world_size` devices; when none
     fits, find the closest and (with `search`) the smallest device count that fits."""
-    if config.parallel.cp > 1:
-        raise ConfigError(
-            f"moe-train plan does not model context parallelism yet (parallel.cp="
-            f"{config.parallel.cp}); plan the layout with parallel.cp=1"
-        )
     own = evaluate(config, world_size, device)
     seen: set[str] = set()
     fitting, rejected = [], []
@@ -265,10 +259,10 @@ def _details(result: Evaluated, device: Device) -> list[str]:
         f"{memory.in_flight:g} in flight",
         "  bytes per step per device by kind (sent over links; of them across nodes):",
     ]
-    p = result.config.parallel
     for kind, wire in result.traffic.wire.items():
-        network = across_nodes(kind, wire, p.ep, result.dp, device.gpus_per_node)
+        network = across_nodes(result.config, result.world_size, kind, wire, device.gpus_per_node)
         lines.append(f"    {kind:<28} {wire / 1e9:9.2f} GB  ({network / 1e9:.2f} GB)")
+    lines += _expert_node_lines(result, device)
     t = result.time
     lines.append(
         f"  step {t.total_s:.3f} s: compute {t.compute_s:.3f}, exchange {t.exchange_s:.3f}, "
@@ -276,6 +270,32 @@ def _details(result: Evaluated, device: Device) -> list[str]:
         + (f", Muon's iterations {t.optimizer_s:.3f}" if t.optimizer_s else "")
     )
     lines.append(f"  {result.tokens_per_s:,.0f} tokens/s per device, MFU {_percent(result.mfu)}")
+    return lines
+
+
+def _expert_node_lines(result: Evaluated, device: Device) -> list[str]:
+    """Where the experts lie on nodes, when the EP group spans several."""
+    config = result.config
+    nodes = expert_nodes(config, device.gpus_per_node)
+    if nodes.nodes == 1 or config.parallel.ep == 1:
+        return []
+    moe = config.model.moe
+    limited = (
+        f"node-limited routing on nodes (n_group={moe.n_group}, topk_group={moe.topk_group})"
+        if nodes.groups_on_nodes
+        else "no node-limited routing on nodes"
+    )
+    bound = node_limited_bound(config, device.gpus_per_node) or 0.0
+    lines = [
+        f"  experts over {nodes.nodes} nodes per EP group; {limited}: a token's copies reach at "
+        f"most {nodes.nodes_per_token} of them",
+        "    (the exchange sends one row per copy, so the bytes across nodes above are the same "
+        "with or without the limit;",
+        f"    one row per token and node would send at most {bound / 1e6:.2f} MB per layer and "
+        "micro-batch)",
+    ]
+    if nodes.warning:
+        lines.append(f"  warning: {nodes.warning}")
     return lines
 
 
@@ -323,10 +343,20 @@ def _row(plan: Plan, r: Evaluated) -> dict[str, Any]:
     row["payload_bytes_per_step"] = r.traffic.payload
     row["wire_bytes_per_step"] = r.traffic.wire
     row["collective_calls_per_step"] = r.traffic.calls
+    per_node = device.gpus_per_node
     row["across_nodes_bytes_per_step"] = {
-        kind: across_nodes(kind, wire, r.config.parallel.ep, r.dp, device.gpus_per_node)
+        kind: across_nodes(r.config, r.world_size, kind, wire, per_node)
         for kind, wire in r.traffic.wire.items()
     }
+    nodes = expert_nodes(r.config, per_node)
+    if r.config.parallel.ep > 1 and nodes.nodes > 1:
+        row["expert_nodes"] = {
+            "nodes": nodes.nodes,
+            "groups_on_nodes": nodes.groups_on_nodes,
+            "nodes_per_token": nodes.nodes_per_token,
+            "per_node_dispatch_bound_bytes": node_limited_bound(r.config, per_node),
+            "warning": nodes.warning,
+        }
     row["step_s"] = r.time.__dict__
     row["tokens_per_s_per_device"] = r.tokens_per_s
     row["mfu"] = r.mfu

@@ -11,6 +11,7 @@ from moe_train.plan.hardware import Device
 from moe_train.plan.layouts import (
     Evaluated,
     candidate_layouts,
+    context_sizes,
     evaluate,
     fits_memory,
     layout_label,
@@ -45,11 +46,15 @@ class Smallest:
 def allowed_counts(config: Config, above: int, device: Device) -> list[int]:
     """Device counts above `above`, ascending, that some layout could start on: any count
     within one node and whole nodes beyond it, made of pipeline stages (at most one per layer)
-    times data-parallel ranks (dividing the global batch's sequences)."""
+    times data-parallel ranks (dividing the global batch's sequences) times context-parallel
+    ranks (the sizes `context_sizes` tries)."""
     per_node = device.gpus_per_node
     sequences = config.data.global_batch_size
     ranks = [dp for dp in range(1, sequences + 1) if sequences % dp == 0]
-    counts = {pp * dp for pp in range(1, config.model.n_layers + 1) for dp in ranks}
+    cps = context_sizes(config, config.data.seq_len // 2)
+    counts = {
+        pp * dp * cp for pp in range(1, config.model.n_layers + 1) for dp in ranks for cp in cps
+    }
     return sorted(c for c in counts if c > above and (c <= per_node or c % per_node == 0))
 
 

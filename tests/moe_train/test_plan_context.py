@@ -1,0 +1,338 @@
+"""The planner under context parallelism and node-limited routing, against two gloo ranks:
+the tensors a cp2 forward saves (and the long-context benchmark's own figure), the bytes a
+cp2 training step hands to the process-group calls, and the bytes an ep2 step with two
+simulated nodes (one device each) sends to the other node. One spawn runs every case."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+
+import long_context as long_context_benchmark
+import memory as memory_benchmark
+from harness.ranks import run_distributed
+from moe_train.config import load_config
+from moe_train.plan import DEVICES, device_with, held_per_micro_batch, make_plan, predict_traffic
+from moe_train.plan.traffic import across_nodes, expert_nodes, node_limited_bound
+
+SMALL = [
+    "--model.d_model=64",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.moe.num_experts=4",
+    "--model.moe.top_k=2",
+    "--model.moe.expert_hidden=96",
+    "--data.seq_len=64",
+    "--data.micro_batch_size=2",
+    "--data.global_batch_size=4",
+    "--precision.compute_dtype=float32",
+    "--parallel.cp=2",
+]
+SAVED_CASES = {
+    "gqa": [],
+    "mha": ["--model.n_kv_heads=4"],
+    "qk-norm, dense first layer": ["--model.qk_norm=true", "--model.dense_layers=1"],
+    "full recompute": ["--parallel.recompute=full"],
+}
+BENCHMARK_SEQ = 1024
+"""The long-context benchmark's model at this length, cp2, in the spawn (8K is the acceptance
+figure, run by the benchmark itself)."""
+NODE_LIMITED = [
+    *SMALL[:-1],
+    "--data.seq_len=128",
+    "--parallel.ep=2",
+    "--parallel.dispatcher=all_to_all",
+    "--model.moe.n_group=2",
+    "--model.moe.topk_group=1",
+]
+"""Two ranks, each a node of one device: experts 0-1 (group 0) on rank 0, 2-3 on rank 1."""
+
+
+def _saved_bytes(config, rank: int) -> int:
+    """Bytes of the new tensors this rank's cp2 forward keeps for backward."""
+    from moe_train.model import ContextShard, Transformer, apply_context_parallel
+    from moe_train.model.training_choices import apply_recompute
+
+    torch.manual_seed(0)
+    model = Transformer(config.model)
+    apply_recompute(model, config.parallel.recompute)
+    apply_context_parallel(model, ContextShard(2, rank, dist.group.WORLD))
+    batch, seq = config.data.micro_batch_size, config.data.seq_len
+    tokens = torch.randint(0, config.model.vocab_size, (batch, seq + 1))
+    inputs, targets = model.context.local(tokens[:, :-1]), model.context.local(tokens[:, 1:])
+    model.rope(seq)  # the model's tables, made on first use: not activations
+    existing = [*model.parameters(), *model.buffers(), inputs, targets]
+    before = {t.untyped_storage().data_ptr() for t in existing}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        loss = model(inputs, targets_BS=targets)
+    loss.backward()
+    return sum(size for ptr, size in storages.items() if ptr not in before)
+
+
+class Counter:
+    """Input bytes of the float collectives while installed, by call and group size; and of
+    each all_to_all_single, the bytes sent to each other group rank."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single")
+
+    def __init__(self) -> None:
+        self.bytes: dict[tuple[str, int], int] = defaultdict(int)
+        self.to_peer: dict[int, int] = defaultdict(int)
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> Counter:
+        for name in self.NAMES:
+            self._saved[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+    def _wrap(self, name, original):
+        def counted(*args, **kwargs):
+            tensor = args[0] if name == "all_reduce" else args[1]
+            group = kwargs.get("group")
+            if tensor.is_floating_point():
+                size = dist.get_world_size(group)
+                self.bytes[name, size] += tensor.numel() * tensor.element_size()
+                if name == "all_to_all_single":
+                    splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+                    row = tensor[0].numel() * tensor.element_size() if len(tensor) else 0
+                    mine = dist.get_rank(group)
+                    for peer, rows in enumerate(splits or []):
+                        if peer != mine:
+                            self.to_peer[peer] += rows * row
+            return original(*args, **kwargs)
+
+        return counted
+
+
+def _train_step_counted(config, record_routing: bool = False) -> dict:
+    """One step's collectives after a warm step of the real trainer; with `record_routing`
+    also each dispatch's chosen experts and the rank's first local expert."""
+    from moe_dispatch import AllToAllDispatcher
+    from moe_train.train.runtime import start_runtime
+    from moe_train.train.step import StepRunner
+
+    runtime = start_runtime(config, torch.device("cpu"))
+    runner = StepRunner(config, runtime)
+    shape = (config.data.global_batch_size, config.data.seq_len + 1)
+    batch = torch.randint(
+        0, config.model.vocab_size, shape, generator=torch.Generator().manual_seed(0)
+    )
+    runner.train_step(batch, 1e-4)
+    chosen: list[torch.Tensor] = []
+    first: list[int] = []
+    original = AllToAllDispatcher.dispatch
+
+    def dispatch(self, x, topk_idx, *args, **kwargs):
+        chosen.append(topk_idx.detach().clone())
+        first.append(self.first_local_expert)
+        return original(self, x, topk_idx, *args, **kwargs)
+
+    if record_routing:
+        AllToAllDispatcher.dispatch = dispatch
+    try:
+        with Counter() as counter:
+            runner.train_step(batch, 1e-4)
+    finally:
+        AllToAllDispatcher.dispatch = original
+    runtime.close(clean=True)
+    return {
+        "bytes": dict(counter.bytes),
+        "to_peer": dict(counter.to_peer),
+        "chosen": chosen,
+        "first_local_expert": first,
+    }
+
+
+def _rank_body(rank: int, world_size: int) -> dict:
+    out: dict = {"saved": {}}
+    for name, extra in SAVED_CASES.items():
+        out["saved"][name] = _saved_bytes(load_config(None, [*SMALL, *extra]), rank)
+    (row,) = long_context_benchmark.measure(rank, world_size, [(BENCHMARK_SEQ, False)], reps=1)
+    out["benchmark"] = row["activation_bytes"]
+    cp_config = memory_benchmark.row_config(SMALL, "none", Path("/unused"), 4)
+    out["cp2 step"] = _train_step_counted(cp_config)
+    limited = memory_benchmark.row_config(NODE_LIMITED, "none", Path("/unused"), 4)
+    out["node-limited step"] = _train_step_counted(limited, record_routing=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_distributed(_rank_body, world_size=2, timeout=600)
+
+
+@pytest.mark.slow
+def test_cp2_activations_are_the_tensors_a_cp2_forward_saves(two_ranks):
+    """Exact for each case: the rotated queries, the gathered keys and values (repeated to the
+    query heads), the rank's rows of the rotary tables and every other term at S / cp."""
+    for name, extra in SAVED_CASES.items():
+        config = load_config(None, [*SMALL, *extra])
+        layers = list(range(config.model.n_layers))
+        predicted = held_per_micro_batch(config, layers, first=True, last=True)
+        for rank, result in enumerate(two_ranks):
+            assert predicted == result["saved"][name], (name, rank)
+
+
+def _benchmark_config(seq: int, cp: int):
+    """The long-context benchmark's model as a config: one sequence, fp32, no recompute."""
+    model = long_context_benchmark.MODEL
+    return load_config(
+        None,
+        [
+            f"--model.vocab_size={model.vocab_size}",
+            f"--model.d_model={model.d_model}",
+            f"--model.n_layers={model.n_layers}",
+            f"--model.n_heads={model.n_heads}",
+            f"--model.n_kv_heads={model.n_kv_heads}",
+            f"--model.dense_layers={model.dense_layers}",
+            f"--model.dense_hidden={model.dense_hidden}",
+            f"--model.moe.num_experts={model.moe.num_experts}",
+            f"--model.moe.top_k={model.moe.top_k}",
+            f"--model.moe.expert_hidden={model.moe.expert_hidden}",
+            f"--data.seq_len={seq}",
+            "--data.micro_batch_size=1",
+            "--data.global_batch_size=1",
+            "--precision.compute_dtype=float32",
+            f"--parallel.cp={cp}",
+        ],
+    )
+
+
+def predicted_benchmark_activations(seq: int, cp: int) -> float:
+    """The planner's activations per rank for a row of benchmarks/long_context.py."""
+    config = _benchmark_config(seq, cp)
+    return held_per_micro_batch(config, [0, 1], first=True, last=True)
+
+
+@pytest.mark.slow
+def test_cp2_activations_match_the_long_context_benchmark(two_ranks):
+    """The benchmark also counts its inputs (the rank's token ids and targets)."""
+    predicted = predicted_benchmark_activations(BENCHMARK_SEQ, 2)
+    for result in two_ranks:
+        assert predicted == pytest.approx(result["benchmark"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_cp2_traffic_matches_the_bytes_of_the_process_group_calls(two_ranks):
+    """The K/V all-gathers exactly; their gradients' reduce-scatter (on gloo an all-reduce of
+    the same bytes) with the gradient all-reduce, scalars riding along."""
+    config = memory_benchmark.row_config(SMALL, "none", Path("/unused"), 4)
+    predicted = predict_traffic(config, 2).payload
+    for rank, result in enumerate(two_ranks):
+        counted = result["cp2 step"]["bytes"]
+        label = f"rank {rank}: counted {counted}, predicted {predicted}"
+        gathers = counted.get(("all_gather", 2), 0) + counted.get(("all_gather_into_tensor", 2), 0)
+        assert gathers == predicted["cp K/V all-gather"], label
+        reductions = sum(v for k, v in predicted.items() if k.endswith("all-reduce"))
+        want = reductions + predicted["cp K/V reduce-scatter"]
+        assert want <= counted[("all_reduce", 2)] <= want + 4096, label
+        assert ("all_to_all_single", 2) not in counted, label
+
+
+def _copies_to_peer(chosen: list[torch.Tensor], rank: int, local: int) -> int:
+    """Copies of this rank's tokens whose expert lies on the other rank."""
+    return sum(int(((idx // local) != rank).sum()) for idx in chosen)
+
+
+@pytest.mark.slow
+def test_two_simulated_nodes_send_across_only_what_the_planner_predicts(two_ranks):
+    config = memory_benchmark.row_config(NODE_LIMITED, "none", Path("/unused"), 4)
+    moe = config.model.moe
+    local = moe.num_experts // config.parallel.ep
+    per_group = moe.num_experts // moe.n_group
+    runs = [r["node-limited step"] for r in two_ranks]
+    # Placement: the experts of group g lie on rank g, which is node g (one device per node).
+    for rank, run in enumerate(runs):
+        assert set(run["first_local_expert"]) == {rank * local}
+        experts = range(rank * local, (rank + 1) * local)
+        assert {e // per_group for e in experts} == {rank}
+        # Every token's copies lie in at most topk_group groups, so on at most that many nodes.
+        for idx in run["chosen"]:
+            groups = [len(set(row.tolist())) for row in idx // per_group]
+            nodes = [len(set(row.tolist())) for row in idx // local]
+            assert max(groups) <= moe.topk_group and max(nodes) <= moe.topk_group
+    # The exchange sends across only the copies routed to the other node's experts: dispatch
+    # and the combine's gradient carry this rank's, combine and the dispatch's gradient the
+    # other's.
+    row = config.model.d_model * 4
+    crossing = [_copies_to_peer(run["chosen"], rank, local) for rank, run in enumerate(runs)]
+    for rank, run in enumerate(runs):
+        assert run["to_peer"] == {1 - rank: 2 * sum(crossing) * row}, (rank, crossing)
+    # The planner's figure: with balanced routing half of each rank's copies cross.
+    device = device_with("h100", gpus_per_node=1)
+    nodes = expert_nodes(config, device.gpus_per_node)
+    assert (nodes.nodes, nodes.groups_on_nodes, nodes.nodes_per_token) == (2, True, 1)
+    traffic = predict_traffic(config, 2)
+    predicted = sum(
+        across_nodes(config, 2, kind, wire, device.gpus_per_node)
+        for kind, wire in traffic.wire.items()
+        if kind.startswith("ep ")
+    )
+    for rank, run in enumerate(runs):
+        assert run["to_peer"][1 - rank] == pytest.approx(predicted, rel=0.05), (rank, predicted)
+    # One row per token and node would cross at most once per token.
+    tokens = config.data.micro_batch_size * config.data.seq_len
+    assert node_limited_bound(config, 1) == tokens * row
+
+
+def test_plan_searches_context_parallel_layouts():
+    """A sequence whose activations do not fit one device fits when split over two: on a
+    device between the two predictions, the cp2 layout fits and its cp1 twin does not."""
+    from dataclasses import replace
+
+    from moe_train.plan import evaluate, predict_memory
+    from moe_train.plan.layouts import layout_overrides
+
+    config = load_config(
+        Path(__file__).resolve().parents[2] / "configs/tiny.yaml",
+        ["--data.seq_len=8192", "--data.global_batch_size=2", "--data.micro_batch_size=1"],
+    )
+    totals = {
+        cp: predict_memory(replace(config, parallel=replace(config.parallel, cp=cp)), 2).total
+        for cp in (1, 2)
+    }
+    assert totals[2] < 0.8 * totals[1]
+    device = device_with("h100", memory_gib=(totals[1] + totals[2]) / 2 / 2**30)
+    plan = make_plan(config, 2, device, search=False)
+    own = f"pp1 dp2 ep1 cp2 mb1 rc:{config.parallel.recompute}"
+    row = next(r for r in plan.fitting if r.label == own)
+    assert "--parallel.cp=2" in layout_overrides(row.config, config)
+    twin = replace(row.config, parallel=replace(row.config.parallel, cp=1))
+    assert not evaluate(twin, 2, device).fits
+
+
+def test_node_placement_is_checked_against_the_rank_order():
+    """EP groups of whole nodes carry groups of experts onto nodes; a group count that does
+    not divide into the nodes, or EP groups that straddle nodes, get a warning."""
+    base = ["--model.moe.num_experts=32", "--model.moe.topk_group=1"]
+    config = load_config(None, [*base, "--parallel.ep=16", "--model.moe.n_group=2"])
+    assert expert_nodes(config, 8).groups_on_nodes and expert_nodes(config, 8).nodes == 2
+    assert expert_nodes(config, 8).nodes_per_token == 1
+    wrong = load_config(None, [*base, "--parallel.ep=16", "--model.moe.n_group=4"])
+    assert expert_nodes(wrong, 4).groups_on_nodes  # 4 groups on 4 nodes
+    odd = load_config(None, [*base, "--parallel.ep=16", "--model.moe.n_group=8"])
+    assert expert_nodes(odd, 8).groups_on_nodes  # two groups per node: still one node each
+    three = load_config(None, [*base, "--parallel.ep=16", "--model.moe.n_group=2"])
+    assert not expert_nodes(three, 4).groups_on_nodes  # 2 groups over 4 nodes straddle
+    assert "n_group=2 expert groups do not each lie on one node" in expert_nodes(three, 4).warning
+    straddling = load_config(None, [*base, "--parallel.ep=8", "--model.moe.n_group=2"])
+    assert "straddle" in expert_nodes(straddling, 3).warning
+    assert expert_nodes(config, 16).nodes == 1 and expert_nodes(config, 16).warning is None
+    assert DEVICES["h100"].gpus_per_node == 8
