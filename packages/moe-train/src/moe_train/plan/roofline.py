@@ -1,8 +1,11 @@
 """Step time of a layout from a roofline of its compute and its links.
 
-Compute runs at a fixed fraction of the device's matmul peak; the expert-parallel exchanges
-sit on the critical path (each MoE layer waits for its tokens); gradient reductions overlap
-the backward and only what outlasts it shows; the distributed optimizer's all-gather follows
+Compute is each kind of matrix product at its precision's peak times the share its shape
+reaches, attention at its own share, and the memory-bound kernels' bytes at the memory
+bandwidth, on the busiest pipeline rank (the one holding the head); the expert-parallel
+exchanges sit on the critical path (each MoE layer waits for its tokens) but for the share a
+sync-free dispatcher hides behind compute; gradient reductions overlap the backward and only
+what outlasts it shows; the distributed optimizer's all-gather follows
 the step; a pipeline adds its bubble; Muon adds its Newton-Schulz iterations.
 
 Two floors keep a small model's figure from running to millions of tokens per second: the
@@ -10,6 +13,10 @@ blocks' compute takes no less than their operators take to be issued one by one 
 PyTorch launches each operator from the host), and each collective call costs a fixed
 start-up time on top of its bytes (the latency term of the usual latency-bandwidth model).
 Both are negligible for models of the size this planner is for.
+
+The constants below were set against published operating points of other systems (see
+docs/planner.md, Calibration, and tests/moe_train/test_plan_calibration.py): one set for all,
+each with the reason for its value.
 """
 
 from __future__ import annotations
