@@ -51,3 +51,30 @@ def test_published_figures_come_from_the_config_headers(tmp_path):
     (tmp_path / "published-c.yaml").write_text("# Calibration: 8 x b200\n")
     with pytest.raises(ValueError, match=r"published-c\.yaml"):
         published_points(tmp_path)
+
+
+def test_what_the_constants_act_on():
+    from dataclasses import replace
+
+    from moe_train.config import load_config
+    from moe_train.plan import DEVICES
+    from moe_train.plan.roofline import busiest_rank_seconds, compute_seconds
+
+    path = ROOT / "configs/published-qwen3-30b-a3b-h100.yaml"
+    h100 = DEVICES["h100"]
+    config = load_config(path)
+    blocks, head = compute_seconds(config, h100)
+    # The same expert FLOPs in twice the copies of half the width: slower (shorter
+    # contractions, more routed bytes).
+    narrow = load_config(path, ["--model.moe.expert_hidden=384", "--model.moe.top_k=16"])
+    assert compute_seconds(narrow, h100)[0] > 1.05 * blocks
+    # Pipeline stages hold equal blocks: the last, with the head, sets the pace.
+    staged = load_config(path, ["--parallel.pp=4"])
+    assert busiest_rank_seconds(staged, h100) == pytest.approx(blocks / 4 + head)
+    # FP8 products are faster where FP8 runs, quantization included (if only by 4% on this
+    # model, whose narrow experts leave much of the time to memory-bound kernels), and change
+    # nothing where it does not.
+    bf16 = load_config(path, ["--precision.linear=bf16", "--precision.expert_gemm=torch"])
+    assert compute_seconds(bf16, h100)[0] > 1.03 * blocks
+    no_fp8 = replace(h100, fp8_tflops=0.0)
+    assert compute_seconds(bf16, no_fp8) == compute_seconds(config, no_fp8)

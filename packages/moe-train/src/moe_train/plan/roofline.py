@@ -47,11 +47,10 @@ num_experts."""
 
 FP8_EFFICIENCY = 0.7
 """Share of the FP8 peak an FP8 product reaches, relative to the share the same product
-reaches of the bf16 peak: scaled GEMMs apply scales in the epilogue (MX block scales in the
-main loop), and grouped FP8 kernels are younger than bf16 ones. At 0.7 the expert GEMMs run
-1.4x faster in FP8 rather than 2x, which with the quantization passes below gives the
-+15-20% end to end that published MXFP8 runs report over bf16 (the reference system: +21%
-on its 47B model)."""
+reaches of the bf16 peak: scaled GEMMs apply their scales in the epilogue (MX block scales
+in the main loop), and the grouped FP8 kernels are younger than the bf16 ones; at the sizes
+of MoE experts they run 1.3-1.5x as fast as bf16, not the 2x of the datasheets. 0.7 gives
+1.4x. The quantization itself is a memory-bound pass (MEMORY_BOUND_PASSES)."""
 
 ATTENTION_EFFICIENCY = 0.4
 """Fraction of the bf16 peak that fused causal attention (flash attention, forward and
@@ -60,17 +59,19 @@ products with recomputed scores, the softmax between them and the masked tiles a
 diagonal keep it well under the matmul ceiling (published flash-attention kernels: 50-75%
 forward, 35-50% backward). Attention runs in bf16 whatever the linears' precision."""
 
-MEMORY_BOUND_PASSES = {"dense": 40, "routed": 20, "quantize": 6, "logits": 8}
+MEMORY_BOUND_PASSES = {"dense": 40, "routed": 24, "quantize": 3, "logits": 8}
 """The bytes the memory-bound kernels move per token, forward and backward, in passes of
 2-byte elements: "dense" over the d_model-wide tensors of each block (two norms, two
 residual adds, rotary embedding and QK-norm on queries and keys, layout copies around
 attention: about 20 reads and writes forward, as many backward with the saved inputs read
-again); "routed" over each routed copy's d_model + expert-width elements (permute and
-unpermute, the SwiGLU activation, the combine's weighting, their gradients); "quantize"
-over those of each operand a product quantizes to FP8 (reads and writes, both orientations
-for the weight gradient); "logits" over the vocabulary-wide FP32 logits (counted in 2-byte
-passes: written by the head, read by the loss, their gradient written and read back). These
-make a model with narrow experts and many routed copies per FLOP slower than its FLOPs say."""
+again); "routed" over each routed copy's d_model + expert-width elements (the permute's
+gather and the unpermute's scatter, the SwiGLU activation over twice the width, the
+combine's weighting, their gradients, the saved copies read back); "quantize" over those of
+each operand a product quantizes to FP8, what is left when the quantization is fused into
+the kernel that produces the operand (the second orientation the weight gradient needs, the
+scales); "logits" over the vocabulary-wide FP32 logits (counted in 2-byte passes: written by
+the head, read by the loss, their gradient written and read back). These make a model with
+narrow experts and many routed copies per FLOP slower than its FLOPs say."""
 
 MEMORY_EFFICIENCY = 0.6
 """Fraction of the datasheet memory bandwidth that the elementwise, gather and scatter
