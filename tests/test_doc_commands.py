@@ -143,6 +143,10 @@ COMMANDS: dict[str, Run | Skip] = {
     "torchrun --nproc-per-node 8 -m moe_train.cli train configs/olmoe-1b-7b.yaml "
     "--train.run_dir=runs/olmoe --checkpoint.resume=auto": Skip("8 GPUs"),
     # docs/planner.md
+    "python scripts/plan_calibration.py": Skip(
+        "prints the calibration table; tests/moe_train/test_plan_calibration.py computes the "
+        "same table and checks that docs/planner.md holds it"
+    ),
     "moe-train plan configs/olmoe-1b-7b.yaml --gpus 8 --gpu h100": Run(),
     "moe-train plan configs/published-1t-a58b.yaml --gpus 512 --gpu b300 --json > plan.json": (
         Run()

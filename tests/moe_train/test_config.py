@@ -19,7 +19,18 @@ from training import CONFIGS
 
 @pytest.mark.parametrize(
     "name",
-    ["tiny", "medium", "olmoe-1b-7b", "moe-47b-a3b", "published-47b-a3b", "published-1t-a58b"],
+    [
+        "tiny",
+        "medium",
+        "olmoe-1b-7b",
+        "moe-47b-a3b",
+        "published-47b-a3b",
+        "published-1t-a58b",
+        "published-qwen3-30b-a3b-b200",
+        "published-qwen3-30b-a3b-h100",
+        "published-qwen3-235b-a22b-b200",
+        "published-qwen3-235b-a22b-h100",
+    ],
 )
 def test_shipped_configs_load(name):
     """Every key the file sets holds the file's value; every other key its default."""

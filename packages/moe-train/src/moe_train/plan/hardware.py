@@ -27,6 +27,8 @@ class Device:
     fp8_tflops: float = 0.0
     """Dense FP8 (e4m3) matrix-multiply peak, no sparsity; 0 where FP8 does not run natively.
     Rowwise FP8 and MXFP8 (where `mxfp8`) run at this rate."""
+    memory_tbps: float = 0.0
+    """Memory (HBM) bandwidth in TB/s, for the memory-bound kernels; 0 leaves them out."""
 
 
 FLAGS = {
@@ -41,11 +43,12 @@ DEVICES: dict[str, Device] = {
     # Memory as the driver reports it (a little under the marketed GB); NVLink 4 is 900 GB/s
     # and NVLink 5 1.8 TB/s both directions together; one 400 Gb/s adapter per H100, H200 and
     # B200, one 800 Gb/s adapter per B300. Dense FP8 peaks: 1979 TFLOP/s (H100, H200),
-    # 4500 (B200, B300).
-    "h100": Device("H100 SXM", 79.6, 989.0, False, 450.0, 50.0, fp8_tflops=1979.0),
-    "h200": Device("H200 SXM", 139.8, 989.0, False, 450.0, 50.0, fp8_tflops=1979.0),
-    "b200": Device("B200", 178.0, 2250.0, True, 900.0, 50.0, fp8_tflops=4500.0),
-    "b300": Device("B300", 268.0, 2250.0, True, 900.0, 100.0, fp8_tflops=4500.0),
+    # 4500 (B200, B300), MXFP8 on B200 and B300 at the same rate. Memory bandwidth: 3.35 TB/s
+    # (H100 SXM), 4.8 (H200), 8 (B200, B300).
+    "h100": Device("H100 SXM", 79.6, 989.0, False, 450.0, 50.0, 8, 1979.0, 3.35),
+    "h200": Device("H200 SXM", 139.8, 989.0, False, 450.0, 50.0, 8, 1979.0, 4.8),
+    "b200": Device("B200", 178.0, 2250.0, True, 900.0, 50.0, 8, 4500.0, 8.0),
+    "b300": Device("B300", 268.0, 2250.0, True, 900.0, 100.0, 8, 4500.0, 8.0),
 }
 
 

@@ -184,9 +184,9 @@ def _legend() -> list[str]:
         *(f"  {code:<{width}}  {meaning}" for code, meaning in LEGEND.items()),
         "columns: memory, the predicted peak per device; tok/s/dev, tokens/s per device by a "
         "roofline",
-        "  (an upper bound); bubble and exch., the step's share idle in the pipeline bubble and "
-        "in the",
-        "  expert-parallel exchanges",
+        "  calibrated against published runs (docs/planner.md); bubble and exch., the step's "
+        "share idle in",
+        "  the pipeline bubble and in the expert-parallel exchanges",
     ]
 
 

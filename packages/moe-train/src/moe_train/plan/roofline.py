@@ -1,8 +1,11 @@
 """Step time of a layout from a roofline of its compute and its links.
 
-Compute runs at a fixed fraction of the device's matmul peak; the expert-parallel exchanges
-sit on the critical path (each MoE layer waits for its tokens); gradient reductions overlap
-the backward and only what outlasts it shows; the distributed optimizer's all-gather follows
+Compute is each kind of matrix product at its precision's peak times the share its shape
+reaches, attention at its own share, and the memory-bound kernels' bytes at the memory
+bandwidth, on the busiest pipeline rank (the one holding the head); the expert-parallel
+exchanges sit on the critical path (each MoE layer waits for its tokens) but for the share a
+sync-free dispatcher hides behind compute; gradient reductions overlap the backward and only
+what outlasts it shows; the distributed optimizer's all-gather follows
 the step; a pipeline adds its bubble; Muon adds its Newton-Schulz iterations.
 
 Two floors keep a small model's figure from running to millions of tokens per second: the
@@ -10,6 +13,10 @@ blocks' compute takes no less than their operators take to be issued one by one 
 PyTorch launches each operator from the host), and each collective call costs a fixed
 start-up time on top of its bytes (the latency term of the usual latency-bandwidth model).
 Both are negligible for models of the size this planner is for.
+
+The constants below were set against published operating points of other systems (see
+docs/planner.md, Calibration, and tests/moe_train/test_plan_calibration.py): one set for all,
+each with the reason for its value.
 """
 
 from __future__ import annotations
@@ -22,9 +29,66 @@ from moe_train.model.accounting import count_params, flops_per_token
 from moe_train.plan.hardware import Device
 from moe_train.plan.traffic import Traffic
 
-MATMUL_EFFICIENCY = 0.6
-"""Fraction of the datasheet peak that the matrix products reach: a planning constant, not a
-measurement of this trainer."""
+MATMUL_EFFICIENCY = 0.75
+"""Fraction of the datasheet peak that a large bf16 matrix product reaches (cuBLAS and
+CUTLASS reach 75-80% on long contractions): the ceiling of which each product's shape gets
+its share (CONTRACTION_HALF). A planning constant, not a measurement of this trainer."""
+
+CONTRACTION_HALF = 384
+"""Contraction length at which a tiled matrix product reaches half its ceiling: each output
+tile pays a fixed cost (loading its first operand tiles, the epilogue that writes it) that a
+contraction of length k spreads over k / tile-depth steps, so the share reached is
+k / (k + CONTRACTION_HALF): three 128-deep tile steps of overhead. A 4096-wide layer loses
+9%, a 768-wide expert's down projection a third: small per-expert GEMMs reach a lower
+fraction of the peak than large dense ones. Each product's three matmuls (forward, input
+gradient, weight gradient) contract over different lengths: the weight gradient over the
+rows of its micro-batch, which for one expert are the micro-batch's tokens x top_k x ep /
+num_experts."""
+
+FP8_EFFICIENCY = 0.7
+"""Share of the FP8 peak an FP8 product reaches, relative to the share the same product
+reaches of the bf16 peak: scaled GEMMs apply their scales in the epilogue (MX block scales
+in the main loop), and the grouped FP8 kernels are younger than the bf16 ones; at the sizes
+of MoE experts they run 1.3-1.5x as fast as bf16, not the 2x of the datasheets. 0.7 gives
+1.4x. The quantization itself is a memory-bound pass (MEMORY_BOUND_PASSES)."""
+
+ATTENTION_EFFICIENCY = 0.4
+"""Fraction of the bf16 peak that fused causal attention (flash attention, forward and
+backward) reaches on the FLOPs counted for it (the causal half): the backward's five
+products with recomputed scores, the softmax between them and the masked tiles along the
+diagonal keep it well under the matmul ceiling (published flash-attention kernels: 50-75%
+forward, 35-50% backward). Attention runs in bf16 whatever the linears' precision."""
+
+MEMORY_BOUND_PASSES = {"dense": 40, "routed": 24, "quantize": 3, "logits": 8}
+"""The bytes the memory-bound kernels move per token, forward and backward, in passes of
+2-byte elements: "dense" over the d_model-wide tensors of each block (two norms, two
+residual adds, rotary embedding and QK-norm on queries and keys, layout copies around
+attention: about 20 reads and writes forward, as many backward with the saved inputs read
+again); "routed" over each routed copy's d_model + expert-width elements (the permute's
+gather and the unpermute's scatter, the SwiGLU activation over twice the width, the
+combine's weighting, their gradients, the saved copies read back); "quantize" over those of
+each operand a product quantizes to FP8, what is left when the quantization is fused into
+the kernel that produces the operand (the second orientation the weight gradient needs, the
+scales); "logits" over the vocabulary-wide FP32 logits (counted in 2-byte passes: written by
+the head, read by the loss, their gradient written and read back). These make a model with
+narrow experts and many routed copies per FLOP slower than its FLOPs say."""
+
+MEMORY_EFFICIENCY = 0.6
+"""Fraction of the datasheet memory bandwidth that the elementwise, gather and scatter
+kernels reach (long streaming kernels reach 80-90%; the permutes' indexed accesses and the
+many short kernels of a block much less)."""
+
+SYNC_FREE_DISPATCHERS = ("rowwise", "deepep")
+"""Dispatchers whose exchange the device can run beside compute: they keep the routing on
+the device, so the host queues the next kernels without waiting. all_to_all needs each
+layer's split sizes on the host first: its exchange stays on the critical path."""
+
+EXCHANGE_OVERLAP = 0.75
+"""Share of a sync-free dispatcher's expert-parallel exchange hidden behind compute (one
+micro-batch's dispatch and combine beside another's matrix products, as the reference system
+and Megatron's overlapped schedule do): most of it, but not the first and last exchanges of
+a step, the layers whose exchange outlasts their compute, and the time the copy kernels take
+from the products whose SMs they share."""
 
 OPERATOR_FLOOR_S = 5e-6
 """Least time one operator of the forward or backward occupies the device: its dispatch by the
@@ -73,16 +137,12 @@ class StepTime:
 
 
 def step_time(config: Config, world_size: int, device: Device, traffic: Traffic) -> StepTime:
-    """The roofline's step time of one rank (all ranks alike, pipeline stages balanced)."""
-    parallel, data, model = config.parallel, config.data, config.model
+    """The roofline's step time of the busiest rank (data-parallel ranks alike; of the
+    pipeline ranks, the last, which holds the head)."""
+    parallel, data = config.parallel, config.data
     dp = world_size // parallel.pp
-    tokens_per_rank = data.global_batch_size * data.seq_len / dp / parallel.pp
-    flops = flops_per_token(model, data.seq_len) * tokens_per_rank * _recompute_factor(config)
-    compute_s = flops / (device.bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
-    if expert_gemm_runs_in_fp8(config, device):  # the expert GEMMs at the FP8 rate
-        compute_s -= (
-            _expert_share(config) * compute_s * (1 - device.bf16_tflops / device.fp8_tflops)
-        )
+    tokens_per_rank = data.global_batch_size * data.seq_len / dp
+    compute_s = busiest_rank_seconds(config, device) * tokens_per_rank * _recompute_factor(config)
     compute_s = max(compute_s, operator_floor_s(config, dp))
     exchange_s = reduction_s = pipeline_s = 0.0
     for kind, wire in traffic.wire.items():
@@ -101,6 +161,8 @@ def step_time(config: Config, world_size: int, device: Device, traffic: Traffic)
     if parallel.pp > 1:
         chunks = parallel.virtual_stages if parallel.pp_schedule == "interleaved_1f1b" else 1
         bubble = (parallel.pp - 1) / (chunks * num_micro)
+    if parallel.dispatcher in SYNC_FREE_DISPATCHERS:
+        exchange_s -= min(EXCHANGE_OVERLAP * exchange_s, compute_s)
     busy = compute_s + exchange_s
     optimizer_s = newton_schulz_flops(config, dp) / parallel.pp / (device.bf16_tflops * 1e12)
     if config.optim.muon_ns_dtype == "float32":
@@ -160,6 +222,91 @@ def _recompute_factor(config: Config) -> float:
     return 4 / 3 if mode == "full" else 1.0 + (0.02 if mode == "selective" else 0.0)
 
 
+def busiest_rank_seconds(config: Config, device: Device) -> float:
+    """Compute seconds per token of the busiest pipeline rank, forward and backward without
+    recompute: its share of the blocks and, on the last rank, the head and the loss (stages
+    hold equal numbers of blocks, so the head's rank is the slowest and sets the pace)."""
+    blocks, head = compute_seconds(config, device)
+    return blocks / config.parallel.pp + head
+
+
+def compute_seconds(config: Config, device: Device) -> tuple[float, float]:
+    """Seconds of compute per token of the whole model's blocks and of its head (with the
+    loss), forward and backward without recompute: each kind of matrix product at its
+    precision's rate and its shape's share of the ceiling, attention at ATTENTION_EFFICIENCY,
+    the memory-bound kernels' bytes at MEMORY_EFFICIENCY of the memory bandwidth."""
+    model, moe, data = config.model, config.model.moe, config.data
+    d, h, k = model.d_model, moe.expert_hidden, moe.top_k
+    bf16, fp8 = device.bf16_tflops * 1e12, device.fp8_tflops * 1e12
+    experts_fp8 = expert_gemm_runs_in_fp8(config, device)
+    linears_fp8 = linears_run_in_fp8(config, device)
+    flops = _flops_by_kind(config)
+    rows = data.micro_batch_size * data.seq_len  # a dense product's weight-gradient contraction
+    expert_rows = rows * config.parallel.ep * k / moe.num_experts  # each local expert's rows
+    # gate_up (2/3 of the expert FLOPs): contractions d, 2h, rows; down: h, d, rows.
+    expert_share = (2 / 3) * _mean_efficiency([d, 2 * h, expert_rows]) + (1 / 3) * _mean_efficiency(
+        [h, d, expert_rows]
+    )
+    dense_share = _mean_efficiency([d, d, rows])
+    fp8 *= FP8_EFFICIENCY
+    blocks = flops["experts"] / ((fp8 if experts_fp8 else bf16) * expert_share)
+    blocks += flops["linears"] / ((fp8 if linears_fp8 else bf16) * dense_share)
+    blocks = blocks / MATMUL_EFFICIENCY + flops["attention"] / (bf16 * ATTENTION_EFFICIENCY)
+    head = flops["head"] / (bf16 * dense_share * MATMUL_EFFICIENCY)
+    if device.memory_tbps > 0:
+        bandwidth = device.memory_tbps * 1e12 * MEMORY_EFFICIENCY
+        blocks += _memory_bound_bytes(config, experts_fp8, linears_fp8) / bandwidth
+        head += 4 * MEMORY_BOUND_PASSES["logits"] * model.vocab_size / bandwidth
+    return blocks, head
+
+
+def _efficiency(contraction: float) -> float:
+    """Share of the matmul ceiling a product of this contraction length reaches."""
+    return contraction / (contraction + CONTRACTION_HALF)
+
+
+def _mean_efficiency(contractions: list[float]) -> float:
+    """The share of equal-FLOP products (forward, input gradient, weight gradient) together:
+    the harmonic mean, since each takes its FLOPs over its own share."""
+    return len(contractions) / sum(1 / _efficiency(c) for c in contractions)
+
+
+def _flops_by_kind(config: Config) -> dict[str, float]:
+    """Training FLOPs per token by kind of product: the routed experts', the other linear
+    layers' (attention projections, shared experts, dense feed-forwards), the head's and the
+    router's (which stay in bf16), and attention's scores and values."""
+    model, moe = config.model, config.model.moe
+    d = model.d_model
+    moe_layers = model.n_layers - model.dense_layers
+    counts = count_params(model)
+    total = flops_per_token(model, config.data.seq_len)
+    matmuls = 6 * (counts.active + counts.mtp_active)
+    experts = 6 * moe_layers * moe.top_k * 3 * d * moe.expert_hidden
+    head = 6 * model.vocab_size * d * (1 + model.mtp_depth)
+    router = 6 * moe_layers * d * moe.num_experts  # bf16, counted with the head's share
+    return {
+        "experts": experts,
+        "linears": matmuls - experts - head - router,
+        "head": head + router,
+        "attention": total - matmuls,
+    }
+
+
+def _memory_bound_bytes(config: Config, experts_fp8: bool, linears_fp8: bool) -> float:
+    """Bytes the memory-bound kernels move per token, forward and backward (see
+    MEMORY_BOUND_PASSES)."""
+    model, moe = config.model, config.model.moe
+    d, routed = model.d_model, moe.top_k * (model.d_model + moe.expert_hidden)
+    moe_layers = model.n_layers - model.dense_layers
+    passes = MEMORY_BOUND_PASSES
+    elements = model.n_layers * passes["dense"] * d + moe_layers * passes["routed"] * routed
+    if experts_fp8:
+        elements += moe_layers * passes["quantize"] * routed
+    if linears_fp8:
+        elements += model.n_layers * passes["quantize"] * 2 * d
+    return 2 * elements
+
+
 def expert_gemm_runs_in_fp8(config: Config, device: Device) -> bool:
     """Whether the config's expert GEMMs run at `device`'s FP8 rate: mxfp8 where MXFP8 is
     native, fp8_rowwise where FP8 is, and auto (bf16 compute) where either is."""
@@ -171,12 +318,9 @@ def expert_gemm_runs_in_fp8(config: Config, device: Device) -> bool:
     return gemm == "fp8_rowwise" or (gemm == "mxfp8" and device.mxfp8)
 
 
-def _expert_share(config: Config) -> float:
-    """Share of the active matmul parameters in the routed experts."""
-    model, moe = config.model, config.model.moe
-    moe_layers = model.n_layers - model.dense_layers
-    expert = moe_layers * moe.top_k * 3 * model.d_model * moe.expert_hidden
-    return expert / count_params(model).active
+def linears_run_in_fp8(config: Config, device: Device) -> bool:
+    """Whether the other linear layers (precision.linear) run at `device`'s FP8 rate."""
+    return config.precision.linear != "bf16" and device.fp8_tflops > 0
 
 
 def across_nodes(kind: str, wire: float, ep: int, dp: int, per_node: int) -> float:

@@ -1,0 +1,109 @@
+"""The planner against published operating points. Each `configs/published-*.yaml` names in
+one header line the devices the point ran on and what was published for it:
+
+    # Calibration: 8 x b200, 27136 tokens/s per GPU, 619 model TFLOP/s per GPU
+
+(either figure may be left out). Those lines are the one place the published figures live:
+the calibration table in docs/planner.md and its test both read them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_train.config import load_config
+from moe_train.model.accounting import flops_per_token
+from moe_train.plan.hardware import DEVICES
+from moe_train.plan.layouts import evaluate
+
+HEADER = re.compile(
+    r"^# Calibration: (?P<gpus>\d+) x (?P<gpu>\w+)"
+    r"(?:, (?P<tokens>\d+) tokens/s per GPU)?(?:, (?P<tflops>\d+) model TFLOP/s per GPU)?\s*$",
+    re.MULTILINE,
+)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One published operating point, as its config's header gives it."""
+
+    config: Path
+    gpus: int
+    gpu: str
+    tokens_per_s: float | None
+    """Published tokens/s per GPU, where given."""
+    tflops: float | None
+    """Published model TFLOP/s per GPU (the publisher's FLOPs of its own model), where given."""
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    point: Point
+    predicted_tokens_per_s: float
+    predicted_tflops: float
+    """Predicted tokens/s x the planner's FLOPs per token of the config's model."""
+    published_tflops: float
+    """The published model TFLOP/s, or (where only tokens/s was published, for a config of
+    the published model's size) the published tokens/s x the planner's FLOPs per token."""
+    fits: bool
+    """Whether the planner finds the config's layout within the device's memory."""
+
+    @property
+    def ratio(self) -> float:
+        """Predicted over published work rate: above 1 the planner is optimistic."""
+        return self.predicted_tflops / self.published_tflops
+
+
+def published_points(configs: Path) -> list[Point]:
+    """The points of the `published-*.yaml` configs in `configs` that carry a calibration
+    line, in file-name order. Raises ValueError naming a config whose line is missing."""
+    points = []
+    for path in sorted(configs.glob("published-*.yaml")):
+        match = HEADER.search(path.read_text())
+        if match is None or not (match["tokens"] or match["tflops"]):
+            raise ValueError(f"{path}: no '# Calibration: N x GPU, ...' line with a figure")
+        tokens, tflops = match["tokens"], match["tflops"]
+        points.append(
+            Point(
+                path,
+                int(match["gpus"]),
+                match["gpu"],
+                float(tokens) if tokens else None,
+                float(tflops) if tflops else None,
+            )
+        )
+    return points
+
+
+def calibrate(point: Point) -> Calibrated:
+    """The planner's prediction of the point's own layout on its devices."""
+    config = load_config(point.config)
+    result = evaluate(config, point.gpus, DEVICES[point.gpu])
+    if result.error is not None:
+        raise ValueError(f"{point.config}: {result.error}")
+    flops = flops_per_token(config.model, config.data.seq_len)
+    published = point.tflops if point.tflops else point.tokens_per_s * flops / 1e12
+    return Calibrated(
+        point, result.tokens_per_s, result.tokens_per_s * flops / 1e12, published, result.fits
+    )
+
+
+def calibration_table(rows: list[Calibrated]) -> str:
+    """The rows as a Markdown table: published and predicted figures per GPU and their ratio."""
+    lines = [
+        "| config | devices | published tokens/s | published TFLOP/s | predicted tokens/s "
+        "| predicted TFLOP/s | ratio |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        p = r.point
+        tokens = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-"
+        tflops = f"{p.tflops:,.0f}" if p.tflops else f"({r.published_tflops:,.0f})"
+        fits = "" if r.fits else " (over memory)"
+        lines.append(
+            f"| `{p.config.name}` | {p.gpus} {DEVICES[p.gpu].name} | {tokens} | {tflops} "
+            f"| {r.predicted_tokens_per_s:,.0f}{fits} | {r.predicted_tflops:,.0f} "
+            f"| {r.ratio:.2f} |"
+        )
+    return "\n".join(lines)
