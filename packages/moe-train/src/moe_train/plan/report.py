@@ -338,7 +338,7 @@ def _row(plan: Plan, r: Evaluated, tokens: int | None = None) -> dict[str, Any]:
         kind: across_nodes(kind, wire, r.config.parallel.ep, r.dp, device.gpus_per_node)
         for kind, wire in r.traffic.wire.items()
     }
-    row["step_s"] = r.time.__dict__
+    row["step_s"] = {**r.time.__dict__, "total_s": r.time.total_s}
     row["tokens_per_s_per_device"] = r.tokens_per_s
     row["mfu"] = r.mfu
     if tokens is not None:
