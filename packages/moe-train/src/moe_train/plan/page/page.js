@@ -195,13 +195,13 @@ function drawChart(selected) {
   const categories = [...new Set(bars.flatMap((r) => Object.keys(r.memory_bytes)))].filter((c) => c !== "total");
   const limit = answer.device.memory_gib * gib;
   const top = Math.max(limit, ...bars.map((r) => r.memory_bytes.total));
-  const W = 900, barH = 22, left = 330, H = bars.length * (barH + 6) + 50;
+  const W = 1100, barH = 22, left = 420, H = bars.length * (barH + 6) + 50;
   const svg = document.createElementNS(ns, "svg");
   svg.setAttribute("width", W); svg.setAttribute("height", H);
   const add = (tag, attrs, text) => { const e = document.createElementNS(ns, tag);
     for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
     if (text !== undefined) e.textContent = text; svg.append(e); return e; };
-  const scale = (W - left - 20) / top;
+  const scale = (W - left - 80) / top;
   bars.forEach((r, i) => {
     const y = 10 + i * (barH + 6);
     add("text", {x: left - 6, y: y + 15, "text-anchor": "end"}, (r === selected ? "▶ " : "") + r.layout);
@@ -214,7 +214,7 @@ function drawChart(selected) {
   });
   const lx = left + limit * scale, bottom = 10 + bars.length * (barH + 6);
   add("line", {x1: lx, x2: lx, y1: 4, y2: bottom, stroke: "#000", "stroke-dasharray": "4 3"});
-  add("text", {x: lx, y: bottom + 12, "text-anchor": "middle"}, `device memory ${bytes(limit)}`);
+  add("text", {x: lx, y: bottom + 12, "text-anchor": "end"}, `device memory ${bytes(limit)}`);
   let x = left;
   categories.forEach((c, j) => { add("rect", {x, y: bottom + 22, width: 10, height: 10, fill: COLORS[j % COLORS.length]});
     add("text", {x: x + 14, y: bottom + 31}, c); x += 14 + 8 * c.length + 16; });
