@@ -96,12 +96,9 @@ def test_bad_input_is_refused_at_its_field_in_the_clis_words(url, case, capsys):
 
 def test_pasted_yaml_with_an_unknown_key_and_a_model_that_fits_nowhere(url):
     status, body = _post(url, "/api/plan", {"yaml": "model:\n  wings: 2\n", "gpus": "8"})
-    assert status == 400
-    assert json.loads(body)["errors"] == {
-        "yaml": json.loads(body)["errors"]["yaml"]
-    } and json.loads(body)["errors"]["yaml"].startswith(
-        "pasted.yaml: unknown config key model.wings"
-    )
+    (field, message), *more = json.loads(body)["errors"].items()
+    assert status == 400 and field == "yaml" and not more
+    assert message.startswith("pasted.yaml: unknown config key model.wings")
     status, body = _post(url, "/api/plan", {"config": "moe-47b-a3b.yaml", "gpus": "1"})
     answer = json.loads(body)
     assert status == 422 and answer["errors"]["gpus"].startswith("no layout fits 79.6 GiB")
