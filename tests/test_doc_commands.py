@@ -156,6 +156,11 @@ COMMANDS: dict[str, Run | Skip] = {
         paths={"my.yaml": "configs/olmoe-1b-7b.yaml"}  # one that starts on 64 devices: exit 0
     ),
     "moe-train plan configs/olmoe-1b-7b.yaml --gpus 8 --gpu h100 --top 3 --overrides": Run(),
+    "moe-train plan configs/olmoe-1b-7b.yaml --gpus 64 --gpu h100 --tokens 2e12": Run(),
+    "moe-train plan --serve --port 8037": Skip(
+        "serves until interrupted; tests/moe_train/test_plan_page.py starts `plan --serve` and "
+        "drives the page in Chromium"
+    ),
     # docs/audit.md
     "moe-train verify runs/a/checkpoints/step_00000003 runs/a/checkpoints/step_00000006": Run(),
     # docs/interop.md

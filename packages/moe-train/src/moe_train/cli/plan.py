@@ -1,15 +1,23 @@
-"""`moe-train plan CONFIG --gpus N [--gpu NAME] [--json] [--overrides] [--section.key=value ...]`."""
+"""`moe-train plan CONFIG --gpus N [--gpu NAME] [--tokens N] [--json] [--overrides]
+[--section.key=value ...]`, and `moe-train plan [CONFIG] --serve [--port P]` (the page)."""
 
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from moe_train.cli.command import Command
 
+DEFAULT_PORT = 8037
+MAX_GPUS = 1 << 20
+"""The most devices planned for (the layouts of a count are found by trying its divisors)."""
+
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", type=Path, help="YAML config file")
-    parser.add_argument("--gpus", type=int, required=True, metavar="N", help="devices in all")
+    parser.add_argument(
+        "config", type=Path, nargs="?", help="YAML config file (with --serve: the one preselected)"
+    )
+    parser.add_argument("--gpus", type=int, default=None, metavar="N", help="devices in all")
     parser.add_argument(
         "--gpu", default=None, help="h100, h200, b200 or b300 (default h100, or the figures below)"
     )
@@ -18,6 +26,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-tflops", type=float, default=None, metavar="F", help="dense bf16")
     parser.add_argument("--intra-node-gbps", type=float, default=None, metavar="B", help="GB/s")
     parser.add_argument("--inter-node-gbps", type=float, default=None, metavar="B", help="GB/s")
+    parser.add_argument(
+        "--tokens",
+        type=token_count,
+        default=None,
+        metavar="N",
+        help="a token budget (2000000000000 or 2e12): the GPU-hours and days to train on it",
+    )
     parser.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     parser.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     parser.add_argument(
@@ -27,15 +42,40 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also print, for each row shown, the --section.key=value overrides that give "
         "its layout to `moe-train train`",
     )
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="serve the planner as a page on http://127.0.0.1:PORT (configs/*.yaml listed)",
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="the page's port")
 
 
-def _handle(args: argparse.Namespace) -> int:
+def token_count(text: str) -> int:
+    """A positive count of tokens written as an integer or in scientific notation."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 1 and value < 1e30 and value == int(value)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive whole number of tokens (e.g. 2000000000000 or 2e12)"
+        )
+    return int(value)
+
+
+def plan_of(args: argparse.Namespace, *, search: bool = True) -> Any:
+    """The Plan the arguments ask for (config, devices, overrides), checked as the CLI checks
+    them; raises ConfigError with the CLI's words."""
     from moe_train.config import load_config
     from moe_train.errors import ConfigError
-    from moe_train.plan import device_with, format_plan, make_plan, plan_json
+    from moe_train.plan import device_with, make_plan
 
-    if args.gpus < 1:
-        raise ConfigError(f"--gpus {args.gpus} must be at least 1")
+    if args.config is None:
+        raise ConfigError("give a CONFIG file (or --serve for the page)")
+    if args.gpus is None:
+        raise ConfigError("--gpus N is required (or --serve for the page)")
+    if not 1 <= args.gpus <= MAX_GPUS:
+        raise ConfigError(f"--gpus {args.gpus} must be between 1 and {MAX_GPUS:,}")
     custom = [args.gpu_memory_gib, args.gpu_tflops, args.intra_node_gbps, args.inter_node_gbps]
     name = args.gpu or (None if all(v is not None for v in custom) else "h100")
     try:
@@ -49,12 +89,48 @@ def _handle(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    plan = make_plan(load_config(args.config, args.overrides), args.gpus, device)
+    return make_plan(load_config(args.config, args.overrides), args.gpus, device, search=search)
+
+
+class _Refusal(Exception):
+    """An argument the parser refuses, in argparse's words."""
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _Refusal(message)
+
+
+def plan_json_of(argv: list[str], *, search: bool = True) -> dict[str, Any]:
+    """What `moe-train plan ARGV --json` prints, as data (the page's server calls this). Raises
+    ConfigError with the message the command would print."""
+    from moe_train.errors import ConfigError
+    from moe_train.plan import plan_json
+
+    parser = _RaisingParser(prog="moe-train plan", add_help=False)
+    _add_arguments(parser)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except _Refusal as e:
+        raise ConfigError(str(e)) from e
+    args.overrides = extra
+    return plan_json(plan_of(args, search=search), args.tokens)
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from moe_train.plan import format_plan, plan_json
+
+    if args.serve:
+        from moe_train.plan.serve import serve
+
+        serve(args.port, plan_json_of, args.config)
+        return 0
+    plan = plan_of(args)
     if args.json:
-        print(json.dumps(plan_json(plan), indent=1))
+        print(json.dumps(plan_json(plan, args.tokens), indent=1))
     else:
         command = " ".join(["uv run moe-train train", str(args.config), *args.overrides])
-        print(format_plan(plan, args.top, command if args.show_overrides else None))
+        print(format_plan(plan, args.top, command if args.show_overrides else None, args.tokens))
     return 0 if plan.own.error is None and plan.own.fits else 1
 
 
@@ -64,8 +140,9 @@ PLAN = Command(
     description="Check CONFIG's layout at --gpus N with the trainer's own start checks, "
     "then rank every layout that fits by predicted tokens/s per device: memory per "
     "device by category, bytes per step by collective kind, pipeline bubble, a roofline "
-    "step time and MFU. When none fits, list the closest and the smallest count of the same "
-    "devices that fits. Override config keys with --section.key=value.",
+    "step time and MFU; with --tokens, the GPU-hours and days to that budget. When none "
+    "fits, list the closest and the smallest count of the same devices that fits. Override "
+    "config keys with --section.key=value. --serve shows the same on a local page.",
     add_arguments=_add_arguments,
     handle=_handle,
     takes_overrides=True,

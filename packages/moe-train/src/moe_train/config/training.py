@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -85,9 +86,16 @@ class OptimConfig:
             )
 
 
+@functools.cache
+def _optim_hints() -> dict[str, object]:
+    """OptimConfig's field types, resolved once (resolving them is slow, and the planner
+    validates thousands of configs)."""
+    return typing.get_type_hints(OptimConfig)
+
+
 def _one_of(config: OptimConfig, path: str, key: str) -> None:
     """Refuse a value of a Literal-typed field outside its choices."""
-    choices = typing.get_args(typing.get_type_hints(OptimConfig)[key])
+    choices = typing.get_args(_optim_hints()[key])
     value = getattr(config, key)
     if value not in choices:
         raise ConfigError(

@@ -66,11 +66,14 @@ def make_plan(config: Config, world_size: int, device: Device, *, search: bool =
     return Plan(world_size, device, own, [], rejected, config, starting[:CLOSEST], smallest)
 
 
-def format_plan(plan: Plan, top: int = 15, overrides_for: str | None = None) -> str:
+def format_plan(
+    plan: Plan, top: int = 15, overrides_for: str | None = None, tokens: int | None = None
+) -> str:
     """The plan as text: the own layout's verdict and breakdown, a ranked table of the layouts
     that fit (or of the closest, with the device count that would fit), a legend of the layout
     codes and the rejection reasons grouped. With `overrides_for` (the command the overrides
-    are added to), each shown row's overrides too."""
+    are added to), each shown row's overrides too; with `tokens`, the config's own layout's
+    GPU-hours and days to train on that many tokens."""
     device = plan.device
     lines = [
         f"{plan.world_size} x {device.name} ({format_bytes(device.memory_gib * GIB)}, "
@@ -84,6 +87,12 @@ def format_plan(plan: Plan, top: int = 15, overrides_for: str | None = None) -> 
         lines.append(f"  cannot start: {plan.own.error}")
     else:
         lines += _details(plan.own, device)
+        if tokens is not None:
+            hours, days = time_to_tokens(plan.own, tokens)
+            lines.append(
+                f"  {tokens:,} tokens: {hours:,.0f} GPU-hours, {days:,.1f} days on "
+                f"{plan.world_size} devices"
+            )
     lines.append("")
     if plan.fitting:
         shown = plan.fitting[:top]
@@ -299,22 +308,24 @@ def _expert_node_lines(result: Evaluated, device: Device) -> list[str]:
     return lines
 
 
-def plan_json(plan: Plan) -> dict[str, Any]:
-    """The plan as JSON-ready data: every evaluated layout with its figures and overrides;
-    when none fits, the closest and the smallest device count that fits."""
+def plan_json(plan: Plan, tokens: int | None = None) -> dict[str, Any]:
+    """The plan as JSON-ready data: every evaluated layout with its figures and overrides
+    (with `tokens`, the GPU-hours and days each takes to train on that many tokens); when none
+    fits, the closest and the smallest device count that fits."""
     out: dict[str, Any] = {
         "world_size": plan.world_size,
         "device": plan.device.__dict__,
-        "own": _row(plan, plan.own),
-        "fitting": [_row(plan, r) for r in plan.fitting],
-        "rejected": [_row(plan, r) for r in plan.rejected],
+        "tokens": tokens,
+        "own": _row(plan, plan.own, tokens),
+        "fitting": [_row(plan, r, tokens) for r in plan.fitting],
+        "rejected": [_row(plan, r, tokens) for r in plan.rejected],
         "legend": LEGEND,
         "rejected_groups": [{"count": c, "reason": text} for c, text in _grouped(plan)],
     }
     if not plan.fitting:
         limit = plan.device.memory_gib * GIB
         out["closest"] = [
-            {**_row(plan, r), "over_bytes": r.memory.total - limit} for r in plan.closest
+            {**_row(plan, r, tokens), "over_bytes": r.memory.total - limit} for r in plan.closest
         ]
     if plan.smallest is not None:
         best = plan.smallest.best
@@ -323,12 +334,12 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "searched_to": plan.smallest.searched_to,
             "tried_to": plan.smallest.tried_to,
             "every_count_below": plan.smallest.every_count_below,
-            "layout": _row(plan, best) if best is not None else None,
+            "layout": _row(plan, best, tokens) if best is not None else None,
         }
     return out
 
 
-def _row(plan: Plan, r: Evaluated) -> dict[str, Any]:
+def _row(plan: Plan, r: Evaluated, tokens: int | None = None) -> dict[str, Any]:
     device = plan.device
     row: dict[str, Any] = {"layout": r.label, "starts": r.error is None, "fits": r.fits}
     row["world_size"] = r.world_size
@@ -357,7 +368,16 @@ def _row(plan: Plan, r: Evaluated) -> dict[str, Any]:
             "per_node_dispatch_bound_bytes": node_limited_bound(r.config, per_node),
             "warning": nodes.warning,
         }
-    row["step_s"] = r.time.__dict__
+    row["step_s"] = {**r.time.__dict__, "total_s": r.time.total_s}
     row["tokens_per_s_per_device"] = r.tokens_per_s
     row["mfu"] = r.mfu
+    if tokens is not None:
+        row["gpu_hours"], row["days"] = time_to_tokens(r, tokens)
     return row
+
+
+def time_to_tokens(r: Evaluated, tokens: int) -> tuple[float, float]:
+    """GPU-hours (all devices together) and days of wall-clock time that layout `r` takes to
+    train on `tokens` tokens at its predicted speed."""
+    seconds = tokens / (r.tokens_per_s * r.world_size)
+    return seconds * r.world_size / 3600, seconds / 86400

@@ -1,0 +1,271 @@
+"""`moe-train plan --serve`: the page's server answers with `moe-train plan --json`'s figures,
+refuses bad input at the field it names in the CLI's words, and keeps answering; the page, in
+a real headless Chromium, shows the CLI's figures and downloads a config that trains."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moe_train.cli import main
+from moe_train.cli.plan import plan_json_of
+from moe_train.config import load_config
+from moe_train.plan.layouts import layout_label
+from moe_train.plan.serve import FIELDS, make_server, shipped_configs
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.fixture(scope="module")
+def url():
+    server = make_server(plan_json_of, shipped_configs(None, ROOT / "configs"), 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _post(url: str, path: str, body: bytes | dict, headers: dict | None = None):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_tokens_give_gpu_hours_and_days(capsys):
+    code, out, _ = _cli(
+        ["plan", str(ROOT / "configs/tiny.yaml"), "--gpus", "2", "--tokens", "3e9", "--json"],
+        capsys,
+    )
+    plan = json.loads(out)
+    assert code == 0 and plan["tokens"] == 3_000_000_000
+    for row in [plan["own"], *plan["fitting"]]:
+        per_device = row["tokens_per_s_per_device"]
+        assert row["gpu_hours"] == pytest.approx(3e9 / per_device / 3600, rel=1e-12)
+        assert row["days"] == pytest.approx(3e9 / (per_device * 2) / 86400, rel=1e-12)
+    _, text, _ = _cli(
+        ["plan", str(ROOT / "configs/tiny.yaml"), "--gpus", "2", "--tokens", "3e9"], capsys
+    )
+    hours = plan["own"]["gpu_hours"]
+    assert f"3,000,000,000 tokens: {hours:,.0f} GPU-hours, {plan['own']['days']:,.1f} days" in text
+
+
+BAD = {
+    "a non-number": ({"gpus": "eight"}, "gpus", ["--gpus=eight"]),
+    "zero GPUs": ({"gpus": "0"}, "gpus", ["--gpus=0"]),
+    "top-k over the experts": ({"top_k": "99"}, "top_k", ["--model.moe.top_k=99"]),
+    "an unknown GPU": ({"gpu": "a100"}, "gpu", ["--gpu=a100"]),
+    "a bad token budget": ({"tokens": "lots"}, "tokens", ["--tokens=lots"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_refused_at_its_field_in_the_clis_words(url, case, capsys):
+    fields, field, words = BAD[case]
+    status, body = _post(url, "/api/plan", {"config": "tiny.yaml", "gpus": "2", **fields})
+    assert status == 400, body
+    errors = json.loads(body)["errors"]
+    assert list(errors) == [field]
+    code, _, err = _cli(["plan", str(ROOT / "configs/tiny.yaml"), "--gpus=2", *words], capsys)
+    assert code == 2 and errors[field] in err, (errors, err)
+
+
+def test_pasted_yaml_with_an_unknown_key_and_a_model_that_fits_nowhere(url):
+    status, body = _post(url, "/api/plan", {"yaml": "model:\n  wings: 2\n", "gpus": "8"})
+    (field, message), *more = json.loads(body)["errors"].items()
+    assert status == 400 and field == "yaml" and not more
+    assert message.startswith("pasted.yaml: unknown config key model.wings")
+    status, body = _post(url, "/api/plan", {"config": "moe-47b-a3b.yaml", "gpus": "1"})
+    answer = json.loads(body)
+    assert status == 422 and answer["errors"]["gpus"].startswith("no layout fits 79.6 GiB")
+    assert answer["plan"]["closest"] and not answer["plan"]["fitting"]
+
+
+def _malformed(rng: random.Random) -> tuple[str, bytes, dict]:
+    junk = [
+        "",
+        "-1",
+        "0",
+        "1e400",
+        "nan",
+        "2.5",
+        "x" * 5000,
+        "８",
+        "\u0000",
+        "[1, 2]",
+        "{a: 1}",
+        "--json",
+        "7 --gpus 9",
+        "null",
+        "true",
+        "1e3",
+        "-0",
+    ]
+    kind = rng.randrange(6)
+    if kind == 0:
+        return "/api/plan", bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))), {}
+    if kind == 1:
+        return "/api/plan", b"{}", {"Content-Length": "-5"}
+    if kind == 2:
+        return rng.choice(["/api/nothing", "/api/config"]), json.dumps({"x": 1}).encode(), {}
+    body = {"config": rng.choice(["tiny.yaml", "../../etc/passwd", 3, None, "tiny"]), "gpus": "2"}
+    for name in rng.sample(list(FIELDS), rng.randrange(1, 4)):
+        body[name] = rng.choice([*junk, rng.randrange(-3, 3), [1], {"a": 1}, 1.5])
+    if kind == 4:
+        body = {
+            "yaml": rng.choice(
+                ["a: [", "- 1", "model: 3", "model:\n  d_model: x", 7, "parallel:\n  pp: -1", "\t:"]
+            ),
+            "gpus": "2",
+        }
+    if kind == 5:
+        body["overrides"] = rng.choice([["--parallel.ep"], "x", [3], ["--nope=1"]])
+        return "/api/config", json.dumps(body).encode(), {}
+    return "/api/plan", json.dumps(body).encode(), {}
+
+
+def test_two_hundred_malformed_requests_get_4xx_and_the_server_keeps_answering(url):
+    rng = random.Random(37)
+    statuses = []
+    for _ in range(200):
+        path, body, headers = _malformed(rng)
+        status, answer = _post(url, path, body, headers)
+        assert status < 500, (path, body[:200], answer[:300])
+        statuses.append(status)
+        if status >= 400:
+            assert json.loads(answer)["errors"]
+    assert statuses.count(200) < 40 and len(set(statuses)) >= 2
+    status, body = _post(url, "/api/plan", {"config": "tiny.yaml", "gpus": "2"})
+    assert status == 200 and json.loads(body)["plan"]["fitting"]
+
+
+def _shown_rows(page, table: str) -> list[list[str]]:
+    return page.eval_on_selector_all(
+        f"#{table} tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))"
+    )
+
+
+def _cells(row: dict, i: int) -> list[str]:
+    """A row of the page's tables, formatted from the JSON as the page formats it."""
+    from moe_train.plan.layouts import format_bytes
+    from moe_train.plan.report import _percent
+
+    step = row["step_s"]
+    return [
+        str(i),
+        row["layout"],
+        format_bytes(row["memory_bytes"]["total"]),
+        f"{row['tokens_per_s_per_device']:,.0f}",
+        _percent(row["mfu"]),
+        _percent(step["bubble_s"] / step["total_s"]),
+        _percent(step["exchange_s"] / step["total_s"]),
+        f"{row['gpu_hours']:,.0f}",
+        f"{row['days']:.1f}",
+    ]
+
+
+@pytest.mark.slow
+def test_the_page_in_chromium_shows_the_clis_figures_and_its_config_trains(tmp_path, capsys):
+    if not CHROMIUM.exists():
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; .ci/run does)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moe_train.cli",
+            "plan",
+            "configs/olmoe-1b-7b.yaml",
+            "--serve",
+            "--port",
+            "0",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address = server.stdout.readline().split()[-1]
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+            page = browser.new_page(accept_downloads=True, viewport={"width": 1280, "height": 900})
+            page.goto(address)
+            page.wait_for_selector("body[data-planned]", timeout=120_000)
+            assert "--gpus=8" in page.text_content("#command")
+            page.fill("#gpus", "64")
+            page.fill("#num_experts", "32")
+            page.wait_for_function(
+                "document.querySelector('#command').textContent.includes('--gpus=64 ') && "
+                "document.querySelector('#command').textContent.includes('num_experts=32') && "
+                "!document.body.classList.contains('busy')",
+                timeout=120_000,
+            )
+            command = page.text_content("#command").split()
+            assert command[:3] == ["moe-train", "plan", "configs/olmoe-1b-7b.yaml"]
+            code, out, _ = _cli(["plan", str(ROOT / command[2]), *command[3:]], capsys)
+            cli = json.loads(out)
+            assert cli["world_size"] == 64
+            assert _shown_rows(page, "own") == [_cells(cli["own"], 1)]
+            shown = _shown_rows(page, "fitting")
+            assert shown == [_cells(r, i) for i, r in enumerate(cli["fitting"][:25], 1)]
+            page.click("#fitting tbody tr:nth-child(2)")
+            chosen = cli["fitting"][1]
+            assert page.text_content("#chosen") == chosen["layout"]
+            with page.expect_download() as download:
+                page.click("#download")
+            path = tmp_path / "chosen.yaml"
+            download.value.save_as(path)
+            browser.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    config = load_config(path)
+    assert layout_label(config, 64) == chosen["layout"]
+    assert config.model.moe.num_experts == 32
+    tiny = [
+        "--model.vocab_size=320",
+        "--model.d_model=64",
+        "--model.n_layers=2",
+        "--model.n_heads=4",
+        "--model.n_kv_heads=2",
+        "--model.moe.num_experts=4",
+        "--model.moe.top_k=2",
+        "--model.moe.expert_hidden=64",
+        "--data.seq_len=32",
+        "--data.global_batch_size=4",
+        "--data.micro_batch_size=2",
+        "--data.paths=[builtin:stdlib]",
+        "--parallel.pp=1",
+        "--parallel.ep=1",
+        "--train.max_steps=2",
+        f"--train.run_dir={tmp_path / 'run'}",
+    ]
+    code, _, err = _cli(["train", str(path), *tiny], capsys)
+    assert code == 0, err
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run/metrics.jsonl").open()]
+    assert steps[-1] == 2
+    assert yaml.safe_load(path.read_text())["model"]["moe"]["num_experts"] == 32
