@@ -20,3 +20,32 @@ from harness.ranks import keep_rank_processes  # noqa: E402  (after the thread s
 # Gloo ranks of `run_distributed` stay alive between tests: each test pays its work, not the
 # seconds of imports of a new process per rank.
 keep_rank_processes()
+
+LONGEST_FIRST = (
+    "moe_train/test_checkpointing.py",
+    "moe_train/test_distributed_training.py",
+    "moe_train/test_training_choices.py",
+    "moe_train/test_expert_parallel_gradients.py",
+    "benchmarks/test_vs_fsdp.py",
+    "moe_train/test_muon_training.py",
+    "moe_train/test_one_writer.py",
+    "moe_train/test_lost_ranks.py",
+    "moe_dispatch/test_symmetric_memory.py",
+    "moe_train/test_pipeline_training.py",
+    "moe_train/test_routing_distributed.py",
+    "moe_train/test_preemption.py",
+    "moe_train/test_tasks.py",
+)
+"""The test files that take longest (summed durations of a full run), longest first."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first: the workers (`-n auto --dist loadfile`) take files in this
+    order, so no long file starts when the others are done and one worker runs on alone."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def order(item) -> int:
+        path = item.path.relative_to(config.rootpath / "tests").as_posix()
+        return rank.get(path, len(rank))
+
+    items.sort(key=order)  # stable: the other files, and the tests of each, keep their order

@@ -30,6 +30,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+_PORT_TRIES = 3
+"""Calls made when rank 0 finds its port taken between `free_port` and its bind."""
 _MAX_KEPT_RANKS = 8
 """Kept processes of all world sizes together, at most (each holds a few hundred MB)."""
 
@@ -230,7 +232,10 @@ def run_distributed(
 ) -> list[Any]:
     """fn(rank, world_size, *args) on `world_size` gloo ranks; returns each rank's result."""
     run = _run_fresh if _kept is None else _run_kept
-    collected, errors = run(fn, world_size, args, timeout)
+    for _ in range(_PORT_TRIES):
+        collected, errors = run(fn, world_size, args, timeout)
+        if not any("EADDRINUSE" in error for error in errors):
+            break  # else the free port was taken before rank 0 bound it: try another
     if errors:
         raise AssertionError("\n".join(errors))
     return [pickle.loads(collected[rank][1]) for rank in range(world_size)]
