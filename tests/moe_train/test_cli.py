@@ -156,8 +156,8 @@ def test_commands_that_take_no_overrides_refuse_unknown_arguments(capsys, tmp_pa
 def test_help_lists_every_command_with_its_line(capsys):
     from moe_train.cli import COMMANDS
 
-    names = ["train", "prepare-data", "inspect", "export", "import-hf", "generate", "eval",
-             "plot", "plan", "verify"]  # fmt: skip
+    names = ["train", "prepare-data", "inspect", "export", "import-hf", "upcycle", "generate",
+             "eval", "plot", "plan", "verify"]  # fmt: skip
     assert [c.name for c in COMMANDS] == names
     with pytest.raises(SystemExit) as stop:
         main(["--help"])

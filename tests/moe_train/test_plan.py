@@ -329,6 +329,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
 
 SHIPPED = {  # config: its world size and device, as its header says
     "configs/tiny.yaml": ("1", "h100"),
+    "configs/sft-tiny.yaml": ("1", "h100"),
     "configs/medium.yaml": ("1", "h100"),
     "configs/olmoe-1b-7b.yaml": ("8", "h100"),
     "configs/moe-47b-a3b.yaml": ("8", "b300"),

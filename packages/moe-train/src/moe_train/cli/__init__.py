@@ -27,12 +27,12 @@ COMMANDS: tuple[Command, ...] = (
     INSPECT,
     EXPORT,
     IMPORT_HF,
+    UPCYCLE,
     GENERATE,
     EVAL,
     PLOT,
     PLAN,
     VERIFY,
-    UPCYCLE,
 )
 """Every subcommand, in the order `moe-train --help` lists them."""
 
