@@ -47,18 +47,16 @@ def _hang_on_rank_zero(rank: int, world_size: int) -> None:
         time.sleep(3600)
 
 
-def test_kept_ranks_are_reused_with_settings_restored_and_replaced_after_a_failure():
+def test_kept_ranks_are_reused_with_settings_restored_and_replaced_after_a_hang():
     """The suite keeps rank processes (tests/conftest.py): a second call runs in the same
-    processes, sees none of the first call's changes, and a failure replaces them."""
+        processes, sees none of the first call's changes, and a rank that hangs gets them replaced
+    (as a failing rank does: test_results_per_rank_and_failures_surface)."""
     first = run_distributed(_pid_and_settings, world_size=2, args=(True,))
     second = run_distributed(_pid_and_settings, world_size=2, args=(False,))
     assert [r[0] for r in first] == [r[0] for r in second]
     for _, dtype, leftover in second:
         assert (dtype, leftover) == (torch.float32, None)
-    with pytest.raises(AssertionError, match="boom on rank one"):
-        run_distributed(_fail_on_rank_one, world_size=2, timeout=60)
-    third = run_distributed(_pid_and_settings, world_size=2, args=(False,))
-    assert not {r[0] for r in third} & {r[0] for r in second}
     with pytest.raises(AssertionError, match="did not finish"):
         run_distributed(_hang_on_rank_zero, world_size=2, timeout=5)
-    assert run_distributed(_all_reduce_rank, world_size=2) == [3.0, 3.0]
+    third = run_distributed(_pid_and_settings, world_size=2, args=(False,))
+    assert not {r[0] for r in third} & {r[0] for r in second}
