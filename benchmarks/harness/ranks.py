@@ -72,20 +72,13 @@ def _run_one(
             dist.destroy_process_group()
 
 
-def _entry(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple,
-    results: Any,
-    timeout_s: float,
-) -> None:
+def _entry(*task: Any) -> None:
+    """A fresh rank: one intra-op thread, then `_run_one(*task)`."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
     torch.set_num_threads(1)
-    _run_one(rank, world_size, port, fn, args, results, timeout_s)
+    _run_one(*task)
 
 
 def _serve(rank: int, world_size: int, tasks: Any, results: Any) -> None:
