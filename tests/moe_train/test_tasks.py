@@ -3,6 +3,10 @@ log-likelihoods on every layout as a float64 reference, and training untouched."
 
 import json
 import math
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +30,7 @@ from moe_train.tasks import (
     text_requests,
 )
 from moe_train.train import read_metrics, train
-from training import CODE_TEXT, small_config_data
+from training import CODE_TEXT, CONFIGS, small_config_data
 
 STEPS = 4
 SEQ_LEN = 32
@@ -139,6 +143,7 @@ def _close(name, got, expected, tol=1e-5):
     assert error <= tol * max(1.0, abs(expected[worst])), (
         f"{name}: request {worst}: {got[worst]} vs {expected[worst]}"
     )
+    print(f"{name}: {len(got)} requests, worst difference {error:.1e} (request {worst})")
 
 
 def test_bits_per_byte_is_the_hand_computation(files, trained):
@@ -158,7 +163,12 @@ def test_bits_per_byte_is_the_hand_computation(files, trained):
             nats -= logprobs[tokens[target]].item()
     expected = nats / math.log(2) / len(HELD_OUT.encode("utf-8"))
     _, (result,) = evaluate_checkpoint(trained[0].run_dir / "checkpoints", [text])
-    assert abs(result.metrics["bits_per_byte"] - expected) <= 1e-5 * expected
+    got = result.metrics["bits_per_byte"]
+    print(
+        f"bits per byte: scorer {got:.9f}, by hand (float64) {expected:.9f}, relative "
+        f"difference {abs(got - expected) / expected:.1e} over {len(tokens) - 1} bytes"
+    )
+    assert abs(got - expected) <= 1e-5 * expected
 
 
 def _layout_scores(rank, world_size, checkpoint, tasks, layouts):
@@ -312,6 +322,20 @@ def test_lm_eval_on_the_export_makes_our_choices(files, trained, tmp_path, monke
     task = read_task(data)
     assert choice_predictions(task, their_lls) == choice_predictions(task, ours.loglikelihoods)
     metrics = theirs["results"]["moe_stack_agreement"]
+    (raw, norm), (our_raw, our_norm) = (
+        choice_predictions(task, their_lls),
+        choice_predictions(task, ours.loglikelihoods),
+    )
+    agreed = sum(a == b for a, b in zip(raw, our_raw, strict=True))
+    agreed_norm = sum(a == b for a, b in zip(norm, our_norm, strict=True))
+    worst = max(abs(a - b) for a, b in zip(their_lls, ours.loglikelihoods, strict=True))
+    print(
+        f"lm-eval agreement: {len(rows)} rows ({len(their_lls)} choices scored), the same "
+        f"choice on {agreed}/{len(rows)} (by acc_norm {agreed_norm}/{len(rows)}); acc "
+        f"{metrics['acc,none']:.4f} (ours "
+        f"{ours.metrics['acc']:.4f}), acc_norm {metrics['acc_norm,none']:.4f} (ours "
+        f"{ours.metrics['acc_norm']:.4f}); worst log-likelihood difference {worst:.1e}"
+    )
     assert metrics["acc,none"] == ours.metrics["acc"]
     assert metrics["acc_norm,none"] == ours.metrics["acc_norm"]
 
@@ -349,6 +373,8 @@ def test_code_order_asks_for_the_real_order_of_held_out_code(tmp_path):
 
     held_out = held_out_files()
     assert held_out and not set(held_out) & set(stdlib_source_files())  # none trained on
+    torch_dir = Path(torch.__file__).parent
+    assert all(path.is_relative_to(torch_dir) for path in held_out)  # what every install has
     sources = {}
     for i in range(3):
         path = tmp_path / f"module_{i}.py"
@@ -391,3 +417,70 @@ def test_builtin_code_order_is_made_once_from_the_held_out_files(tmp_path):
     assert rows == code_order_rows(held_out_files())
     with pytest.raises(DataError, match=r"builtin:next_line: no such built-in task"):
         builtin_task_file("builtin:next_line", tmp_path)
+
+
+def test_code_order_is_remade_when_the_torch_source_changes(tmp_path, monkeypatch):
+    from moe_train.tasks import builtin
+
+    fake_torch = tmp_path / "torch"
+    module = fake_torch / "nn" / "modules" / "linear.py"
+    module.parent.mkdir(parents=True)
+    module.write_text(
+        "".join(f"    self.weight_{j} = Parameter(torch.empty({j}))\n" for j in range(80))
+    )
+    (fake_torch / "nn" / "__pycache__").mkdir()
+    (fake_torch / "nn" / "__pycache__" / "stale.py").write_text("x = 1\n" * 50)
+    (fake_torch / "_inductor").mkdir()
+    (fake_torch / "_inductor" / "other.py").write_text("y = 2\n" * 50)
+    monkeypatch.setattr(builtin, "_torch_dir", lambda: fake_torch)
+    assert builtin.held_out_files() == [module]  # the named subpackages only
+    first = builtin.builtin_task_file("builtin:code_order", tmp_path / "cache")
+    assert builtin.builtin_task_file("builtin:code_order", tmp_path / "cache") == first
+    module.write_text(module.read_text().replace("Parameter", "Buffer"))  # same file name
+    second = builtin.builtin_task_file("builtin:code_order", tmp_path / "cache")
+    assert second != first and "Buffer" in second.read_text()
+    module.unlink()
+    with pytest.raises(DataError, match=r"has no Python source under nn, optim, "):
+        builtin.held_out_files()
+
+
+# Runs the quickstart (configs/tiny.yaml) for one step, scoring its task, in a Python whose
+# standard library holds only what builtin:stdlib trains on (as Debian's python3 without its
+# separate test-suite and IDLE packages).
+_WITHOUT_TEST_SUITE = """
+import sys, sysconfig
+stdlib, argv = sys.argv[1], sys.argv[2:]
+real = sysconfig.get_paths
+sysconfig.get_paths = lambda *a, **k: {**real(*a, **k), "stdlib": stdlib}
+from moe_train.cli import main
+sys.exit(main(argv))
+"""
+
+
+@pytest.mark.slow
+def test_the_quickstart_task_needs_no_test_suite(tmp_path):
+    from moe_train.data.builtin import builtin_dataset_dir, stdlib_source_files
+
+    real = Path(sysconfig.get_paths()["stdlib"])
+    stdlib = tmp_path / "stdlib"  # only the files builtin:stdlib trains on
+    for path in stdlib_source_files():
+        (stdlib / path.relative_to(real)).parent.mkdir(parents=True, exist_ok=True)
+        (stdlib / path.relative_to(real)).symlink_to(path)
+    assert not (stdlib / "test").exists() and not (stdlib / "idlelib").exists()
+    cache = tmp_path / "cache"  # the training data as prepared (the same file listing)
+    cache.mkdir()
+    prepared = builtin_dataset_dir()
+    (cache / prepared.name).symlink_to(prepared)
+    run = tmp_path / "run"
+    quickstart = ["train", str(CONFIGS / "tiny.yaml"), "--train.max_steps=1", "--eval.interval=1"]
+    quickstart += [f"--train.run_dir={run}", f"--data.cache_dir={cache}"]
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TEST_SUITE, str(stdlib), *quickstart],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in cache.iterdir()) == [prepared.name, "tasks"]  # no new data
+    scored = [row for row in read_metrics(run / "metrics.jsonl") if "eval/code_order/acc" in row]
+    assert [row["step"] for row in scored] == [1]
+    assert 0 <= scored[0]["eval/code_order/acc"] <= 1

@@ -1,13 +1,19 @@
 """Built-in tasks that need no download, made on first use into the data cache directory.
 
 `builtin:code_order`: which of four orderings of a short span of Python source is the real
-one. Each question shows the 32 characters before a token of a held-out source file (a
-standard-library file that builtin:stdlib does not train on: its test suite, IDLE) and
+one. Each question shows the 32 characters before a token of a held-out source file and
 offers the 8 to 24 characters that follow with three other orderings of their tokens (words,
 runs of white space, single punctuation marks), in a seeded random order. Every choice has
 the same characters, so the same length (acc_norm equals acc) and the same character
 counts: only knowing what follows what in code decides, which a byte-level model learns
 within its first hundred steps. Chance is 0.25.
+
+The held-out files are the Python source of a few long-standing torch subpackages
+(`HELD_OUT_PACKAGES`): torch is installed wherever the trainer is, and builtin:stdlib
+trains on the standard library only (never on installed packages). The standard library's
+own test suite and IDLE are not used: many system Pythons ship them as separate packages.
+The rows depend on the torch source (its version), so its cache entry is keyed by a hash of
+the files' names and contents.
 """
 
 from __future__ import annotations
@@ -18,10 +24,9 @@ import os
 import random
 import re
 import sys
-import sysconfig
 from pathlib import Path
 
-from moe_train.data.builtin import default_cache_dir, stdlib_source_files
+from moe_train.data.builtin import default_cache_dir
 from moe_train.errors import DataError
 from moe_train.file_modes import new_scratch_dir
 from moe_train.tasks.files import BUILTIN_TASKS
@@ -32,7 +37,9 @@ CONTEXT_CHARS = 32
 SPAN_CHARS = (8, 24)
 """The shortest and longest span asked for (inclusive), drawn uniformly."""
 _TOKEN = re.compile(r"\w+|\s+|[^\w\s]")
-_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+HELD_OUT_PACKAGES = ("nn", "optim", "distributions", "utils/data")
+"""The torch subpackages (relative to torch's package directory) whose `.py` files the
+questions are drawn from."""
 
 
 def builtin_task_file(spec: str, cache_dir: Path | None = None) -> Path:
@@ -40,12 +47,10 @@ def builtin_task_file(spec: str, cache_dir: Path | None = None) -> Path:
     if spec not in BUILTIN_TASKS:
         raise DataError(f"{spec}: no such built-in task; the built-in tasks are {BUILTIN_TASKS}")
     files = held_out_files()
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    listing = "\n".join(str(path.relative_to(stdlib)) for path in files)
-    short_hash = hashlib.sha256(listing.encode("utf-8")).hexdigest()[:12]
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache_dir / "tasks" / f"code_order-py{version}-{short_hash}" / "code_order.jsonl"
+    name = f"code_order-py{version}-torch-{_source_hash(files)}"
+    final = cache_dir / "tasks" / name / "code_order.jsonl"
     if final.is_file():
         return final
     try:
@@ -67,22 +72,38 @@ def builtin_task_file(spec: str, cache_dir: Path | None = None) -> Path:
 
 
 def held_out_files() -> list[Path]:
-    """The standard library's `.py` files that builtin:stdlib does not train on (its tests,
-    IDLE), sorted."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    trained = set(stdlib_source_files())
+    """The `.py` files of torch's `HELD_OUT_PACKAGES`, sorted."""
+    root = _torch_dir()
     files: list[Path] = []
-    for root, dirs, names in os.walk(stdlib):
-        dirs[:] = [d for d in dirs if d not in _SKIPPED_DIRS and not d.startswith(".")]
-        files += [Path(root) / name for name in names if name.endswith(".py")]
-    held_out = sorted(path for path in files if path not in trained and path.is_file())
+    for package in HELD_OUT_PACKAGES:
+        for folder, dirs, names in os.walk(root / package):
+            dirs[:] = [d for d in dirs if d != "__pycache__" and not d.startswith(".")]
+            files += [Path(folder) / name for name in names if name.endswith(".py")]
+    held_out = sorted(path for path in files if path.is_file())
     if not held_out:
         raise DataError(
-            f"this Python's standard library ({stdlib}) has no source files that "
-            "builtin:stdlib does not train on (no test suite), so builtin:code_order has "
-            "nothing held out to ask about; list your own task file in eval.tasks"
+            f"torch's package directory {root} has no Python source under "
+            f"{', '.join(HELD_OUT_PACKAGES)}, so builtin:code_order has nothing held out to "
+            "ask about; list your own task file in eval.tasks"
         )
     return held_out
+
+
+def _torch_dir() -> Path:
+    """torch's package directory (imported here: reading a config does not need torch)."""
+    import torch
+
+    return Path(torch.__file__).parent
+
+
+def _source_hash(files: list[Path]) -> str:
+    """12 hex digits of a hash of the files' names (relative to torch) and contents."""
+    digest = hashlib.sha256()
+    root = _torch_dir()
+    for path in files:
+        digest.update(f"{path.relative_to(root)}\0".encode())
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:12]
 
 
 def code_order_rows(files: list[Path], questions: int = QUESTIONS, seed: int = 0) -> list[dict]:
