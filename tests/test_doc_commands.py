@@ -193,6 +193,11 @@ COMMANDS: dict[str, Run | Skip] = {
         "2 processes; tests/moe_train/test_tasks.py scores a checkpoint on dp2, ep2 and pp2 in "
         "one 2-rank launch"
     ),
+    "python scripts/code_order_curve.py runs/tiny-0 runs/tiny-1 runs/tiny-2 "
+    "--out docs/code-order-accuracy.png": Skip(
+        "needs three 200-step quickstart runs; tests/moe_train/test_tasks.py checks that the "
+        "quickstart scores builtin:code_order"
+    ),
     "lm_eval --model hf --model_args pretrained=exported/small,dtype=float32,max_length=128 "
     "--tasks agreement --include_path tasks --device cpu": Skip(
         "the reader's lm-eval task; tests/moe_train/test_tasks.py runs lm-eval's Hugging Face "
