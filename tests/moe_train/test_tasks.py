@@ -84,6 +84,12 @@ def trained(files):
     ("row", "message"),
     [
         ('{"choices": ["a"], "gold": 0}', 'row 2: missing "context"'),
+        (
+            '{"context": "a", "gold": 0}',
+            'row 2: missing "choices"; a row is {"context": str, "choices": [str, ...], '
+            '"gold": int} (or {"text": str} in a text task)',
+        ),
+        ('{"context": "a", "choices": ["b"]}', 'row 2: missing "gold"'),
         ('{"context": "a", "choices": ["b", "c"], "gold": 2}', r'row 2: "gold"=2 must be an'),
         ('{"context": "a", "choices": [], "gold": 0}', 'row 2: "choices" must be a non-empty'),
         ('{"context": "a", "choices": ["b", ""], "gold": 0}', "row 2: choice 1 must be"),

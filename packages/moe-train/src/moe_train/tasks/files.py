@@ -121,7 +121,7 @@ def _choice_row(row: dict[str, Any], where: str) -> ChoiceRow:
     if missing:
         raise DataError(
             f'{where}: missing "{missing[0]}"; a row is {{"context": str, "choices": '
-            '[str, ...], "gold": int}} (or {"text": str} in a text task)'
+            '[str, ...], "gold": int} (or {"text": str} in a text task)'
         )
     context, choices, gold = row["context"], row["choices"], row["gold"]
     if not isinstance(context, str):
