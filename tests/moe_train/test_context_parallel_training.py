@@ -1,7 +1,9 @@
 """Context parallelism (parallel.cp) trains as one process does: fp32, the same global and
 micro batch, each layout against the single-process losses within 1e-5 relative, with and
 without document masking; resumes between cp sizes continue the uninterrupted run. All
-layouts of a world size train in one spawn, evaluating as they go."""
+layouts of a world size train in one spawn, evaluating as they go. The two-rank spawn also
+runs cp2 with bf16 parameters, with Muon, and with the sequence-wise and global-batch
+balancing losses, each against its own single-process run (shorter runs)."""
 
 import pytest
 from test_document_masking import _short_documents
@@ -70,6 +72,43 @@ def _resume_case(tmp_path, data_dir, name, parallel, checkpoint) -> dict:
 
 SAVES_HALFWAY = {"interval": RESUMED_AT, "interval_minutes": 0, "keep_last": 5}
 
+COMBINATION_STEPS = 8
+BF16_RTOL = 2e-3
+"""As the bf16-parameter layout tests: the layouts sum FP32 gradients in another order, which
+can move a bf16 weight by one step now and then."""
+COMBINATIONS = {
+    "bf16_params": (
+        {"precision": {"param_dtype": "bfloat16", "compute_dtype": "bfloat16"}},
+        BF16_RTOL,
+    ),
+    "muon": ({"optim": {"name": "muon", "muon_ns_dtype": "float32", "lr": 0.02}}, 1e-5),
+    "lb_sequence": ({"model": {"moe": {"lb_scope": "sequence", "lb_loss_weight": 0.1}}}, 1e-5),
+    "lb_global_batch": (
+        {"model": {"moe": {"lb_scope": "global_batch", "lb_loss_weight": 0.1}}},
+        1e-5,
+    ),
+}
+"""cp2 with each of these (sections merged into the plain case) against one process: name:
+(sections, relative tolerance of the losses and of the logged balancing loss)."""
+
+
+def _combination(tmp_path, data_dir, name, parallel, sections) -> dict:
+    data = _case(tmp_path, data_dir, name, parallel, False)
+    data["train"]["max_steps"] = COMBINATION_STEPS
+    data.pop("eval")
+    for section, values in sections.items():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                data[section].setdefault(key, {}).update(value)
+            else:
+                data.setdefault(section, {})[key] = value
+    return data
+
+
+def lb_losses(run_dir) -> list[float]:
+    """The balancing loss a run logged, per step."""
+    return [row["lb_loss"] for row in read_metrics(run_dir / "metrics.jsonl")]
+
 
 @pytest.mark.slow
 def test_cp2_on_two_ranks_matches_single_process(documents_dir, single_process, tmp_path):
@@ -84,8 +123,23 @@ def test_cp2_on_two_ranks_matches_single_process(documents_dir, single_process, 
     cases["resume_cp2"] = _resume_case(
         tmp_path, documents_dir, "resume_cp2", {"cp": 2}, single_checkpoint
     )
-    per_rank = run_distributed(train_cases, world_size=2, args=(cases,), timeout=600)
+    for name, (sections, _) in COMBINATIONS.items():
+        cases[f"cp2_{name}"] = _combination(
+            tmp_path, documents_dir, f"cp2_{name}", {"cp": 2}, sections
+        )
+    per_rank = run_distributed(train_cases, world_size=2, args=(cases,), timeout=900)
     losses = per_rank[0]
+    for name, (sections, rtol) in COMBINATIONS.items():
+        one = _combination(tmp_path, documents_dir, f"single_{name}", {}, sections)
+        assert_losses_match(
+            f"cp2 {name}", losses[f"cp2_{name}"], train(config_from_dict(one)).losses, rtol
+        )
+        assert_losses_match(
+            f"cp2 {name} lb_loss",
+            lb_losses(tmp_path / f"cp2_{name}"),
+            lb_losses(tmp_path / f"single_{name}"),
+            rtol,
+        )
     assert_losses_match("cp2", losses["cp2_False"], single)
     assert_losses_match("cp2 masked", losses["cp2_True"], single_masked)
     for masking in (False, True):

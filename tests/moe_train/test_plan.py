@@ -364,14 +364,22 @@ def test_every_shipped_config_passes_plan_at_its_world_size():
 
 
 def test_bytes_across_nodes():
-    from moe_train.plan.roofline import across_nodes
+    from moe_train.plan.traffic import across_nodes
+
+    def config(ep: int, cp: int = 1):
+        return load_config(
+            None,
+            [*SMALL, "--model.moe.num_experts=16", f"--parallel.ep={ep}", f"--parallel.cp={cp}"],
+        )
 
     # An EP group of 16 over nodes of 8: 8 of a rank's 15 peers are on another node.
-    assert across_nodes("ep dispatch", 15.0, ep=16, dp=16, per_node=8) == 8.0
-    assert across_nodes("ep combine", 15.0, ep=8, dp=16, per_node=8) == 0.0
-    assert across_nodes("dp all-reduce", 3.0, ep=8, dp=16, per_node=8) == 3.0
-    assert across_nodes("dp all-reduce", 3.0, ep=1, dp=8, per_node=8) == 0.0
-    assert across_nodes("pipeline", 2.0, ep=1, dp=8, per_node=8) == 2.0
+    assert across_nodes(config(16), 16, "ep dispatch", 15.0, per_node=8) == 8.0
+    assert across_nodes(config(8), 16, "ep combine", 15.0, per_node=8) == 0.0
+    assert across_nodes(config(8), 16, "dp all-reduce", 3.0, per_node=8) == 3.0
+    assert across_nodes(config(1), 8, "dp all-reduce", 3.0, per_node=8) == 0.0
+    # A cp group of consecutive ranks within a node stays there, whatever dp spans.
+    assert across_nodes(config(1, cp=2), 16, "cp K/V all-gather", 5.0, per_node=8) == 0.0
+    assert across_nodes(config(1, cp=4), 16, "cp K/V all-gather", 5.0, per_node=2) == 5.0
 
 
 # --- what the command says when nothing fits, and how it says it ---

@@ -180,8 +180,8 @@ def two_ranks() -> list[dict]:
 
 @pytest.mark.slow
 def test_cp2_activations_are_the_tensors_a_cp2_forward_saves(two_ranks):
-    """Exact for each case: the rotated queries, the gathered keys and values (repeated to the
-    query heads), the rank's rows of the rotary tables and every other term at S / cp."""
+    """Exact for each case: the rotated queries, the gathered keys and values (with their own
+    heads under grouped-query attention), the rank's rows of the rotary tables and every other term at S / cp."""
     for name, extra in SAVED_CASES.items():
         config = load_config(None, [*SMALL, *extra])
         layers = list(range(config.model.n_layers))
@@ -336,3 +336,35 @@ def test_node_placement_is_checked_against_the_rank_order():
     assert "straddle" in expert_nodes(straddling, 3).warning
     assert expert_nodes(config, 16).nodes == 1 and expert_nodes(config, 16).warning is None
     assert DEVICES["h100"].gpus_per_node == 8
+
+
+def test_roofline_exposes_the_context_collectives_per_layer():
+    """cp2's K/V all-gathers and reduce-scatters are on each layer's path: the step time
+    carries all of their seconds (bytes at the link's rate, a start-up per call), at the
+    network's rate when the cp group straddles nodes; compute counts the rank's S / cp
+    positions per micro-batch, as the cp1 layout on half the ranks computes per sequence."""
+    from moe_train.plan.roofline import (
+        COLLECTIVE_LATENCY_S,
+        compute_seconds,
+        micro_batches_per_rank,
+        step_time,
+    )
+
+    config = load_config(None, [*SMALL, "--data.seq_len=4096"])
+    traffic = predict_traffic(config, 2)
+    kinds = ("cp K/V all-gather", "cp K/V reduce-scatter")
+    for per_node, gbps in ((8, "intra_node_gbps"), (1, "inter_node_gbps")):
+        device = device_with("h100", gpus_per_node=per_node)
+        time = step_time(config, 2, device, traffic)
+        want = sum(
+            traffic.wire[k] / (getattr(device, gbps) * 1e9)
+            + traffic.calls[k] * COLLECTIVE_LATENCY_S
+            for k in kinds
+        )
+        assert time.context_s == pytest.approx(want, rel=1e-12), per_node
+        assert time.total_s >= time.compute_s + time.context_s
+    # Per rank, a micro-batch of two sequences at cp2 is S positions: the products contract
+    # over what one sequence's micro-batch at cp1 contracts over; two micro-batches a step.
+    one = load_config(None, [*SMALL[:-1], "--data.seq_len=4096", "--data.micro_batch_size=1"])
+    assert compute_seconds(config, device) == compute_seconds(one, device)
+    assert micro_batches_per_rank(config, 2) == 2

@@ -79,8 +79,9 @@ def context_attention(
 ) -> Tensor:
     """Causal attention of this rank's queries to the keys of the whole sequence, gathered
     from the ranks of `shard.group`; [B, H, 2 C, D] like `q_BHCD`. Keys and values may have
-    fewer heads than queries (grouped-query attention). With `documents` (of the whole
-    sequences) each position sees only the earlier ones of its own document."""
+    fewer heads than queries (grouped-query attention): they are gathered, and kept for
+    backward, with their own heads. With `documents` (of the whole sequences) each position
+    sees only the earlier ones of its own document."""
     k_BHSD = gather_sequence(k_BHCD, shard)
     v_BHSD = gather_sequence(v_BHCD, shard)
     return local_context_attention(q_BHCD, k_BHSD, v_BHSD, shard, documents)
@@ -95,10 +96,6 @@ def local_context_attention(
 ) -> Tensor:
     """`context_attention` given the keys and values of the whole sequences (in position
     order): the part without communication."""
-    repeats = q_BHCD.shape[1] // k_BHSD.shape[1]
-    if repeats > 1:
-        k_BHSD = k_BHSD.repeat_interleave(repeats, dim=1)
-        v_BHSD = v_BHSD.repeat_interleave(repeats, dim=1)
     seq_len = k_BHSD.shape[2]
     if documents is None or len(set(documents.ends)) == 1:
         ends = (seq_len,) if documents is None else documents.ends[0]
@@ -156,7 +153,7 @@ class BlockAttention(torch.autograd.Function):
         for q_start, q_end in rows:
             outs, lses = [], []
             for _, _, k_start, k_end, causal in (b for b in blocks if b[:2] == (q_start, q_end)):
-                out, lse = _flash_forward(
+                out, lse = _grouped_forward(
                     q_BHCD[:, :, q_start:q_end],
                     k_BHSD[:, :, k_start:k_end],
                     v_BHSD[:, :, k_start:k_end],
@@ -181,7 +178,7 @@ class BlockAttention(torch.autograd.Function):
         q_BHCD, k_BHSD, v_BHSD, out_BHCD, lse_BHC = ctx.saved_tensors
         grad_q, grad_k, grad_v = (torch.zeros_like(t) for t in (q_BHCD, k_BHSD, v_BHSD))
         for q_start, q_end, k_start, k_end, causal in ctx.blocks:
-            gq, gk, gv = _flash_backward(
+            gq, gk, gv = _grouped_backward(
                 grad_BHCD[:, :, q_start:q_end],
                 q_BHCD[:, :, q_start:q_end],
                 k_BHSD[:, :, k_start:k_end],
@@ -195,6 +192,73 @@ class BlockAttention(torch.autograd.Function):
             grad_k[:, :, k_start:k_end] += gk
             grad_v[:, :, k_start:k_end] += gv
         return grad_q, grad_k, grad_v, None
+
+
+def _grouped_forward(
+    q_BHCD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """`_flash_forward` of H query heads to G <= H key/value heads (query head h reads key
+    head h // (H / G)). A block without mask folds each group's query heads into rows, so
+    the keys are not copied; a causal one (its keys are the chunk's own) repeats its keys."""
+    batch, heads, rows, dim = q_BHCD.shape
+    groups = k_BGSD.shape[1]
+    if groups == heads:
+        return _flash_forward(q_BHCD, k_BGSD, v_BGSD, causal, scale)
+    if causal:
+        repeats = heads // groups
+        k_BHSD = k_BGSD.repeat_interleave(repeats, dim=1)
+        v_BHSD = v_BGSD.repeat_interleave(repeats, dim=1)
+        return _flash_forward(q_BHCD, k_BHSD, v_BHSD, causal, scale)
+    out, lse = _flash_forward(_fold(q_BHCD, groups), k_BGSD, v_BGSD, causal, scale)
+    return out.reshape(batch, heads, rows, dim), lse.reshape(batch, heads, rows)
+
+
+def _grouped_backward(
+    grad_BHCD: Tensor,
+    q_BHCD: Tensor,
+    k_BGSD: Tensor,
+    v_BGSD: Tensor,
+    out_BHCD: Tensor,
+    lse_BHC: Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`_flash_backward` of `_grouped_forward`: the gradients of the G key/value heads sum
+    those of the query heads that read them."""
+    batch, heads, rows, dim = q_BHCD.shape
+    groups = k_BGSD.shape[1]
+    if groups == heads:
+        return _flash_backward(grad_BHCD, q_BHCD, k_BGSD, v_BGSD, out_BHCD, lse_BHC, causal, scale)
+    repeats = heads // groups
+    if causal:
+        k_BHSD = k_BGSD.repeat_interleave(repeats, dim=1)
+        v_BHSD = v_BGSD.repeat_interleave(repeats, dim=1)
+        gq, gk, gv = _flash_backward(
+            grad_BHCD, q_BHCD, k_BHSD, v_BHSD, out_BHCD, lse_BHC, causal, scale
+        )
+        keys = k_BGSD.shape[2]
+        return (
+            gq,
+            gk.view(batch, groups, repeats, keys, dim).sum(2),
+            gv.view(batch, groups, repeats, keys, dim).sum(2),
+        )
+    folded = (_fold(t, groups) for t in (grad_BHCD, q_BHCD))
+    gq, gk, gv = _flash_backward(
+        *folded,
+        k_BGSD,
+        v_BGSD,
+        _fold(out_BHCD, groups),
+        lse_BHC.reshape(batch, groups, repeats * rows),
+        causal,
+        scale,
+    )
+    return gq.reshape(batch, heads, rows, dim), gk, gv
+
+
+def _fold(x_BHCD: Tensor, groups: int) -> Tensor:
+    """[B, G, (H / G) x C, D]: the query heads of each key/value head as rows of one."""
+    batch, heads, rows, dim = x_BHCD.shape
+    return x_BHCD.reshape(batch, groups, heads // groups * rows, dim)
 
 
 def _flash_forward(

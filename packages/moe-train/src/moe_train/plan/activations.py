@@ -117,8 +117,8 @@ def attention_block_bytes(x: Widths, tokens: int, batch: int) -> float:
 
 def gathered_kv_bytes(x: Widths, batch: int) -> float:
     """Context parallelism: the keys and values of the whole sequences that attention keeps
-    for its backward (repeated to every query head under grouped-query attention)."""
-    return 2 * batch * x.seq_len * x.cp * x.d * x.c
+    for its backward, with their own heads (not repeated under grouped-query attention)."""
+    return 2 * batch * x.seq_len * x.cp * x.kv * x.c
 
 
 def moe_block_bytes(config: Config, x: Widths, tokens: int) -> float:

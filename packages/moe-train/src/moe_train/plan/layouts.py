@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from fractions import Fraction
 
 from moe_train.config import Config
 from moe_train.errors import ConfigError
@@ -67,7 +66,7 @@ def evaluate(config: Config, world_size: int, device: Device) -> Evaluated:
     config = _resolved(config)
     memory = predict_memory(config, world_size)
     traffic = predict_traffic(config, world_size, memory.pp_rank)
-    time = step_time(_per_rank_micro_batches(config), world_size, device, traffic)
+    time = step_time(config, world_size, device, traffic)
     tokens = tokens_per_second_per_device(config, world_size, time)
     fits = memory.total <= device.memory_gib * GIB
     return Evaluated(
@@ -81,19 +80,6 @@ def evaluate(config: Config, world_size: int, device: Device) -> Evaluated:
         tokens,
         mfu(config, tokens, device),
         fits,
-    )
-
-
-def _per_rank_micro_batches(config: Config) -> Config:
-    """For the roofline, which counts a rank's micro-batches as global batch / micro-batch /
-    dp: under context parallelism the dp ranks of one cp group share each micro-batch, so it
-    is given micro / cp sequences a micro-batch (the tokens a rank computes per micro-batch)."""
-    cp = config.parallel.cp
-    if cp == 1:
-        return config
-    micro = Fraction(config.data.micro_batch_size, cp)
-    return dataclasses.replace(
-        config, data=dataclasses.replace(config.data, micro_batch_size=micro)
     )
 
 

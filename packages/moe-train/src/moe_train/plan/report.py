@@ -277,6 +277,7 @@ def _details(result: Evaluated, device: Device) -> list[str]:
         f"  step {t.total_s:.3f} s: compute {t.compute_s:.3f}, exchange {t.exchange_s:.3f}, "
         f"reductions {t.reduction_s:.3f}, bubble {t.bubble_s:.3f}, pipeline {t.pipeline_s:.3f}"
         + (f", Muon's iterations {t.optimizer_s:.3f}" if t.optimizer_s else "")
+        + (f", cp K/V {t.context_s:.3f}" if t.context_s else "")
     )
     lines.append(f"  {result.tokens_per_s:,.0f} tokens/s per device, MFU {_percent(result.mfu)}")
     return lines

@@ -4,9 +4,12 @@ Compute is each kind of matrix product at its precision's peak times the share i
 reaches, attention at its own share, and the memory-bound kernels' bytes at the memory
 bandwidth, on the busiest pipeline rank (the one holding the head); the expert-parallel
 exchanges sit on the critical path (each MoE layer waits for its tokens) but for the share a
-sync-free dispatcher hides behind compute; gradient reductions overlap the backward and only
-what outlasts it shows; the distributed optimizer's all-gather follows
-the step; a pipeline adds its bubble; Muon adds its Newton-Schulz iterations.
+sync-free dispatcher hides behind compute; context parallelism's key/value all-gathers and
+the reduce-scatters of their gradients sit on each attention layer's path (CONTEXT_OVERLAP);
+gradient reductions overlap the backward and only what outlasts it shows; the distributed
+optimizer's all-gather follows the step; a pipeline adds its bubble; Muon adds its
+Newton-Schulz iterations. Bytes that cross nodes go at the network's rate, counted in the
+layout's rank order (`traffic.across_nodes`).
 
 Two floors keep a small model's figure from running to millions of tokens per second: the
 blocks' compute takes no less than their operators take to be issued one by one (eager
@@ -27,7 +30,7 @@ from moe_parallel.muon import NS_STEPS
 from moe_train.config import Config
 from moe_train.model.accounting import count_params, flops_per_token
 from moe_train.plan.hardware import Device
-from moe_train.plan.traffic import Traffic
+from moe_train.plan.traffic import Traffic, across_nodes
 
 MATMUL_EFFICIENCY = 0.75
 """Fraction of the datasheet peak that a large bf16 matrix product reaches (cuBLAS and
@@ -100,6 +103,14 @@ OPERATORS_PER_BLOCK = {"none": 270, "selective": 390, "full": 390}
 recompute mode (recompute reruns the forward's operators); counted from the model's own
 forward and backward in the tests, where they are checked."""
 
+CONTEXT_OVERLAP = 0.0
+"""Share of context parallelism's K/V collectives hidden behind compute: none. Each layer's
+all-gather stands between its key/value projection and its attention, and the reduce-scatter
+of their gradients between attention's backward and the projection's; the trainer issues
+both as blocking calls inside autograd and runs one micro-batch's layer at a time, so no
+compute waits beside them (an overlapped ring, which this trainer does not run, would hide
+most of them)."""
+
 COLLECTIVE_LATENCY_S = 20e-6
 """Start-up time of one process-group call, whatever its size: a planning constant of the
 order that collective libraries report for small messages within a node."""
@@ -123,6 +134,8 @@ class StepTime:
     pipeline_s: float
     optimizer_s: float = 0.0
     """Muon's Newton-Schulz iterations (zero for AdamW, whose step the roofline leaves out)."""
+    context_s: float = 0.0
+    """Context parallelism's K/V all-gathers and gradient reduce-scatters, not overlapped."""
 
     @property
     def total_s(self) -> float:
@@ -133,42 +146,56 @@ class StepTime:
             + self.bubble_s
             + self.pipeline_s
             + self.optimizer_s
+            + self.context_s
         )
 
 
 def step_time(config: Config, world_size: int, device: Device, traffic: Traffic) -> StepTime:
     """The roofline's step time of the busiest rank (data-parallel ranks alike; of the
-    pipeline ranks, the last, which holds the head)."""
+    pipeline ranks, the last, which holds the head). `dp` counts the context-parallel ranks
+    too: a rank computes global batch x S / dp tokens a step, in micro-batches of S / cp
+    positions per sequence."""
     parallel, data = config.parallel, config.data
     dp = world_size // parallel.pp
     tokens_per_rank = data.global_batch_size * data.seq_len / dp
     compute_s = busiest_rank_seconds(config, device) * tokens_per_rank * _recompute_factor(config)
     compute_s = max(compute_s, operator_floor_s(config, dp))
-    exchange_s = reduction_s = pipeline_s = 0.0
+    exchange_s = reduction_s = pipeline_s = context_s = 0.0
     for kind, wire in traffic.wire.items():
-        seconds = _seconds(device, kind, wire, parallel.ep, dp)
+        seconds = _seconds(config, world_size, device, kind, wire)
         seconds += traffic.calls.get(kind, 1) * COLLECTIVE_LATENCY_S
         if kind.startswith("ep "):
             exchange_s += seconds
+        elif kind.startswith("cp "):
+            context_s += (1 - CONTEXT_OVERLAP) * seconds
         elif kind == "pipeline":
             pipeline_s += seconds
         elif kind.endswith("all-gather"):
             reduction_s += seconds
         else:
             reduction_s += max(0.0, seconds - BACKWARD_SHARE * compute_s)
-    num_micro = data.global_batch_size // data.micro_batch_size // dp
+    num_micro = micro_batches_per_rank(config, dp)
     bubble = 0.0
     if parallel.pp > 1:
         chunks = parallel.virtual_stages if parallel.pp_schedule == "interleaved_1f1b" else 1
         bubble = (parallel.pp - 1) / (chunks * num_micro)
     if parallel.dispatcher in SYNC_FREE_DISPATCHERS:
         exchange_s -= min(EXCHANGE_OVERLAP * exchange_s, compute_s)
-    busy = compute_s + exchange_s
+    busy = compute_s + exchange_s + context_s
     optimizer_s = newton_schulz_flops(config, dp) / parallel.pp / (device.bf16_tflops * 1e12)
     if config.optim.muon_ns_dtype == "float32":
         optimizer_s *= FP32_SLOWDOWN
     optimizer_s /= MATMUL_EFFICIENCY
-    return StepTime(compute_s, exchange_s, reduction_s, bubble * busy, pipeline_s, optimizer_s)
+    return StepTime(
+        compute_s, exchange_s, reduction_s, bubble * busy, pipeline_s, optimizer_s, context_s
+    )
+
+
+def micro_batches_per_rank(config: Config, dp: int) -> int:
+    """Micro-batches a rank runs a step: the `dp` ranks per stage hold dp / cp different
+    sequences at a time (a micro-batch's sequences are split over the cp ranks)."""
+    data = config.data
+    return data.global_batch_size // data.micro_batch_size // (dp // config.parallel.cp)
 
 
 def newton_schulz_flops(config: Config, dp: int = 1) -> float:
@@ -210,10 +237,9 @@ def _iteration_flops(shapes: list[tuple[int, int, int]]) -> float:
 def operator_floor_s(config: Config, dp: int) -> float:
     """Least compute time of one rank's step: its blocks' operators, issued one at a time for
     each of its micro-batches."""
-    parallel, data = config.parallel, config.data
-    num_micro = data.global_batch_size // data.micro_batch_size // dp
-    blocks = config.model.n_layers / parallel.pp
-    return num_micro * blocks * OPERATORS_PER_BLOCK[parallel.recompute] * OPERATOR_FLOOR_S
+    num_micro = micro_batches_per_rank(config, dp)
+    blocks = config.model.n_layers / config.parallel.pp
+    return num_micro * blocks * OPERATORS_PER_BLOCK[config.parallel.recompute] * OPERATOR_FLOOR_S
 
 
 def _recompute_factor(config: Config) -> float:
@@ -241,7 +267,8 @@ def compute_seconds(config: Config, device: Device) -> tuple[float, float]:
     experts_fp8 = expert_gemm_runs_in_fp8(config, device)
     linears_fp8 = linears_run_in_fp8(config, device)
     flops = _flops_by_kind(config)
-    rows = data.micro_batch_size * data.seq_len  # a dense product's weight-gradient contraction
+    # A dense product's weight-gradient contraction: the rank's positions of a micro-batch.
+    rows = data.micro_batch_size * data.seq_len / config.parallel.cp
     expert_rows = rows * config.parallel.ep * k / moe.num_experts  # each local expert's rows
     # gate_up (2/3 of the expert FLOPs): contractions d, 2h, rows; down: h, d, rows.
     expert_share = (2 / 3) * _mean_efficiency([d, 2 * h, expert_rows]) + (1 / 3) * _mean_efficiency(
@@ -323,22 +350,9 @@ def linears_run_in_fp8(config: Config, device: Device) -> bool:
     return config.precision.linear != "bf16" and device.fp8_tflops > 0
 
 
-def across_nodes(kind: str, wire: float, ep: int, dp: int, per_node: int) -> float:
-    """The bytes of `wire` that a rank sends over the network rather than NVLink. An EP group
-    is ep consecutive ranks: its peers off the rank's node take (ep - G) / (ep - 1) of the
-    exchange. A dp group is dp consecutive ranks and an expert-dp group spans the same block
-    (stride ep): a ring over several nodes is counted as crossing (its slowest hop sets its
-    pace). Pipeline peers are dp ranks apart."""
-    group = kind.split(" ")[0]
-    if group == "ep":
-        return 0.0 if ep <= per_node else wire * (ep - per_node) / (ep - 1)
-    span = dp + 1 if group == "pipeline" else dp
-    return 0.0 if span <= per_node else wire
-
-
-def _seconds(device: Device, kind: str, wire: float, ep: int, dp: int) -> float:
+def _seconds(config: Config, world_size: int, device: Device, kind: str, wire: float) -> float:
     """Time to send `wire` bytes of a collective kind: the NVLink and network parts at once."""
-    network = across_nodes(kind, wire, ep, dp, device.gpus_per_node)
+    network = across_nodes(config, world_size, kind, wire, device.gpus_per_node)
     return max(
         (wire - network) / (device.intra_node_gbps * 1e9),
         network / (device.inter_node_gbps * 1e9),
