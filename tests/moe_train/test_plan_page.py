@@ -115,6 +115,8 @@ def test_pasted_yaml_with_an_unknown_key_and_a_model_that_fits_nowhere(url):
 
 
 def test_the_shipped_configs_are_listed_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert config_folders()[0] == Path("configs")  # shown as a command run here names them
     monkeypatch.chdir(tmp_path)
     folders = config_folders()
     assert folders[0] == ROOT / "configs"

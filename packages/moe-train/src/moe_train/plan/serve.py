@@ -289,7 +289,10 @@ def config_folders() -> list[Path]:
     root = Path(__file__).resolve().parents[5]
     folders = [Path("configs")]
     if (root / "packages" / "moe-train").is_dir() and (root / "configs").is_dir():
-        folders.insert(0, root / "configs")
+        repository = root / "configs"
+        if repository.is_relative_to(Path.cwd().resolve()):  # shown as the command would be
+            repository = repository.relative_to(Path.cwd().resolve())
+        folders.insert(0, repository)
     return folders
 
 
