@@ -9,6 +9,7 @@ expert-parallel group, plus alignment padding), c compute bytes, w parameter byt
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -172,10 +173,14 @@ def held_per_micro_batch(config: Config, layers: Sequence[int], first: bool, las
     model = config.model
     batch = config.data.micro_batch_size
     t = batch * x.seq_len
-    # Blocks of one kind hold the same bytes: each is computed once, then summed per layer.
-    dense_of = [layer < model.dense_layers for layer in layers]
-    kinds = {dense: _block_bytes(config, x, t, batch, dense) for dense in set(dense_of)}
-    total = sum(kinds[dense] for dense in dense_of)
+    # Blocks of one kind hold the same bytes: each is computed once, then summed per layer,
+    # in layer order (the same additions as one sum over the layers).
+    if not layers or min(layers) >= model.dense_layers or max(layers) < model.dense_layers:
+        dense = bool(layers) and layers[0] < model.dense_layers
+        total = sum(itertools.repeat(_block_bytes(config, x, t, batch, dense), len(layers)))
+    else:
+        kinds = {dense: _block_bytes(config, x, t, batch, dense) for dense in (False, True)}
+        total = sum(kinds[layer < model.dense_layers] for layer in layers)
     if x.cp > 1 and x.c == FP32 and layers:
         total += x.seq_len * x.head_dim * FP32  # this rank's rows of the cos and sin tables
     if config.parallel.pp > 1 and not last:
