@@ -33,6 +33,20 @@ def test_every_published_point_is_predicted_within_a_quarter(rows):
     assert not off, "outside [0.75, 1.25]:\n" + "\n".join(off)
 
 
+def test_a_point_without_a_published_layout_shows_the_planners_fastest(rows):
+    (point,) = [r for r in rows if not r.point.layout_published]
+    assert point.point.config.name == "published-1t-a58b.yaml"
+    assert all(r.fastest is None for r in rows if r.point.layout_published)
+    fastest = point.fastest
+    assert fastest.own_rank is not None and 1 <= fastest.own_rank <= fastest.fitting
+    # The config's layout is one of those that fit, so the fastest is at least as fast.
+    assert fastest.tokens_per_s >= point.predicted_tokens_per_s
+    assert (fastest.own_rank == 1) == (fastest.tokens_per_s == point.predicted_tokens_per_s)
+    table = calibration_table([point])
+    assert f"its layout #{fastest.own_rank} of the {fastest.fitting} that fit" in table
+    assert f"the planner's fastest layout: {fastest.label} |" in table
+
+
 def test_the_docs_show_the_table_the_planner_gives(rows):
     docs = (ROOT / "docs/planner.md").read_text()
     assert calibration_table(rows) in docs, "rerun scripts/plan_calibration.py into docs"
@@ -43,11 +57,12 @@ def test_published_figures_come_from_the_config_headers(tmp_path):
         "# Calibration: 16 x h100, 8826 tokens/s per GPU, 203 model TFLOP/s per GPU\nmodel: {}\n"
     )
     (tmp_path / "published-b.yaml").write_text(
-        "# Calibration: 512 x b300, 858 model TFLOP/s per GPU\n"
+        "# Calibration: 512 x b300, 858 model TFLOP/s per GPU, layout not published\n"
     )
     a, b = published_points(tmp_path)
     assert (a.gpus, a.gpu, a.tokens_per_s, a.tflops) == (16, "h100", 8826.0, 203.0)
     assert (b.gpus, b.gpu, b.tokens_per_s, b.tflops) == (512, "b300", None, 858.0)
+    assert a.layout_published and not b.layout_published
     (tmp_path / "published-c.yaml").write_text("# Calibration: 8 x b200\n")
     with pytest.raises(ValueError, match=r"published-c\.yaml"):
         published_points(tmp_path)

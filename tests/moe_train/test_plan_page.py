@@ -4,6 +4,7 @@ a real headless Chromium, shows the CLI's figures and downloads a config that tr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import subprocess
@@ -20,20 +21,28 @@ from moe_train.cli import main
 from moe_train.cli.plan import plan_json_of
 from moe_train.config import load_config
 from moe_train.plan.layouts import layout_label
-from moe_train.plan.serve import FIELDS, make_server, shipped_configs
+from moe_train.plan.serve import FIELDS, config_folders, make_server, shipped_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 
 
-@pytest.fixture(scope="module")
-def url():
-    server = make_server(plan_json_of, shipped_configs(None, ROOT / "configs"), 0)
+@contextlib.contextmanager
+def _serving(configs: dict[str, Path], looked_in: list[Path] | None = None):
+    server = make_server(plan_json_of, configs, 0, looked_in)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def url():
+    with _serving(shipped_configs(None, ROOT / "configs")) as address:
+        yield address
 
 
 def _post(url: str, path: str, body: bytes | dict, headers: dict | None = None):
@@ -105,6 +114,53 @@ def test_pasted_yaml_with_an_unknown_key_and_a_model_that_fits_nowhere(url):
     assert answer["plan"]["closest"] and not answer["plan"]["fitting"]
 
 
+def test_the_shipped_configs_are_listed_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert config_folders()[0] == Path("configs")  # shown as a command run here names them
+    monkeypatch.chdir(tmp_path)
+    folders = config_folders()
+    assert folders[0] == ROOT / "configs"
+    with _serving(shipped_configs(None, folders), folders) as address:
+        with urllib.request.urlopen(address + "/api/configs", timeout=60) as response:
+            listed = json.loads(response.read())
+        status, body = _post(address, "/api/plan", {"config": "tiny.yaml", "gpus": "2"})
+    shipped = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    assert listed == {"configs": shipped}
+    assert status == 200 and json.loads(body)["plan"]["fitting"]
+
+
+def test_the_page_says_when_no_config_is_found(tmp_path):
+    folders = [tmp_path / "configs", tmp_path / "elsewhere"]
+    with (
+        _serving(shipped_configs(None, folders), folders) as address,
+        urllib.request.urlopen(address + "/api/configs", timeout=60) as response,
+    ):
+        listed = json.loads(response.read())
+    assert listed["configs"] == [] and listed["note"].startswith("no shipped configs found")
+    assert str(tmp_path / "configs") in listed["note"] and "paste" in listed["note"]
+
+
+def test_the_model_inputs_are_the_configs_own_values(url):
+    status, body = _post(url, "/api/inputs", {"config": "olmoe-1b-7b.yaml"})
+    config = load_config(ROOT / "configs/olmoe-1b-7b.yaml")
+    model, moe = config.model, config.model.moe
+    expected = {
+        "n_layers": model.n_layers,
+        "d_model": model.d_model,
+        "num_experts": moe.num_experts,
+        "top_k": moe.top_k,
+        "expert_hidden": moe.expert_hidden,
+        "seq_len": config.data.seq_len,
+        "vocab_size": model.vocab_size,
+    }
+    assert status == 200
+    assert json.loads(body)["inputs"] == {name: str(v) for name, v in expected.items()}
+    status, body = _post(url, "/api/inputs", {"yaml": "model:\n  d_model: 96\n"})
+    assert status == 200 and json.loads(body)["inputs"]["d_model"] == "96"
+    status, body = _post(url, "/api/inputs", {"yaml": "model:\n  wings: 2\n"})
+    assert status == 400 and list(json.loads(body)["errors"]) == ["yaml"]
+
+
 def _malformed(rng: random.Random) -> tuple[str, bytes, dict]:
     junk = [
         "",
@@ -131,7 +187,11 @@ def _malformed(rng: random.Random) -> tuple[str, bytes, dict]:
     if kind == 1:
         return "/api/plan", b"{}", {"Content-Length": "-5"}
     if kind == 2:
-        return rng.choice(["/api/nothing", "/api/config"]), json.dumps({"x": 1}).encode(), {}
+        return (
+            rng.choice(["/api/nothing", "/api/config", "/api/inputs"]),
+            json.dumps({"x": 1}).encode(),
+            {},
+        )
     body = {"config": rng.choice(["tiny.yaml", "../../etc/passwd", 3, None, "tiny"]), "gpus": "2"}
     for name in rng.sample(list(FIELDS), rng.randrange(1, 4)):
         body[name] = rng.choice([*junk, rng.randrange(-3, 3), [1], {"a": 1}, 1.5])
@@ -216,6 +276,10 @@ def test_the_page_in_chromium_shows_the_clis_figures_and_its_config_trains(tmp_p
             page.goto(address)
             page.wait_for_selector("body[data-planned]", timeout=120_000)
             assert "--gpus=8" in page.text_content("#command")
+            olmoe = load_config(ROOT / "configs/olmoe-1b-7b.yaml")
+            assert page.input_value("#num_experts") == str(olmoe.model.moe.num_experts)
+            assert page.input_value("#d_model") == str(olmoe.model.d_model)
+            assert "--model." not in page.text_content("#command")  # the config's own values
             page.fill("#gpus", "64")
             page.fill("#num_experts", "32")
             page.wait_for_function(

@@ -45,7 +45,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--serve",
         action="store_true",
-        help="serve the planner as a page on http://127.0.0.1:PORT (configs/*.yaml listed)",
+        help="serve the planner as a page on http://127.0.0.1:PORT (the repository's and the "
+        "working directory's configs/*.yaml listed)",
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="the page's port")
 

@@ -9,6 +9,8 @@ expert-parallel group, plus alignment padding), c compute bytes, w parameter byt
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moe_dispatch import capacity_per_expert
@@ -164,14 +166,21 @@ def _swiglu_bytes(x: Widths, tokens: int, hidden: int) -> float:
     return kept + weights
 
 
-def held_per_micro_batch(config: Config, layers: list[int], first: bool, last: bool) -> float:
+def held_per_micro_batch(config: Config, layers: Sequence[int], first: bool, last: bool) -> float:
     """Bytes held for backward after the forward of one micro-batch of the pipeline stage(s)
     that hold `layers` (the final norm, head and MTP modules on the `last` one)."""
     x = Widths.of(config)
     model = config.model
     batch = config.data.micro_batch_size
     t = batch * x.seq_len
-    total = sum(_block_bytes(config, x, t, batch, layer < model.dense_layers) for layer in layers)
+    # Blocks of one kind hold the same bytes: each is computed once, then summed per layer,
+    # in layer order (the same additions as one sum over the layers).
+    if not layers or min(layers) >= model.dense_layers or max(layers) < model.dense_layers:
+        dense = bool(layers) and layers[0] < model.dense_layers
+        total = sum(itertools.repeat(_block_bytes(config, x, t, batch, dense), len(layers)))
+    else:
+        kinds = {dense: _block_bytes(config, x, t, batch, dense) for dense in (False, True)}
+        total = sum(kinds[layer < model.dense_layers] for layer in layers)
     if x.cp > 1 and x.c == FP32 and layers:
         total += x.seq_len * x.head_dim * FP32  # this rank's rows of the cos and sin tables
     if config.parallel.pp > 1 and not last:

@@ -3,8 +3,11 @@ one header line the devices the point ran on and what was published for it:
 
     # Calibration: 8 x b200, 27136 tokens/s per GPU, 619 model TFLOP/s per GPU
 
-(either figure may be left out). Those lines are the one place the published figures live:
-the calibration table in docs/planner.md and its test both read them."""
+(either figure may be left out; a line that ends in ", layout not published" marks a point
+whose layout was not given, for which the config holds one of the planner's choosing, and the
+table also shows the planner's fastest fitting layout there). Those lines are the one place
+the published figures live: the calibration table in docs/planner.md and its test both read
+them."""
 
 from __future__ import annotations
 
@@ -12,14 +15,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_train.config import load_config
+from moe_train.config import Config, load_config
 from moe_train.model.accounting import flops_per_token
 from moe_train.plan.hardware import DEVICES
 from moe_train.plan.layouts import evaluate
+from moe_train.plan.report import make_plan
 
 HEADER = re.compile(
     r"^# Calibration: (?P<gpus>\d+) x (?P<gpu>\w+)"
-    r"(?:, (?P<tokens>\d+) tokens/s per GPU)?(?:, (?P<tflops>\d+) model TFLOP/s per GPU)?\s*$",
+    r"(?:, (?P<tokens>\d+) tokens/s per GPU)?(?:, (?P<tflops>\d+) model TFLOP/s per GPU)?"
+    r"(?P<unpublished>, layout not published)?\s*$",
     re.MULTILINE,
 )
 
@@ -35,6 +40,21 @@ class Point:
     """Published tokens/s per GPU, where given."""
     tflops: float | None
     """Published model TFLOP/s per GPU (the publisher's FLOPs of its own model), where given."""
+    layout_published: bool = True
+    """Whether the point's layout was published (the config's is then that one)."""
+
+
+@dataclass(frozen=True)
+class Fastest:
+    """The planner's fastest fitting layout on a point's devices, against the config's own."""
+
+    label: str
+    tokens_per_s: float
+    tflops: float
+    fitting: int
+    """Layouts that fit on the point's devices."""
+    own_rank: int | None
+    """The config's own layout's place among them, fastest first (None: it does not fit)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +68,8 @@ class Calibrated:
     the published model's size) the published tokens/s x the planner's FLOPs per token."""
     fits: bool
     """Whether the planner finds the config's layout within the device's memory."""
+    fastest: Fastest | None = None
+    """For a point whose layout was not published: the planner's fastest fitting layout."""
 
     @property
     def ratio(self) -> float:
@@ -71,6 +93,7 @@ def published_points(configs: Path) -> list[Point]:
                 match["gpu"],
                 float(tokens) if tokens else None,
                 float(tflops) if tflops else None,
+                layout_published=not match["unpublished"],
             )
         )
     return points
@@ -84,8 +107,28 @@ def calibrate(point: Point) -> Calibrated:
         raise ValueError(f"{point.config}: {result.error}")
     flops = flops_per_token(config.model, config.data.seq_len)
     published = point.tflops if point.tflops else point.tokens_per_s * flops / 1e12
+    fastest = None if point.layout_published else fastest_layout(config, point, result.label)
     return Calibrated(
-        point, result.tokens_per_s, result.tokens_per_s * flops / 1e12, published, result.fits
+        point,
+        result.tokens_per_s,
+        result.tokens_per_s * flops / 1e12,
+        published,
+        result.fits,
+        fastest,
+    )
+
+
+def fastest_layout(config: Config, point: Point, own: str) -> Fastest | None:
+    """The fastest layout that fits on the point's devices (None: none fits), and where the
+    config's own layout (labelled `own`) ranks among those that fit."""
+    fitting = make_plan(config, point.gpus, DEVICES[point.gpu], search=False).fitting
+    if not fitting:
+        return None
+    best = fitting[0]
+    rank = next((i for i, r in enumerate(fitting, 1) if r.label == own), None)
+    flops = flops_per_token(config.model, config.data.seq_len)
+    return Fastest(
+        best.label, best.tokens_per_s, best.tokens_per_s * flops / 1e12, len(fitting), rank
     )
 
 
@@ -101,9 +144,22 @@ def calibration_table(rows: list[Calibrated]) -> str:
         tokens = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-"
         tflops = f"{p.tflops:,.0f}" if p.tflops else f"({r.published_tflops:,.0f})"
         fits = "" if r.fits else " (over memory)"
+        devices = f"{p.gpus} {DEVICES[p.gpu].name}"
+        name = f"`{p.config.name}`"
+        if r.fastest is not None:
+            place = r.fastest.own_rank
+            ranked = f"#{place}" if place else "not"
+            name += f" (its layout {ranked} of the {r.fastest.fitting} that fit)"
         lines.append(
-            f"| `{p.config.name}` | {p.gpus} {DEVICES[p.gpu].name} | {tokens} | {tflops} "
+            f"| {name} | {devices} | {tokens} | {tflops} "
             f"| {r.predicted_tokens_per_s:,.0f}{fits} | {r.predicted_tflops:,.0f} "
             f"| {r.ratio:.2f} |"
         )
+        if r.fastest is not None:
+            f = r.fastest
+            lines.append(
+                f"| same, the planner's fastest layout: {f.label} | {devices} | {tokens} "
+                f"| {tflops} | {f.tokens_per_s:,.0f} | {f.tflops:,.0f} "
+                f"| {f.tflops / r.published_tflops:.2f} |"
+            )
     return "\n".join(lines)

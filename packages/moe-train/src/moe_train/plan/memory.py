@@ -14,6 +14,7 @@ from moe_parallel import assign_owners
 from moe_train.config import Config
 from moe_train.model.accounting import count_params, qk_norm_params
 from moe_train.plan.activations import DTYPE_BYTES, FP32, capacity, held_per_micro_batch
+from moe_train.plan.stages import rank_dense_layers, rank_layers, rank_stages
 from moe_train.train.pipeline import plan_stages
 
 ALLOCATOR_SLACK = 0.10
@@ -89,24 +90,29 @@ def rank_params(config: Config, pp_rank: int) -> RankParams:
     d = model.d_model
     head_dim = d // model.n_heads
     kv = model.n_kv_heads * head_dim
-    stages = plan_stages(model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
-    dense = expert = matrices = 0
-    for layer in stages.layers:
-        attention = d * (d + 2 * kv) + d * d
-        dense += attention + 2 * d + qk_norm_params(model) + (d + 2 * kv if model.qkv_bias else 0)
-        if layer < model.dense_layers:
-            ffn = 3 * d * model.dense_hidden
-            dense += ffn
-        else:
-            ffn = 3 * d * moe.shared_experts * moe.expert_hidden
-            dense += d * moe.num_experts + ffn + (d if moe.shared_expert_gate else 0)
-            expert += moe.num_experts // parallel.ep * 3 * d * moe.expert_hidden
-        matrices += attention + ffn
+    place = (model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
+    stages = rank_stages(*place)
+    layers = len(rank_layers(*place))
+    dense_ffn_layers = rank_dense_layers(*place, model.dense_layers)
+    moe_layers = layers - dense_ffn_layers
+    # Each layer's attention and norms, then its dense or routed feed-forward (whole ints,
+    # so counting the layers of each kind gives the per-layer sums exactly).
+    attention = d * (d + 2 * kv) + d * d
+    per_layer = attention + 2 * d + qk_norm_params(model) + (d + 2 * kv if model.qkv_bias else 0)
+    dense_ffn = 3 * d * model.dense_hidden
+    shared_ffn = 3 * d * moe.shared_experts * moe.expert_hidden
+    router = d * moe.num_experts + (d if moe.shared_expert_gate else 0)
+    dense = layers * per_layer + dense_ffn_layers * dense_ffn
+    dense += moe_layers * (router + shared_ffn)
+    expert = moe_layers * (moe.num_experts // parallel.ep * 3 * d * moe.expert_hidden)
+    matrices = layers * attention + dense_ffn_layers * dense_ffn
+    matrices += moe_layers * shared_ffn
     if stages.has_first:
         dense += model.vocab_size * d
     if stages.has_last:
         dense += d + (0 if model.tie_embeddings else model.vocab_size * d)
-        dense += count_params(model).mtp  # the MTP modules run on the last stage
+        if model.mtp_depth:
+            dense += count_params(model).mtp  # the MTP modules run on the last stage
     return RankParams(dense=dense, expert=expert, hidden_matrices=matrices + expert)
 
 
@@ -202,8 +208,11 @@ def _rank_memory(config: Config, world_size: int, pp_rank: int) -> MemoryPredict
         optimizer = FP32 * moments + (FP32 * params.total if low_precision else 0)
         gradients = FP32 * params.total
         before = 0
-    stages = plan_stages(config.model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
-    activations = held_per_micro_batch(config, stages.layers, stages.has_first, stages.has_last)
+    place = (config.model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
+    stages = rank_stages(*place)
+    activations = held_per_micro_batch(
+        config, rank_layers(*place), stages.has_first, stages.has_last
+    )
     in_flight = in_flight_micro_batches(config, dp // parallel.cp, pp_rank)
     dispatch = _dispatch_buffers(config)
     state = params.total * w + gradients + before + optimizer + activations * in_flight

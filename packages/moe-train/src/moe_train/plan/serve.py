@@ -105,6 +105,23 @@ class Planner:
         head = f"# {self._shown(request)} with {' '.join(words + layout) or 'no overrides'}\n"
         return head + yaml.safe_dump(config.to_dict(), sort_keys=False)
 
+    def inputs(self, request: dict[str, Any]) -> dict[str, str]:
+        """The config's own value of each model input of the page (what an empty field
+        means), as text."""
+        with self._config_path(request) as (path, source):
+            try:
+                config = load_config(path)
+            except MoeTrainError as e:
+                raise _refusal(str(e), path, source) from e
+        values = {}
+        for field, flag in FIELDS.items():
+            if flag.startswith(("--model.", "--data.")):
+                value: Any = config
+                for name in flag.removeprefix("--").split("."):
+                    value = getattr(value, name)
+                values[field] = str(value)
+        return values
+
     def _words(self, request: dict[str, Any]) -> list[str]:
         words = []
         for field, flag in FIELDS.items():
@@ -191,7 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/api/configs":
-            self._json(HTTPStatus.OK, {"configs": list(self.server.planner.configs)})
+            self._json(HTTPStatus.OK, self._configs())
             return
         if self.path not in ASSETS:
             self._json(HTTPStatus.NOT_FOUND, {"errors": {"path": f"no page at {self.path}"}})
@@ -205,6 +222,8 @@ class _Handler(BaseHTTPRequestHandler):
             request = self._request()
             if self.path == "/api/plan":
                 self._json(HTTPStatus.OK, self.server.planner.plan(request))
+            elif self.path == "/api/inputs":
+                self._json(HTTPStatus.OK, {"inputs": self.server.planner.inputs(request)})
             elif self.path == "/api/config":
                 text = self.server.planner.config_yaml(request)
                 self._send(HTTPStatus.OK, text.encode(), "application/yaml; charset=utf-8")
@@ -215,6 +234,16 @@ class _Handler(BaseHTTPRequestHandler):
             if e.plan is not None:
                 body.update(e.plan)
             self._json(e.status, body)
+
+    def _configs(self) -> dict[str, Any]:
+        listed: dict[str, Any] = {"configs": list(self.server.planner.configs)}
+        if not listed["configs"]:
+            places = " or ".join(str(p.resolve()) + "/*.yaml" for p in self.server.looked_in)
+            listed["note"] = (
+                f"no shipped configs found (looked in {places or 'no folder'}): start "
+                "`moe-train plan CONFIG --serve` with a config, or paste one as YAML"
+            )
+        return listed
 
     def _request(self) -> dict[str, Any]:
         try:
@@ -250,22 +279,47 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     planner: Planner
+    looked_in: list[Path]
 
 
-def shipped_configs(preselected: Path | None, folder: Path = Path("configs")) -> dict[str, Path]:
-    """The configs the page lists: `preselected` first, then folder/*.yaml, by file name."""
+def config_folders() -> list[Path]:
+    """Where the page looks for configs to list: the repository's configs/ when this package
+    runs from a development install of it (the configs are not packaged), then configs/ in
+    the working directory."""
+    root = Path(__file__).resolve().parents[5]
+    folders = [Path("configs")]
+    if (root / "packages" / "moe-train").is_dir() and (root / "configs").is_dir():
+        repository = root / "configs"
+        if repository.is_relative_to(Path.cwd().resolve()):  # shown as the command would be
+            repository = repository.relative_to(Path.cwd().resolve())
+        folders.insert(0, repository)
+    return folders
+
+
+def shipped_configs(
+    preselected: Path | None, folders: list[Path] | Path | None = None
+) -> dict[str, Path]:
+    """The configs the page lists: `preselected` first, then each folder's *.yaml (default:
+    `config_folders()`), by file name; a name already listed keeps its first file."""
+    if folders is None:
+        folders = config_folders()
     configs = {}
     if preselected is not None:
         configs[preselected.name] = preselected
-    for path in sorted(folder.glob("*.yaml")):
-        configs.setdefault(path.name, path)
+    for folder in [folders] if isinstance(folders, Path) else folders:
+        for path in sorted(folder.glob("*.yaml")):
+            configs.setdefault(path.name, path)
     return configs
 
 
-def make_server(answer: Answer, configs: dict[str, Path], port: int) -> _Server:
-    """A server on 127.0.0.1:`port` (0: any free port), not yet serving."""
+def make_server(
+    answer: Answer, configs: dict[str, Path], port: int, looked_in: list[Path] | None = None
+) -> _Server:
+    """A server on 127.0.0.1:`port` (0: any free port), not yet serving; `looked_in` names
+    the folders searched for configs, for the page to say where none was found."""
     server = _Server(("127.0.0.1", port), _Handler)
     server.planner = Planner(answer, configs)
+    server.looked_in = looked_in or []
     return server
 
 
@@ -273,8 +327,11 @@ def serve(port: int, answer: Answer, preselected: Path | None) -> None:
     """Serve the page until interrupted."""
     if preselected is not None and not preselected.is_file():
         raise MoeTrainError(f"config file {preselected} does not exist")
+    import moe_train.plan  # noqa: F401  (now, so that the first answer does not wait for it)
+
     try:
-        server = make_server(answer, shipped_configs(preselected), port)
+        folders = config_folders()
+        server = make_server(answer, shipped_configs(preselected, folders), port, folders)
     except OSError as e:
         raise MoeTrainError(f"--port {port}: cannot listen there ({e.strerror})") from e
     print(f"the planner's page: http://127.0.0.1:{server.server_address[1]}/", flush=True)

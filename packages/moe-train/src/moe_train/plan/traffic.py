@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from moe_train.config import Config
 from moe_train.plan.activations import DTYPE_BYTES, FP32, capacity
 from moe_train.plan.memory import rank_params
-from moe_train.train.pipeline import plan_stages
+from moe_train.plan.stages import rank_dense_layers, rank_layers, rank_stages
 
 
 @dataclass
@@ -49,13 +49,14 @@ def predict_traffic(config: Config, world_size: int, pp_rank: int = 0) -> Traffi
     ep, expert_dp = parallel.ep, dp // parallel.ep
     num_micro = data.global_batch_size // data.micro_batch_size // (dp // parallel.cp)
     traffic = Traffic()
-    stages = plan_stages(model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
-    moe_layers = sum(1 for layer in stages.layers if layer >= model.dense_layers)
+    place = (model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
+    stages, layers = rank_stages(*place), len(rank_layers(*place))
+    moe_layers = layers - rank_dense_layers(*place, model.dense_layers)
     # Forward: dispatch and combine (or the K/V gathers); backward: their gradients;
     # recompute reruns the forward's exchanges.
     rounds = 3 if parallel.recompute != "none" else 2
-    if parallel.cp > 1 and stages.layers:
-        _add_context_gathers(traffic, config, len(stages.layers) * num_micro, rounds - 1)
+    if parallel.cp > 1 and layers:
+        _add_context_gathers(traffic, config, layers * num_micro, rounds - 1)
     if ep > 1 and moe_layers:
         exchange = _exchange_bytes(config)
         per_layer = exchange * (ep - 1) / ep

@@ -26,7 +26,7 @@ function field(name, label, value, placeholder) {
 }
 
 function buildInputs() {
-  for (const [name, label] of KNOBS) $("knobs").append(field(name, label, "", "config's"));
+  for (const [name, label] of KNOBS) $("knobs").append(field(name, label, "", "the config's"));
   const gpu = document.createElement("label");
   gpu.textContent = "GPU kind";
   const select = document.createElement("select");
@@ -43,7 +43,9 @@ function request(extra) {
   const r = {};
   if (document.querySelector("input[name=source]:checked").value === "yaml") r.yaml = $("yaml").value;
   else r.config = $("config").value;
-  for (const [name] of [...KNOBS, ...DEVICE_FIELDS, ["gpu"]]) r[name] = $(name).value;
+  // A model input that still shows the config's own value is left out (the config has it).
+  for (const [name] of KNOBS) if ($(name).value.trim() !== $(name).dataset.config) r[name] = $(name).value;
+  for (const [name] of [...DEVICE_FIELDS, ["gpu"]]) r[name] = $(name).value;
   return Object.assign(r, extra || {});
 }
 
@@ -232,16 +234,33 @@ async function download() {
   document.body.append(a); a.click(); a.remove();
 }
 
+// The model inputs show the chosen config's own values, as the server reads them from it.
+async function fillInputs() {
+  const body = request();
+  const response = await post("/api/inputs", {config: body.config, yaml: body.yaml});
+  const values = response.ok ? (await response.json()).inputs : {};
+  for (const [name] of KNOBS) {
+    if (values[name] === undefined) { delete $(name).dataset.config; continue; }
+    $(name).value = values[name]; $(name).dataset.config = values[name];
+  }
+}
+
 async function start() {
   buildInputs();
-  const configs = (await (await fetch("/api/configs")).json()).configs;
-  for (const name of configs) $("config").append(new Option(name, name));
-  if (!configs.length) document.querySelector("input[value=yaml]").checked = true;
-  const later = () => { clearTimeout(timer); timer = setTimeout(() => plan(), 300); };
-  $("inputs").addEventListener("input", later);
-  $("inputs").addEventListener("change", later);
+  const listed = await (await fetch("/api/configs")).json();
+  for (const name of listed.configs) $("config").append(new Option(name, name));
+  if (!listed.configs.length) {
+    document.querySelector("input[value=yaml]").checked = true;
+    $("configs-note").textContent = listed.note;
+  }
+  const later = (refill) => { clearTimeout(timer);
+    timer = setTimeout(async () => { if (refill) await fillInputs(); plan(); }, 300); };
+  const source = (e) => ["config", "yaml"].includes(e.target.id) || e.target.name === "source";
+  $("inputs").addEventListener("input", (e) => later(source(e)));
+  $("inputs").addEventListener("change", (e) => later(source(e)));
   $("search").onclick = () => plan({search: true});
   $("download").onclick = download;
+  await fillInputs();
   plan();
 }
 start();
