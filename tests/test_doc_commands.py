@@ -211,6 +211,7 @@ COMMANDS: dict[str, Run | Skip] = {
     "moe-train prepare-data chats/heldout.jsonl --format chat --tokenizer tiny-chat-moe "
     "--out data/chat-heldout": Skip(WALKTHROUGH),
     "moe-train train configs/sft-tiny.yaml": Skip(WALKTHROUGH),
+    "moe-train eval runs/sft-tiny/checkpoints --tasks chats/sums.jsonl --json": Skip(WALKTHROUGH),
     "moe-train export runs/sft-tiny/checkpoints --out exported/sft-tiny": Skip(WALKTHROUGH),
     "moe-train generate runs/sft-tiny/checkpoints --chat --prompt What is 3+4?": Skip(WALKTHROUGH),
     "moe-train upcycle ./Qwen3-0.6B --experts 8 --top-k 2 --out upcycled": Skip(UPCYCLE),

@@ -79,3 +79,18 @@ def test_values_and_gradients_match_the_plain_formulas(dtype):
 def test_rotary_is_the_attention_rope():
     x, _, cos, sin = _inputs(3)
     torch.testing.assert_close(rotary(x, cos, sin), apply_rope(x, cos, sin), rtol=0, atol=1e-12)
+
+
+def test_rotary_rounds_as_transformers_does_in_fp32():
+    """Each product rounded before the sum, as transformers' `apply_rotary_pos_emb` computes
+    it: bitwise equal values (a fused multiply-add differs in the last bit)."""
+    modeling = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 40, 16, generator=generator)
+    k = torch.randn(2, 2, 40, 16, generator=generator)
+    cos, sin = rope_tables(16, 40, 10000.0)
+    want_q, want_k = modeling.apply_rotary_pos_emb(
+        q, k, torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]
+    )
+    assert torch.equal(rotary(q, cos, sin), want_q)
+    assert torch.equal(rotary(k, cos, sin), want_k)

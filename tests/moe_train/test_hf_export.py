@@ -45,6 +45,11 @@ CASES = {
             }
         },
     ),
+    # FlexOlmo: QK-norm over the whole projections, norms on the sublayers' outputs.
+    "flex_olmo": (
+        "FlexOlmoForCausalLM",
+        {"model": {"qk_norm": "projection", "norm_placement": "output"}},
+    ),
     # YaRN context extension (rope_parameters.rope_type = yarn), the default attention factor
     # and a given one.
     "qwen3_moe_yarn": (
@@ -222,6 +227,16 @@ def test_exported_model_gives_our_logits_and_greedy_tokens(case, make_config, tm
         (
             {"model": {"qk_norm": "projection", "moe": {"router": "sigmoid"}}},
             "model.qk_norm='projection' with model.moe.router='sigmoid'",
+        ),
+        (
+            {"model": {"qk_norm": True, "norm_placement": "output"}},
+            "model.norm_placement='output' with model.moe.shared_experts=0, "
+            "model.qkv_bias=false, model.qk_norm=true: FlexOlmo",
+        ),
+        (
+            {"model": {"norm_placement": "output", "moe": {"router": "sigmoid"}}},
+            "model.norm_placement='output' normalises the outputs of attention and "
+            "feed-forward; GLM-4-MoE",
         ),
         ({"model": {"moe": {"capacity_factor": 2.0}}}, "model.moe.capacity_factor=2.0"),
         ({"model": {"moe": {"bias_update_rate": 0.01}}}, "model.moe.bias_update_rate"),

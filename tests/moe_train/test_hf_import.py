@@ -129,6 +129,19 @@ HF_MODELS = {
             "norm_topk_prob": False,
         },
     ),
+    # FlexOlmo: OLMoE's attention and experts with OLMo-2's norms on the sublayers' outputs.
+    "flex_olmo": (
+        "FlexOlmoConfig",
+        {
+            **COMMON,
+            **TWO_LAYERS,
+            "intermediate_size": 16,
+            "num_experts": 4,
+            "norm_topk_prob": True,
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+        },
+    ),
     # Mixtral: no QK-norm, softmax top-k always renormalised.
     "mixtral": ("MixtralConfig", {**COMMON, "intermediate_size": 16, "num_local_experts": 4}),
     # Qwen2-MoE: q/k/v biases, a sigmoid-gated shared expert (2 experts wide), a dense layer.
@@ -217,7 +230,7 @@ FAMILIES = ("olmoe", "mixtral", "qwen2_moe")
 gated shared expert) only import and export alike can check against transformers."""
 
 
-@pytest.mark.parametrize("case", FAMILIES)
+@pytest.mark.parametrize("case", (*FAMILIES, "flex_olmo"))
 def test_a_family_exports_back_bitwise_and_generates_alike(case, tmp_path, capsys):
     hf_dir, out, back = tmp_path / "hf", tmp_path / "imported", tmp_path / "exported"
     hf_model = _hf_model(case, hf_dir)

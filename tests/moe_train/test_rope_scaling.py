@@ -47,6 +47,35 @@ def test_yarn_keeps_fast_pairs_divides_slow_ones_and_scales_by_its_factor():
 
 
 @pytest.mark.parametrize(
+    ("theta", "head_dim", "yarn"),
+    [
+        (10000.0, 16, None),
+        (500000.0, 128, None),
+        (1000.0, 8, {"factor": 4.0}),
+        (10000.0, 64, {"factor": 4.0, "beta_fast": 2.0, "beta_slow": 0.05}),
+        (500000.0, 128, {"factor": 8.0, "attention_factor": 2.0}),
+    ],
+)
+def test_tables_are_transformers_tables_bitwise(theta, head_dim, yarn):
+    """The fp32 tables transformers computes (plain and YaRN): an ulp of difference moves an
+    imported model's logits by ~1e-6 relative."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    rope = {"rope_type": "default", "rope_theta": theta}
+    scaling = None
+    if yarn is not None:
+        scaling = _yarn(**yarn)
+        rope |= {"rope_type": "yarn", "original_max_position_embeddings": 16} | yarn
+    config = transformers.Qwen3Config(hidden_size=4 * head_dim, num_attention_heads=4,
+                                      head_dim=head_dim, rope_parameters=rope)  # fmt: skip
+    want_cos, want_sin = Qwen3RotaryEmbedding(config)(torch.zeros(1), torch.arange(300)[None])
+    cos, sin = rope_tables(head_dim, 300, theta, scaling)
+    assert torch.equal(torch.cat((cos, cos), -1), want_cos[0])
+    assert torch.equal(torch.cat((sin, sin), -1), want_sin[0])
+
+
+@pytest.mark.parametrize(
     ("rope_scaling", "message"),
     [
         ({"factor": 2.0}, r"model\.rope_scaling\.factor=2\.0 has no effect with "),

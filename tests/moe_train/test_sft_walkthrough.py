@@ -1,6 +1,7 @@
 """docs/fine-tuning.md runs as written: its script builds a tiny random Qwen3-MoE with a chat
 template, and its commands import it, prepare conversations, fine-tune with configs/sft-tiny.yaml
-(evaluating), export, and chat; the export chats alike in transformers."""
+(evaluating), score it with `moe-train eval`, export, and chat; the export chats alike in
+transformers."""
 
 import json
 from pathlib import Path
@@ -38,7 +39,7 @@ def test_the_fine_tuning_walkthrough_runs(tmp_path, monkeypatch, capsys):
     exec(compile(_script(), "make_tiny_chat_moe.py", "exec"), {"__name__": "__main__"})
     commands = _walkthrough()
     assert [words[1] for words in commands] == [
-        "import-hf", "prepare-data", "prepare-data", "train", "export", "generate",
+        "import-hf", "prepare-data", "prepare-data", "train", "eval", "export", "generate",
     ]  # fmt: skip
     outputs = []
     for words in commands:
@@ -58,6 +59,13 @@ def test_the_fine_tuning_walkthrough_runs(tmp_path, monkeypatch, capsys):
     assert len(evals) == 2 and evals[-1] < losses[0] - 1.0, (evals, losses)
     assert losses[-1] < losses[0] - 1.0, losses
     assert all(0 < row["trained_tokens"] < 16 * 128 for row in rows)
+
+    # The multiple-choice sums (four choices): above chance (0.25) by over two standard
+    # deviations of a guesser's accuracy on 64 questions (0.054).
+    scored = json.loads(outputs[4])
+    (task,) = scored["tasks"]
+    assert task["name"] == "sums", task
+    assert task["acc"] > 0.375, task
 
     # The chat: the template's prompt ids, stopped at the end-of-turn token.
     chat = ["generate", "runs/sft-tiny/checkpoints", "--chat", "--prompt", PROMPT, "--json"]

@@ -37,11 +37,9 @@ DENSE = {
         | {"pad_token_id": 0, "eos_token_id": 1},
     ),
 }
-TOLERANCE = {"qwen3": 1e-6, "llama": 1e-6, "olmo2": 3e-6}
-"""Relative logit difference allowed against transformers' dense model. Our OLMo-2 (norms on
-the sublayers' outputs) differs from transformers' by ~1.3e-6 already as a dense model (the
-same weights, no upcycling); the construction itself is checked against our dense model to
-1e-6 for every family."""
+TOLERANCE = 1e-6
+"""Relative logit difference allowed against transformers' dense model (the acceptance line
+of issue 32); the construction itself is checked against our dense model to the same bound."""
 # (family, experts, top_k, granularity): plain copies, copies of fine-grained slices, an odd
 # top-k (weights of 1/3), and a top-k of two whole copies of four slices.
 CASES = [
@@ -126,7 +124,7 @@ def test_upcycled_model_gives_the_dense_logits(family, experts, top_k, granulari
               f"difference to transformers' dense model {relative:.3g}, to our dense "
               f"model {construction:.3g}")  # fmt: skip
     assert construction < 1e-6, f"relative difference {construction:.3g}; {where_ours}"
-    assert relative < TOLERANCE[family], f"relative difference {relative:.3g}; {where}"
+    assert relative < TOLERANCE, f"relative difference {relative:.3g}; {where}"
 
 
 @pytest.mark.parametrize("family", ["qwen3", "olmo2"])
@@ -203,7 +201,7 @@ def test_an_option_our_model_does_not_represent_is_refused(tmp_path, capsys):
     _refused(tmp_path, capsys, hf_dir, ["--experts", "4", "--top-k", "2"], "mlp_bias=True")
 
 
-@pytest.mark.parametrize(("family", "architecture"), [("qwen3", "Qwen3MoeForCausalLM"), ("llama", "MixtralForCausalLM")])  # fmt: skip
+@pytest.mark.parametrize(("family", "architecture"), [("qwen3", "Qwen3MoeForCausalLM"), ("llama", "MixtralForCausalLM"), ("olmo2", "FlexOlmoForCausalLM")])  # fmt: skip
 def test_an_upcycled_model_exports_to_transformers_with_the_dense_logits(family, architecture, dense_dirs, tmp_path, capsys):  # fmt: skip
     hf_dir, dense = dense_dirs[family]
     out, exported = tmp_path / "moe", tmp_path / "exported"
@@ -217,15 +215,7 @@ def test_an_upcycled_model_exports_to_transformers_with_the_dense_logits(family,
     with torch.no_grad():
         theirs, dense_logits = moe(input_ids=tokens_BS).logits, dense(input_ids=tokens_BS).logits
     relative, where = _relative(theirs.double(), dense_logits.double())
+    with capsys.disabled():
+        print(f"\n{family} as {architecture}: max relative logit difference to the dense model "
+              f"{relative:.3g}")  # fmt: skip
     assert relative < 1e-5, f"{architecture}: relative difference {relative:.3g}; {where}"
-
-
-def test_an_upcycled_olmo2_is_refused_by_export(dense_dirs, tmp_path, capsys):
-    out = tmp_path / "moe"
-    argv = ["upcycle", str(dense_dirs["olmo2"][0]), "--experts", "4", "--top-k", "2"]
-    assert main([*argv, "--out", str(out)]) == 0
-    capsys.readouterr()
-    assert main(["export", str(out / "step_00000000"), "--out", str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "model.norm_placement='output'" in err, err
-    assert not (tmp_path / "hf").exists()

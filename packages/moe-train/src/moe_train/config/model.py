@@ -203,7 +203,8 @@ class ModelConfig:
     norm_placement: Literal["input", "output"] = "input"
     """Where each block's two RMSNorms act. input: on the input of attention and of the
     feed-forward, x + attn(norm(x)) (pre-norm, as Llama, Qwen3 and OLMoE). output: on their
-    output, x + norm(attn(x)) (as OLMo-2 places them). The final norm is the same in both."""
+    output, x + norm(attn(x)) (as OLMo-2 and FlexOlmo place them). The final norm is the same
+    in both."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """The mixture-of-experts feed-forward blocks."""
     mtp_depth: int = 0

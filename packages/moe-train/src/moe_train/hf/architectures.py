@@ -5,8 +5,9 @@ checkpoint tensor it is cut from, and each cut (`HFTensor.take`) is a view of it
 export reads through it and import (`moe_train.hf.import_hf`) writes through it.
 `checkpoint_shapes` gives the shapes of the checkpoint tensors those cuts tile.
 
-Every target shares our block: pre-norm RMSNorm (eps `model.norm_eps`, weight times the
-fp32 normalised input), grouped-query attention with RoPE in the half-split convention
+Every target shares our block: RMSNorm (eps `model.norm_eps`, weight times the fp32
+normalised input) on the inputs of attention and feed-forward (on their outputs for FlexOlmo),
+grouped-query attention with RoPE in the half-split convention
 (`rotate_half`: channel i pairs with channel i + head_dim/2) on the whole head, SwiGLU
 feed-forwards `down(silu(gate(x)) * up(x))`, a final RMSNorm and a bias-free head. The
 softmax-routed ones pick the top k by probability (no selection bias, no groups, unscaled).
@@ -22,6 +23,8 @@ softmax-routed ones pick the top k by probability (no selection bias, no groups,
   one shared-expert MLP of width `shared_expert_intermediate_size` whose output is scaled by
   `sigmoid(shared_expert_gate(x))` (`model.moe.shared_expert_gate`), dense layers as
   `mlp_only_layers`.
+- `FlexOlmoForCausalLM`: OLMoE's attention and experts with the norms on the outputs of
+  attention and feed-forward (`model.norm_placement: output`, OLMo-2's block).
 - `Glm4MoeForCausalLM`: sigmoid router whose selection adds `e_score_correction_bias` and whose
   combine weights do not, `norm_topk_prob`, `n_shared_experts` ungated SwiGLU experts of width
   `n_shared_experts * moe_intermediate_size`, optional per-head QK-norm (`use_qk_norm`),
@@ -83,11 +86,6 @@ def choose_architecture(config: Config, expert_bias_nonzero: bool) -> Architectu
     naming the first option none represents. `expert_bias_nonzero`: some MoE layer's
     selection bias (`model.moe.bias_update_rate`) is not all zero."""
     model, moe = config.model, config.model.moe
-    if model.norm_placement != "input":
-        raise ExportError(
-            f"model.norm_placement={model.norm_placement!r} normalises the outputs of attention "
-            "and feed-forward; every exported architecture normalises their inputs (input)"
-        )
     if moe.random_routing:
         raise ExportError(
             "model.moe.random_routing=true routes at random; no exported architecture does "
@@ -99,6 +97,7 @@ def choose_architecture(config: Config, expert_bias_nonzero: bool) -> Architectu
             "transformers' MoE architectures are dropless, so the logits would differ"
         )
     if moe.router == "sigmoid":
+        _refuse_output_norms(model, "GLM-4-MoE, the sigmoid-routed architecture,")
         return _sigmoid_routed(config)
     if expert_bias_nonzero:
         raise ExportError(
@@ -113,6 +112,8 @@ def choose_architecture(config: Config, expert_bias_nonzero: bool) -> Architectu
             "experts unscaled; group-limited or scaled routing exports only with "
             "router='sigmoid' (GLM-4-MoE)"
         )
+    if model.norm_placement == "output":
+        return _flex_olmo(config)
     if moe.shared_experts or model.qkv_bias:
         return _with_gated_shared_expert(config)
     if not model.qk_norm:
@@ -128,6 +129,40 @@ def choose_architecture(config: Config, expert_bias_nonzero: bool) -> Architectu
         _refuse_dense_layers(model, "OLMoE")
         return _olmoe(config)
     return _qwen3_moe(config)
+
+
+def _refuse_output_norms(model: ModelConfig, family: str) -> None:
+    if model.norm_placement != "input":
+        raise ExportError(
+            f"model.norm_placement={model.norm_placement!r} normalises the outputs of attention "
+            f"and feed-forward; {family} normalises their inputs (input)"
+        )
+
+
+def _flex_olmo(config: Config) -> Architecture:
+    """FlexOlmo: OLMoE's attention and experts in OLMo-2's block, the norms on the outputs of
+    attention and feed-forward (`model.norm_placement: output`); the one MoE architecture of
+    transformers that places them so."""
+    model, moe = config.model, config.model.moe
+    family = "FlexOlmo, the MoE architecture that normalises the sublayers' outputs,"
+    if moe.shared_experts or model.qkv_bias or model.qk_norm != "projection":
+        value = {True: "true", False: "false"}.get(model.qk_norm, repr(model.qk_norm))  # type: ignore[arg-type]
+        raise ExportError(
+            f"model.norm_placement='output' with model.moe.shared_experts={moe.shared_experts}, "
+            f"model.qkv_bias={str(model.qkv_bias).lower()}, model.qk_norm={value}: {family} "
+            "has no shared experts and no q/k/v biases, and normalises q and k over the whole "
+            "projections (model.qk_norm: projection)"
+        )
+    _refuse_dense_layers(model, "FlexOlmo")
+    kwargs = _base_config(config) | {
+        "intermediate_size": moe.expert_hidden,
+        "num_experts": moe.num_experts,
+        "norm_topk_prob": moe.normalize_topk,
+        "router_aux_loss_coef": moe.lb_loss_weight,
+        "attention_bias": False,
+    }
+    tensors = _tensors(model, OLMOE)
+    return Architecture("FlexOlmoForCausalLM", "FlexOlmoConfig", kwargs, tensors)
 
 
 def _refuse_dense_layers(model: ModelConfig, family: str) -> None:
@@ -448,21 +483,23 @@ def _attention(model: ModelConfig, ours: str, hf: str) -> list[HFTensor]:
     return tensors
 
 
+_NORMS = {
+    "input": ("input_layernorm.weight", "post_attention_layernorm.weight"),
+    "output": ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"),
+}
+"""The hub names of a layer's attention and feed-forward norms, by `model.norm_placement`."""
+
+
 def _tensors(model: ModelConfig, names: _HubNames) -> list[HFTensor]:
     d, moe = model.d_model, model.moe
     hidden = moe.expert_hidden
     tensors = [HFTensor("model.embed_tokens.weight", "embed.weight", (model.vocab_size, d), _same)]
     for layer in range(model.n_layers):
         ours, hf = f"blocks.{layer}", f"model.layers.{layer}"
-        tensors.append(
-            HFTensor(f"{hf}.input_layernorm.weight", f"{ours}.attn_norm.weight", (d,), _same)
-        )
+        attn_norm, ffn_norm = _NORMS[model.norm_placement]
+        tensors.append(HFTensor(f"{hf}.{attn_norm}", f"{ours}.attn_norm.weight", (d,), _same))
         tensors += _attention(model, ours, hf)
-        tensors.append(
-            HFTensor(
-                f"{hf}.post_attention_layernorm.weight", f"{ours}.ffn_norm.weight", (d,), _same
-            )
-        )
+        tensors.append(HFTensor(f"{hf}.{ffn_norm}", f"{ours}.ffn_norm.weight", (d,), _same))
         if layer < model.dense_layers:
             tensors += _swiglu(f"{hf}.mlp", f"{ours}.ffn", d, model.dense_hidden)
             continue

@@ -41,6 +41,7 @@ SUPPORTED = {
     "olmoe": "OlmoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "flex_olmo": "FlexOlmoForCausalLM",
 }
 """model_type -> the transformers class import reads."""
 INDEX_FILE = "model.safetensors.index.json"
@@ -223,6 +224,7 @@ def _model_section(hf: Any, path: Path, model_type: str) -> dict[str, Any]:
         "qwen3_moe": _qwen3_moe_options,
         "qwen2_moe": _qwen2_moe_options,
         "olmoe": _olmoe_options,
+        "flex_olmo": _flex_olmo_options,
         "mixtral": _mixtral_options,
     }[model_type]
     family(hf, path, model, moe)
@@ -290,7 +292,7 @@ def _qwen2_moe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str
 
 
 def _olmoe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, Any]) -> None:
-    if hf.clip_qkv is not None:
+    if getattr(hf, "clip_qkv", None) is not None:
         raise _refuse(path, "clip_qkv", hf.clip_qkv, "our attention does not clip q, k and v")
     model["qk_norm"] = "projection"
     moe |= {
@@ -299,6 +301,12 @@ def _olmoe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, An
         "normalize_topk": bool(hf.norm_topk_prob),
         "lb_loss_weight": float(hf.router_aux_loss_coef),
     }
+
+
+def _flex_olmo_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, Any]) -> None:
+    """OLMoE's options in OLMo-2's block: norms on the outputs of attention and feed-forward."""
+    _olmoe_options(hf, path, model, moe)
+    model["norm_placement"] = "output"
 
 
 def _mixtral_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -222,22 +222,9 @@ def _dense_config(hf: Any, path: Path, model_type: str) -> Config:
 
 
 def _dense_tensors(config: Config) -> list[HFTensor]:
-    """The dense model's hub tensors and the tensors of our dense config they fill. With the
-    norms on the outputs (OLMo-2) a layer's norms are post_attention_layernorm (attention's)
-    and post_feedforward_layernorm (the MLP's); else input_layernorm and
-    post_attention_layernorm."""
-    tensors = _tensors(config.model, QWEN3)
-    if config.model.norm_placement == "input":
-        return tensors
-    renamed = {"input_layernorm": "post_attention_layernorm",
-               "post_attention_layernorm": "post_feedforward_layernorm"}  # fmt: skip
-    result = []
-    for t in tensors:
-        parts = t.name.split(".")
-        if len(parts) == 5 and parts[3] in renamed:
-            t = replace(t, name=".".join([*parts[:3], renamed[parts[3]], parts[4]]))
-        result.append(t)
-    return result
+    """The dense model's hub tensors and the tensors of our dense config they fill (with the
+    norms on the outputs, OLMo-2's post_attention_layernorm and post_feedforward_layernorm)."""
+    return _tensors(config.model, QWEN3)
 
 
 def _moe_config(dense: Config, options: UpcycleOptions) -> Config:

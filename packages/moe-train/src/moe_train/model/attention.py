@@ -42,26 +42,31 @@ def rope_tables(
     head_dim: int, max_len: int, theta: float, scaling: RopeScalingConfig | None = None
 ) -> tuple[Tensor, Tensor]:
     """cos and sin tables [max_len, head_dim // 2] of the rotary embedding, with the
-    frequencies (and scale) of `scaling` (None: plain RoPE)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    scale = 1.0
+    frequencies (and scale) of `scaling` (None: plain RoPE).
+
+    Computed in fp32 in the order transformers computes them (and the trainers whose
+    checkpoints it reads): the frequencies, each position times each frequency rounded to
+    fp32, then its cosine and sine. Tables computed in float64 differ from those by an ulp,
+    enough to move an imported model's logits by ~1e-6 relative."""
+    powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv_freq, scale = 1.0 / powers, 1.0
     if scaling is not None and scaling.type == "yarn":
-        inv_freq, scale = yarn_frequencies(inv_freq, head_dim, theta, scaling)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-    return (angles.cos() * scale).float(), (angles.sin() * scale).float()
+        inv_freq, scale = yarn_frequencies(powers, head_dim, theta, scaling)
+    angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def yarn_frequencies(
-    inv_freq: Tensor, head_dim: int, theta: float, scaling: RopeScalingConfig
+    powers: Tensor, head_dim: int, theta: float, scaling: RopeScalingConfig
 ) -> tuple[Tensor, float]:
-    """YaRN's frequencies and the scale of cos and sin (Peng et al., 2023, "YaRN: Efficient
-    Context Window Extension of Large Language Models"; as Hugging Face computes it, with the
-    channel bounds rounded outwards).
+    """YaRN's frequencies, from `powers` (theta^(2i / head_dim), fp32), and the scale of cos
+    and sin (Peng et al., 2023, "YaRN: Efficient Context Window Extension of Large Language
+    Models"; as Hugging Face computes it, with the channel bounds rounded outwards).
 
-    Channel pair i turns r_i = original * inv_freq[i] / (2 pi) times over the original
-    context. Pairs turning more than beta_fast times keep their frequency, pairs turning
-    fewer than beta_slow times are divided by `factor`, and a linear ramp over the pair index
-    joins the two."""
+    Channel pair i turns r_i = original / (2 pi powers[i]) times over the original context.
+    Pairs turning more than beta_fast times keep their frequency, pairs turning fewer than
+    beta_slow times are divided by `factor`, and a linear ramp over the pair index joins the
+    two."""
     original = scaling.original_max_position_embeddings
     assert original is not None, "RopeScalingConfig.validate requires it for yarn"
 
@@ -72,9 +77,9 @@ def yarn_frequencies(
     high = min(math.ceil(pair_turning(scaling.beta_slow)), head_dim - 1)
     if high == low:
         high += 0.001
-    pairs = torch.arange(head_dim // 2, dtype=torch.float64)
-    divided = ((pairs - low) / (high - low)).clamp(0, 1)  # 0: kept, 1: divided by factor
-    scaled = inv_freq / scaling.factor * divided + inv_freq * (1 - divided)
+    pairs = torch.arange(head_dim // 2, dtype=torch.float32)
+    kept = 1 - ((pairs - low) / (high - low)).clamp(0, 1)  # 1: kept, 0: divided by factor
+    scaled = 1.0 / (scaling.factor * powers) * (1 - kept) + 1.0 / powers * kept
     scale = scaling.attention_factor
     if scale is None:
         scale = 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0

@@ -109,8 +109,12 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     first, second = x.chunk(2, dim=-1)
     out = torch.empty_like(x)
     out_first, out_second = out.chunk(2, dim=-1)
-    torch.mul(first, cos, out=out_first).addcmul_(second, sin, value=-1)
-    torch.mul(second, cos, out=out_second).addcmul_(first, sin)
+    # Each product rounded before the sum, as transformers computes it (a fused multiply-add,
+    # as `addcmul_` does, rounds once and moves the logits of an imported model by ~1e-7).
+    product = torch.mul(second, sin)
+    torch.mul(first, cos, out=out_first).sub_(product)
+    torch.mul(first, sin, out=product)
+    torch.mul(second, cos, out=out_second).add_(product)
     return out
 
 

@@ -190,8 +190,8 @@ class Transformer(nn.Module):
     def rope(self, length: int) -> tuple[Tensor, Tensor]:
         """cos and sin tables of the rotary embedding for at least `length` positions, on the
         model's device. Extending them keeps the rows they hold: a position's angles do not
-        depend on the table's length, and are computed on the CPU in float64 whatever the
-        device, so every process gets the same values."""
+        depend on the table's length, and are computed on the CPU whatever the device, so
+        every process gets the same values."""
         if length > self.rope_cos.shape[0]:
             config = self.config
             cos, sin = rope_tables(
