@@ -65,9 +65,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from gpu_check_kernels import exchange_row, fp8_gemm_row, grouped_gemm_row
 from gpu_check_support import (
     NVSHMEM_ENV,
     Row,
@@ -81,11 +81,8 @@ from gpu_check_support import (
     print_table,
     synchronize,
 )
-from grouped_mm_backends import bench_shape
 from harness.output import write_json
 from harness.processes import benchmark_run_overrides
-from moe_dispatch import make_dispatcher, make_row_transport
-from moe_kernels import fp8_rowwise_grouped_mm, fp8_rowwise_scaled_mm_supported, grouped_mm
 from moe_train.config import Config, load_config
 from moe_train.model import count_params, layer_dispatchers
 from moe_train.train import peak_flops, read_metrics, train
@@ -300,173 +297,6 @@ def step_row(check: str, config: Config, sizes: Sizes, device: torch.device) -> 
     return Row(check, "ok", figure, details)
 
 
-# ---- grouped GEMM -------------------------------------------------------------------------
-
-
-def grouped_gemm_row(check: str, sizes: Sizes, device: torch.device) -> Row:
-    """Triton vs torch grouped GEMM, forward + backward, at the model's gate_up shape."""
-    config = build_config(sizes)
-    moe, data = config.model.moe, config.data
-    rows = data.micro_batch_size * data.seq_len * moe.top_k
-    shape = (rows, moe.num_experts, config.model.d_model, 2 * moe.expert_hidden)
-    triton = "triton backend" if device.type == "cuda" else "triton backend [interpreter]"
-    timing = argparse.Namespace(warmup=2 if device.type == "cuda" else 1, reps=sizes.gemm_reps)
-    timing.seed = 0
-    results = bench_shape(
-        shape, torch.bfloat16, device, ["torch backend", triton, "dense matmul (limit)"], timing
-    )
-    by_variant = {r["variant"]: r for r in results}
-    torch_tflops = by_variant["torch backend"]["tflops"]
-    triton_tflops = by_variant[triton]["tflops"]
-    difference = by_variant[triton]["max_rel_diff_vs_torch_backend"]
-    agree = difference is not None and difference < 5e-2
-    figure = (
-        f"T={shape[0]} E={shape[1]} K={shape[2]} N={shape[3]}: triton {triton_tflops:.1f}, "
-        f"torch {torch_tflops:.1f}, dense {by_variant['dense matmul (limit)']['tflops']:.1f} "
-        f"TFLOP/s; triton/torch {triton_tflops / torch_tflops:.2f}; rel diff {difference:.1e}"
-    )
-    result = "ok" if agree else "FAIL"
-    if device.type != "cuda":
-        result = "skipped (cpu)" if agree else "FAIL"
-        figure += " (interpreter: agreement checked, speeds mean nothing)"
-    return Row(check, result, figure, {"rows": results})
-
-
-def _time_fwd_bwd(gemm: Callable[[], Tensor], grad_out: Tensor, reps: int, device) -> float:
-    """Seconds per forward + backward of ``gemm()`` (after one warm-up call)."""
-    gemm().backward(grad_out)
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        gemm().backward(grad_out)
-    synchronize(device)
-    return (time.perf_counter() - start) / reps
-
-
-def fp8_gemm_row(check: str, sizes: Sizes, device: torch.device) -> Row:
-    """fp8_rowwise_grouped_mm vs bf16 grouped_mm, forward + backward, at the model's gate_up
-    and down shapes (balanced groups); speeds and the FP8 result's relative difference."""
-    config = build_config(sizes)
-    moe, data, d_model = config.model.moe, config.data, config.model.d_model
-    rows = data.micro_batch_size * data.seq_len * moe.top_k
-    generator = torch.Generator(device=device).manual_seed(0)
-    offsets = (torch.arange(1, moe.num_experts + 1, device=device) * rows // moe.num_experts).int()
-    figures, details = (
-        [],
-        {
-            "kernel": fp8_rowwise_scaled_mm_supported(
-                torch.empty(0, device=device, dtype=torch.bfloat16)
-            )
-            or "scaled_mm"
-        },
-    )
-    worst = 0.0
-    for name, k, n in (
-        ("gate_up", d_model, 2 * moe.expert_hidden),
-        ("down", moe.expert_hidden, d_model),
-    ):
-        x = torch.randn(rows, k, device=device, generator=generator, dtype=torch.bfloat16)
-        w = torch.randn(
-            moe.num_experts, k, n, device=device, generator=generator, dtype=torch.bfloat16
-        )
-        x.requires_grad_(), w.mul_(k**-0.5).requires_grad_()
-        grad_out = torch.randn(rows, n, device=device, generator=generator, dtype=torch.bfloat16)
-        with torch.no_grad():
-            bf16 = grouped_mm(x, w, offsets).float()
-            fp8 = fp8_rowwise_grouped_mm(x, w, offsets).float()
-        difference = ((fp8 - bf16).norm() / bf16.norm()).item()
-        worst = max(worst, difference)
-        flops = 3 * 2 * rows * k * n  # forward, input and weight gradients
-        seconds = {
-            "bf16": _time_fwd_bwd(
-                lambda x=x, w=w: grouped_mm(x, w, offsets), grad_out, sizes.gemm_reps, device
-            ),
-            "fp8": _time_fwd_bwd(
-                lambda x=x, w=w: fp8_rowwise_grouped_mm(x, w, offsets),
-                grad_out,
-                sizes.gemm_reps,
-                device,
-            ),
-        }
-        tflops = {key: flops / value / 1e12 for key, value in seconds.items()}
-        figures.append(
-            f"{name} T={rows} E={moe.num_experts} K={k} N={n}: fp8 {tflops['fp8']:.1f}, bf16 "
-            f"{tflops['bf16']:.1f} TFLOP/s (x{tflops['fp8'] / tflops['bf16']:.2f})"
-        )
-        details[name] = {
-            "shape": (rows, moe.num_experts, k, n),
-            "tflops": tflops,
-            "rel_diff_vs_bf16": difference,
-        }
-    # e4m3 rounds each operand by up to 2^-4 (typically far less): a few percent apart at most.
-    agree = worst < 0.1
-    figure = "; ".join(figures) + f"; rel diff vs bf16 {worst:.1e}"
-    result = "ok" if agree else "FAIL"
-    if device.type != "cuda" or details["kernel"] != "scaled_mm":
-        result = "skipped (cpu)" if agree and device.type != "cuda" else result
-        figure += f" (emulated: {details['kernel']}; speeds mean nothing)"
-    return Row(check, result, figure, details)
-
-
-# ---- rowwise transports and nvshmem -------------------------------------------------------
-
-
-def exchange_row(
-    check: str,
-    transport_name: str,
-    config: Config,
-    sizes: Sizes,
-    device: torch.device,
-    group: dist.ProcessGroup,
-) -> Row:
-    """One dispatch block of a layer through the transport at ep = 1: right bytes, no sync."""
-    try:
-        transport = make_row_transport(transport_name, group)
-        transport.connect(device)
-    except (ImportError, ValueError, RuntimeError) as e:  # BackendUnavailable is a RuntimeError
-        return Row(check, "skipped (cpu)" if device.type == "cpu" else "skipped", one_line(e))
-    moe, data = config.model.moe, config.data
-    # A layer's dispatch block: what one rank sends another, sized by the rowwise dispatcher.
-    dispatcher = make_dispatcher(
-        "rowwise", num_experts=moe.num_experts, capacity_factor=moe.capacity_factor, group=group
-    )
-    capacity = dispatcher.capacity(data.micro_batch_size * data.seq_len, moe.top_k)
-    ep = group.size()
-    block_shape = (moe.num_experts // ep, capacity, config.model.d_model)
-    dtype = torch.bfloat16
-    torch.manual_seed(0)
-    payload_PB = torch.randn((ep, *block_shape), device=device, dtype=dtype)
-
-    def exchange() -> Tensor:
-        return transport.exchange_blocks(
-            block_shape,
-            dtype,
-            device,
-            lambda peer, dest: dest.copy_(payload_PB[peer]),
-            lambda received: received.clone(),
-        )
-
-    received_PB = exchange()  # allocates the buffers (host-blocking, once)
-    rank = dist.get_rank(group)
-    if not torch.equal(received_PB[rank], payload_PB[rank]):
-        return Row(check, "FAIL", "received block differs from the block sent to itself")
-    synchronize(device)
-    start = time.perf_counter()
-    with host_sync_forbidden(device):
-        for _ in range(sizes.exchange_reps):
-            exchange()
-    synchronize(device)
-    seconds = (time.perf_counter() - start) / sizes.exchange_reps
-    block_bytes = payload_PB.numel() * payload_PB.element_size()
-    sync = "no host sync; " if device.type == "cuda" else ""
-    figure = (
-        f"{sync}block {tuple(block_shape)} bf16 ({amount(block_bytes, 'B')}) in "
-        f"{1e3 * seconds:.2f} ms ({amount(block_bytes / seconds, 'B/s')})"
-    )
-    details = {"block_shape": block_shape, "block_bytes": block_bytes, "ms": 1e3 * seconds}
-    return Row(check, "ok", figure, details)
-
-
 class OutOfTime(BaseException):
     """SIGTERM, from gpu_check.sh's time limit: stop, and print the rows there are."""
 
@@ -573,12 +403,12 @@ def run_checks(checks: Checks, sizes: Sizes, device: torch.device) -> None:
     run(
         "grouped GEMM fwd+bwd (triton vs torch)",
         45,
-        lambda check: grouped_gemm_row(check, sizes, device),
+        lambda check: grouped_gemm_row(check, build_config(sizes), sizes.gemm_reps, device),
     )
     run(
         "FP8 grouped GEMM fwd+bwd (fp8_rowwise vs bf16)",
         15,
-        lambda check: fp8_gemm_row(check, sizes, device),
+        lambda check: fp8_gemm_row(check, build_config(sizes), sizes.gemm_reps, device),
     )
     with contextlib.ExitStack() as stack:
         try:
@@ -597,7 +427,7 @@ def run_checks(checks: Checks, sizes: Sizes, device: torch.device) -> None:
                     f"rowwise exchange ({name}, ep=1)",
                     10,
                     lambda check, name=name: exchange_row(
-                        check, name, rowwise_config, sizes, device, group
+                        check, name, rowwise_config, sizes.exchange_reps, device, group
                     ),
                 )
         run("nvshmem4py (1 PE)", 10, lambda check: nvshmem_row(check, device))

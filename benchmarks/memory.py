@@ -6,8 +6,8 @@ phases:
 
 1. Throughput: the real trainer (`moe_train.train.train`) for `--warmup + --steps` steps;
    tokens/s is the median of its own `metrics.jsonl` records over the timed steps (all ranks).
-2. Memory: the same model, optimizer, gradient reducer and pipeline, built the way the trainer
-   builds them, run for `--probe-warmup` steps, then 3 instrumented steps whose forward and
+2. Memory (`memory_probe.py`): the same model, optimizer, gradient reducer and pipeline, built
+   the way the trainer builds them, run for `--probe-warmup` steps, then 3 instrumented steps whose forward and
    backward are the trainer's own (`StepRunner`'s phases: forward and backward, reduction and
    clipping, statistics, the update):
    - params: bytes of this rank's parameters;
@@ -40,39 +40,20 @@ their gradients FP32 (4) and the optimizer holds FP32 masters and moments (12 / 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import ctypes.util
-import gc
 import statistics
 import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from harness.output import print_table, write_json
 from harness.ranks import run_distributed
+from memory_probe import CPU, probe_memory
 from moe_train.config import Config, load_config
-from moe_train.data import TokenDataset
 from moe_train.train import read_metrics, train
-from moe_train.train.host_memory import (
-    _MallInfo2,
-    keep_freed_host_memory,
-)
-from moe_train.train.runtime import Runtime, start_runtime
-from moe_train.train.schedule import lr_at
-
-# The trainer's own step, so the instrumented step is the step the trainer runs.
-from moe_train.train.step import DTYPES, StepRunner
+from moe_train.train.step import DTYPES
 
 MIB = 2**20
-MEASURED_STEPS = 3
-CPU = torch.device("cpu")
 TARGETS = {
     "distributed_optimizer_state_over_ideal": 1.10,
     "full_recompute_activation_reduction": 0.60,
@@ -112,161 +93,6 @@ TOPOLOGIES: dict[str, tuple[int, list[str], tuple[str, ...]]] = {
     "pp2 1f1b": (2, ["--parallel.pp=2", "--parallel.pp_schedule=1f1b"], ("none",)),
     "ep2 all_to_all": (2, ["--parallel.ep=2", "--parallel.dispatcher=all_to_all"], ("none",)),
 }
-
-
-@dataclass
-class RankMemory:
-    """One rank's memory during a training step, in bytes."""
-
-    params: int
-    grads: int
-    optim: int
-    activations: int
-    peak: int
-    peak_at: str
-    """The part of the step and the op after which the peak was seen."""
-    num_params: int
-    samples: dict[str, list]
-    """grads, activations and peak of each measured step."""
-
-
-def _bind_in_use_bytes() -> Callable[[], int]:
-    """`allocated_host_bytes` with libc looked up once.
-
-    `allocated_host_bytes` looks libc up and builds a new ctypes library object on every
-    call: ~2 ms and a reference cycle of ctypes objects (malloc'd, freed only by the cyclic
-    garbage collector) per call. Read after every op, that would inflate what it measures.
-    """
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    mallinfo2 = libc.mallinfo2
-    mallinfo2.restype = _MallInfo2
-
-    def in_use_bytes() -> int:
-        info = mallinfo2()
-        return int(info.uordblks + info.hblkhd)
-
-    return in_use_bytes
-
-
-in_use_bytes = _bind_in_use_bytes()
-
-
-class PeakHostMemory(TorchDispatchMode):
-    """Highest in-use heap bytes seen after any op run while the mode is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.peak = in_use_bytes()
-        self.phase = ""
-        """Set by the caller: which part of the step runs now."""
-        self.peak_at = ""
-        """The phase and the op after which the peak was seen."""
-
-    def __torch_dispatch__(
-        self, func: Callable[..., Any], types: tuple, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        in_use = in_use_bytes()
-        if in_use > self.peak:
-            self.peak, self.peak_at = in_use, f"{self.phase}: {func}"
-        return out
-
-
-class FirstForwardProbe:
-    """In-use bytes before and after the first forward of the armed step on `modules`."""
-
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.armed = False
-        self.before: int | None = None
-        self.after: int | None = None
-        for module in modules:
-            module.register_forward_pre_hook(self._pre)
-            module.register_forward_hook(self._post)
-
-    def _pre(self, module: nn.Module, args: Any) -> None:
-        if self.armed and self.before is None:
-            self.before = in_use_bytes()
-
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.armed and self.after is None:
-            self.after = in_use_bytes()
-
-    def arm(self, armed: bool) -> None:
-        """Measure the first forward of the next step (or not)."""
-        self.armed, self.before, self.after = armed, None, None
-
-    @property
-    def held(self) -> int:
-        if self.before is None or self.after is None:
-            raise RuntimeError("the armed step ran no forward on the probed modules")
-        return self.after - self.before
-
-
-def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def probe_memory(config: Config, warm_steps: int) -> RankMemory:
-    """Build the trainer's model, optimizer and reducer on the CPU and measure one step."""
-    runtime = start_runtime(config, CPU)
-    try:
-        return _probe(config, runtime, warm_steps)
-    finally:
-        runtime.close(clean=True)
-
-
-def _probe(config: Config, runtime: Runtime, warm_steps: int) -> RankMemory:
-    # The trainer's own StepRunner, construction and step phases (`StepRunner.train_step`
-    # spelled out to read the gradient memory between the optimizer step and zero_grad).
-    keep_freed_host_memory()
-    data, train_cfg = config.data, config.train
-    dataset = TokenDataset(data.paths, data.seq_len)
-    torch.manual_seed(train_cfg.seed)
-    gc.collect()
-    baseline = in_use_bytes()
-    runner = StepRunner(config, runtime)
-    model, optimizer, pipeline = runner.model, runner.optimizer, runner.pipeline
-    probe = FirstForwardProbe([s.submod for s in pipeline.stages] if pipeline else [model])
-    model.train()
-
-    samples: dict[str, list] = {"grads": [], "activations": [], "peak": []}
-    peak_at = ""
-    for step in range(warm_steps + MEASURED_STEPS):
-        measured = step >= warm_steps
-        mine = runner.my_micro_batches(dataset.batch(step, data.global_batch_size, train_cfg.seed))
-        gc.collect()
-        probe.arm(measured)
-        tracker = PeakHostMemory()
-        with tracker if measured else contextlib.nullcontext():
-            tracker.phase = "forward/backward"
-            lm_loss_sum = runner.forward_backward(mine)
-            tracker.phase = "reduction and clipping"
-            runner.reduce_and_clip()
-            tracker.phase = "step statistics"
-            stats = runner.step_stats(lm_loss_sum)
-            tracker.phase = "optimizer step"
-            runner.apply(lr_at(step, config.optim, train_cfg.max_steps), stats)
-            grad_bytes = optimizer.gradient_bytes()
-            optimizer.zero_grad()
-        if measured:
-            samples["grads"].append(grad_bytes)
-            samples["activations"].append(probe.held)
-            samples["peak"].append(tracker.peak - baseline)
-            if samples["peak"][-1] == max(samples["peak"]):
-                peak_at = tracker.peak_at
-    params = list(model.parameters())
-    return RankMemory(
-        params=_tensor_bytes(iter(params)),
-        grads=samples["grads"][-1],
-        optim=optimizer.state_bytes(),
-        # Caches keyed by shapes (routing changes the expert group sizes every step) can only
-        # add to a forward's difference: the least of the measured steps is the cleanest.
-        activations=min(samples["activations"]),
-        peak=max(samples["peak"]),
-        peak_at=peak_at,
-        num_params=sum(p.numel() for p in params),
-        samples=samples,
-    )
 
 
 def row_config(overrides: list[str], recompute: str, run_dir: Path, max_steps: int) -> Config:

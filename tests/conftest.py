@@ -28,12 +28,11 @@ LONGEST_FIRST = (
     "moe_train/test_expert_parallel_gradients.py",
     "benchmarks/test_vs_fsdp.py",
     "moe_train/test_muon_training.py",
-    "moe_train/test_one_writer.py",
+    "moe_train/test_preemption.py",
     "moe_train/test_lost_ranks.py",
     "moe_dispatch/test_symmetric_memory.py",
     "moe_train/test_pipeline_training.py",
     "moe_train/test_routing_distributed.py",
-    "moe_train/test_preemption.py",
     "moe_train/test_tasks.py",
 )
 """The test files that take longest (summed durations of a full run), longest first."""

@@ -14,7 +14,7 @@ from moe_train.cli import main
 from moe_train.config import config_from_dict, load_config
 from moe_train.errors import ConfigError
 from moe_train.generate import generate_ids
-from moe_train.hf.architectures import checkpoint_shapes
+from moe_train.hf.tensor_map import checkpoint_shapes
 from moe_train.model import Transformer
 from moe_train.train import train
 from training import assert_losses_match, train_cases

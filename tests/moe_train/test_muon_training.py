@@ -11,7 +11,7 @@ from moe_train.config import config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.model import Transformer
 from moe_train.train import train
-from moe_train.train.step import is_hidden_matrix
+from moe_train.train.rank_build import is_hidden_matrix
 from training import assert_losses_match, small_config_data, train_cases
 
 STEPS = 20
@@ -187,7 +187,7 @@ def test_muon_config_values_are_checked(shared_token_file, tmp_path):
 @pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "distributed"])
 def test_build_optimizer_gives_muon(shared_token_file, tmp_path, sharded):
     from moe_parallel import single_process_layout
-    from moe_train.train.step import build_optimizer
+    from moe_train.train.rank_build import build_optimizer
 
     data = _data(
         shared_token_file, tmp_path, optim={"adamw_lr_ratio": 0.5}, distributed_optimizer=sharded
@@ -211,7 +211,7 @@ def test_planner_counts_muon_state_as_the_optimizer_holds_it(
     from moe_parallel import single_process_layout
     from moe_train.model import apply_param_dtype
     from moe_train.plan.memory import _rank_memory
-    from moe_train.train.step import DTYPES, build_optimizer
+    from moe_train.train.rank_build import DTYPES, build_optimizer
 
     precision = {"param_dtype": param_dtype, "compute_dtype": param_dtype}
     data = _data(shared_token_file, tmp_path, precision=precision, distributed_optimizer=sharded)

@@ -13,7 +13,7 @@ from moe_parallel import is_expert_parameter
 from moe_train.config import config_from_dict
 from moe_train.model import Transformer, apply_pipeline_split
 from moe_train.train.pipeline import plan_stages
-from moe_train.train.step import build_rank_model
+from moe_train.train.rank_build import build_rank_model
 from training import small_config_data
 
 NUM_EXPERTS = 16

@@ -251,23 +251,7 @@ def permute(
         ``(x_perm_PD, permutation)`` with always P = T*K + E*(group_alignment-1) rows,
         differentiable wrt ``x_TD``.
     """
-    if x_TD.dim() != 2:
-        raise ValueError(f"permute: x must be 2-D [T, D], got shape {tuple(x_TD.shape)}")
-    if topk_idx_TK.dim() != 2 or topk_idx_TK.shape[0] != x_TD.shape[0]:
-        raise ValueError(
-            f"permute: topk_idx must be [T, K] with T={x_TD.shape[0]} (from x), got shape "
-            f"{tuple(topk_idx_TK.shape)}"
-        )
-    if keep_TK is not None and (keep_TK.shape != topk_idx_TK.shape or keep_TK.dtype != torch.bool):
-        raise ValueError(
-            f"permute: keep must be a bool tensor shaped like topk_idx {tuple(topk_idx_TK.shape)}, "
-            f"got {keep_TK.dtype} {tuple(keep_TK.shape)}"
-        )
-    if num_experts < 1:
-        raise ValueError(f"permute: num_experts={num_experts} must be at least 1")
-    if group_alignment < 1:
-        raise ValueError(f"permute: group_alignment={group_alignment} must be at least 1")
-    _check_backend("permute", backend)
+    _check_permute_args(x_TD, topk_idx_TK, num_experts, keep_TK, group_alignment, backend)
 
     num_tokens, top_k = topk_idx_TK.shape
     num_copies = num_tokens * top_k
@@ -290,33 +274,15 @@ def permute(
         tokens_per_expert_E = tokens_per_expert_E.to(torch.int64)
         dropped = (num_copies - tokens_per_expert_E.sum()).reshape(1)
         copies_per_bucket = torch.cat([tokens_per_expert_E, dropped])
-    if group_alignment == 1:
-        copy_of_row_P = copy_of_sorted_S
-        row_of_copy_F = torch.empty_like(copy_of_row_P).scatter_(
-            0, copy_of_row_P, torch.arange(num_copies, device=device)
-        )
-        rows_per_expert_E = tokens_per_expert_E
-        source_token_P = copy_of_row_P // top_k
-    else:
-        rows_per_bucket = copies_per_bucket.clone()
-        rows_per_bucket[:num_experts] = (
-            (tokens_per_expert_E + group_alignment - 1) // group_alignment * group_alignment
-        )
-        rows_per_expert_E = rows_per_bucket[:num_experts].clone()
-        # A copy's row: the start of its bucket's (padded) group plus its rank in the bucket.
-        first_sorted_B = torch.cumsum(copies_per_bucket, 0) - copies_per_bucket
-        group_start_B = torch.cumsum(rows_per_bucket, 0) - rows_per_bucket
-        bucket_of_sorted_S = expert_of_copy_F.index_select(0, copy_of_sorted_S)
-        rank_S = torch.arange(num_copies, device=device) - first_sorted_B.index_select(
-            0, bucket_of_sorted_S
-        )
-        row_of_sorted_S = group_start_B.index_select(0, bucket_of_sorted_S) + rank_S
-        row_of_copy_F = torch.empty_like(row_of_sorted_S).scatter_(
-            0, copy_of_sorted_S, row_of_sorted_S
-        )
-        num_rows = num_copies + num_experts * (group_alignment - 1)
-        source_token_P = torch.full((num_rows,), num_tokens, dtype=torch.int64, device=device)
-        source_token_P.scatter_(0, row_of_sorted_S, copy_of_sorted_S // top_k)
+    row_of_copy_F, rows_per_expert_E, source_token_P = _rows_of_copies(
+        expert_of_copy_F,
+        copy_of_sorted_S,
+        copies_per_bucket,
+        tokens_per_expert_E,
+        num_tokens,
+        top_k,
+        group_alignment,
+    )
 
     if backend == "triton":
         x_perm_PD = import_kernels("triton_permute", "permute").gather_rows(
@@ -336,6 +302,75 @@ def permute(
         kept_copies=kept_copies_F,
     )
     return x_perm_PD, permutation
+
+
+def _check_permute_args(
+    x_TD: Tensor,
+    topk_idx_TK: Tensor,
+    num_experts: int,
+    keep_TK: Tensor | None,
+    group_alignment: int,
+    backend: PermuteBackend,
+) -> None:
+    """Raise ValueError (one line) for arguments `permute` cannot take."""
+    if x_TD.dim() != 2:
+        raise ValueError(f"permute: x must be 2-D [T, D], got shape {tuple(x_TD.shape)}")
+    if topk_idx_TK.dim() != 2 or topk_idx_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(
+            f"permute: topk_idx must be [T, K] with T={x_TD.shape[0]} (from x), got shape "
+            f"{tuple(topk_idx_TK.shape)}"
+        )
+    if keep_TK is not None and (keep_TK.shape != topk_idx_TK.shape or keep_TK.dtype != torch.bool):
+        raise ValueError(
+            f"permute: keep must be a bool tensor shaped like topk_idx {tuple(topk_idx_TK.shape)}, "
+            f"got {keep_TK.dtype} {tuple(keep_TK.shape)}"
+        )
+    if num_experts < 1:
+        raise ValueError(f"permute: num_experts={num_experts} must be at least 1")
+    if group_alignment < 1:
+        raise ValueError(f"permute: group_alignment={group_alignment} must be at least 1")
+    _check_backend("permute", backend)
+
+
+def _rows_of_copies(
+    expert_of_copy_F: Tensor,
+    copy_of_sorted_S: Tensor,
+    copies_per_bucket: Tensor,
+    tokens_per_expert_E: Tensor,
+    num_tokens: int,
+    top_k: int,
+    group_alignment: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Where each copy goes: ``(row_of_copy_F, rows_per_expert_E, source_token_P)``, each
+    expert's group padded with rows of token `num_tokens` (a zero row) to a multiple of
+    `group_alignment`. `copies_per_bucket` counts the kept copies of each expert
+    (`tokens_per_expert_E`), then the dropped ones (bucket E)."""
+    num_experts = tokens_per_expert_E.numel()
+    num_copies = expert_of_copy_F.numel()
+    device = expert_of_copy_F.device
+    if group_alignment == 1:
+        row_of_copy_F = torch.empty_like(copy_of_sorted_S).scatter_(
+            0, copy_of_sorted_S, torch.arange(num_copies, device=device)
+        )
+        return row_of_copy_F, tokens_per_expert_E, copy_of_sorted_S // top_k
+    rows_per_bucket = copies_per_bucket.clone()
+    rows_per_bucket[:num_experts] = (
+        (tokens_per_expert_E + group_alignment - 1) // group_alignment * group_alignment
+    )
+    rows_per_expert_E = rows_per_bucket[:num_experts].clone()
+    # A copy's row: the start of its bucket's (padded) group plus its rank in the bucket.
+    first_sorted_B = torch.cumsum(copies_per_bucket, 0) - copies_per_bucket
+    group_start_B = torch.cumsum(rows_per_bucket, 0) - rows_per_bucket
+    bucket_of_sorted_S = expert_of_copy_F.index_select(0, copy_of_sorted_S)
+    rank_S = torch.arange(num_copies, device=device) - first_sorted_B.index_select(
+        0, bucket_of_sorted_S
+    )
+    row_of_sorted_S = group_start_B.index_select(0, bucket_of_sorted_S) + rank_S
+    row_of_copy_F = torch.empty_like(row_of_sorted_S).scatter_(0, copy_of_sorted_S, row_of_sorted_S)
+    num_rows = num_copies + num_experts * (group_alignment - 1)
+    source_token_P = torch.full((num_rows,), num_tokens, dtype=torch.int64, device=device)
+    source_token_P.scatter_(0, row_of_sorted_S, copy_of_sorted_S // top_k)
+    return row_of_copy_F, rows_per_expert_E, source_token_P
 
 
 def unpermute(

@@ -31,9 +31,10 @@ from moe_checkpoint import (
 from moe_train.config import Config, config_from_dict
 from moe_train.errors import MoeTrainError
 from moe_train.file_modes import give_umask_mode
-from moe_train.hf.architectures import Architecture, ExportError, HFTensor, choose_architecture
+from moe_train.hf.architectures import Architecture, ExportError, choose_architecture
 from moe_train.hf.model_card import model_card
 from moe_train.hf.output_dir import written_whole
+from moe_train.hf.tensor_map import HFTensor
 from moe_train.hf.tokenizer import write_tokenizer
 from moe_train.train.checkpointing import checkpoint_root
 

@@ -26,14 +26,9 @@ from torch import Tensor
 from moe_checkpoint import CheckpointError, OwnedSlice, save_checkpoint
 from moe_train.config import Config, config_from_dict, dump_config
 from moe_train.errors import MoeTrainError
-from moe_train.hf.architectures import (
-    Architecture,
-    ExportError,
-    HFTensor,
-    checkpoint_shapes,
-    choose_architecture,
-)
+from moe_train.hf.architectures import Architecture, ExportError, choose_architecture
 from moe_train.hf.output_dir import written_whole
+from moe_train.hf.tensor_map import HFTensor, checkpoint_shapes
 
 SUPPORTED = {
     "qwen3_moe": "Qwen3MoeForCausalLM",

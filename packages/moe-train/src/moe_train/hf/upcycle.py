@@ -43,7 +43,7 @@ from torch import Tensor
 from moe_checkpoint import CheckpointError, OwnedSlice, save_checkpoint
 from moe_train.config import Config, config_from_dict, dump_config
 from moe_train.errors import MoeTrainError
-from moe_train.hf.architectures import QWEN3, Architecture, HFTensor, _tensors
+from moe_train.hf.architectures import Architecture
 from moe_train.hf.import_hf import (
     ImportHFError,
     _read_weights,
@@ -52,6 +52,7 @@ from moe_train.hf.import_hf import (
     _transformers,
 )
 from moe_train.hf.output_dir import written_whole
+from moe_train.hf.tensor_map import QWEN3, HFTensor, hub_tensors
 
 SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 """model_type -> the dense transformers class upcycling reads."""
@@ -224,7 +225,7 @@ def _dense_config(hf: Any, path: Path, model_type: str) -> Config:
 def _dense_tensors(config: Config) -> list[HFTensor]:
     """The dense model's hub tensors and the tensors of our dense config they fill (with the
     norms on the outputs, OLMo-2's post_attention_layernorm and post_feedforward_layernorm)."""
-    return _tensors(config.model, QWEN3)
+    return hub_tensors(config.model, QWEN3)
 
 
 def _moe_config(dense: Config, options: UpcycleOptions) -> Config:

@@ -18,23 +18,24 @@ import torch
 
 from moe_train.config import Config, dump_config
 from moe_train.errors import TrainingDiverged
-from moe_train.model import Transformer, count_params, flops_per_token
+from moe_train.model import Transformer, flops_per_token
 from moe_train.signals import StopRequests
+from moe_train.train.banner import RunFacts, banner_rows
 from moe_train.train.cadence import Cadence
 from moe_train.train.checkpointing import Checkpoints, checkpoint_root
-from moe_train.train.console import Console, load_scale
-from moe_train.train.data_feed import BatchFeed, TokenCounts, describe_sources, open_dataset
+from moe_train.train.console import Console
+from moe_train.train.data_feed import BatchFeed, TokenCounts, open_dataset
 from moe_train.train.evaluate import Evaluator
 from moe_train.train.expert_load import ExpertLoadLog
 from moe_train.train.host_memory import keep_freed_host_memory
 from moe_train.train.manifest import manifest_at, start_manifest, write_manifest
 from moe_train.train.metrics import MetricsLog
 from moe_train.train.peak import peak_flops
-from moe_train.train.resume import ResumePoint, StartPoint, find_start, load_start, start_rows
+from moe_train.train.resume import ResumePoint, StartPoint, find_start, load_start
 from moe_train.train.run_dir import truncate_metrics
 from moe_train.train.run_lock import release_held_locks
 from moe_train.train.runtime import Runtime, launched_by_torchrun, lost_rank_error, start_runtime
-from moe_train.train.schedule import describe_schedule, lr_at
+from moe_train.train.schedule import lr_at
 from moe_train.train.step import DTYPES, StepResult, StepRunner
 from moe_train.train.step_record import StepRecord
 from moe_train.train.task_scoring import open_task_scorer
@@ -218,81 +219,16 @@ class Trainer:
         data = config.data
         self.tokens_per_step = data.global_batch_size * data.seq_len
         self.step_flops = flops_per_token(config.model, data.seq_len) * self.tokens_per_step
-        self.console.banner(self._banner_rows(self.checkpoints.root))
-
-    def _banner_rows(self, checkpoint_dir: Path) -> list[tuple[str, str]]:
-        config, layout = self.config, self.runtime.layout
-        model, moe, data, ckpt = config.model, config.model.moe, config.data, config.checkpoint
-        params = count_params(model)
-        linear = config.precision.linear
-        saves = []
-        if ckpt.interval:
-            saves.append(f"every {ckpt.interval} steps")
-        if ckpt.interval_minutes:
-            saves.append(f"every {ckpt.interval_minutes:g} min")
-        saving = f"{' or '.join(saves)} into {checkpoint_dir}" if saves else "off"
-        return [
-            *start_rows(self.start, config, layout.describe()),
-            (
-                "model",
-                f"{params.total / 1e6:.1f}M params, {params.active / 1e6:.1f}M active: "
-                f"{model.n_layers} layers, d_model {model.d_model}, {moe.num_experts} experts "
-                f"top-{moe.top_k} ({load_scale(moe.num_experts, moe.top_k)})",
-            ),
-            (
-                "data",
-                f"{describe_sources(data)}: {data.global_batch_size} x {data.seq_len} = "
-                f"{self.tokens_per_step:,} tokens per step" + self._packing_note(),
-            ),
-            (
-                "layout",
-                f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}: pp "
-                f"{layout.pp}, dp {layout.batch_ranks}"
-                f"{f', cp {layout.cp}' if layout.cp > 1 else ''}, ep "
-                f"{layout.ep} on {self.runtime.device.type}; peak {self.peak / 1e12:.2f} TFLOP/s "
-                f"per device ({self.peak_source})",
-            ),
-            (
-                "precision",
-                f"{config.precision.param_dtype} params, {config.precision.compute_dtype} "
-                f"compute; expert GEMMs {self.runner.expert_gemm}; linears "
-                f"{'in the compute dtype' if linear == 'bf16' else linear}",
-            ),
-            (
-                "steps",
-                f"{config.train.max_steps} ({describe_schedule(config.optim, config.train.max_steps)})",
-            ),
-            ("checkpoints", saving),
-            ("eval", self._eval_banner()),
-        ]
-
-    def _eval_banner(self) -> str:
-        """What an evaluation holds and how often it runs."""
-        evaluation, size = self.config.eval, self.config.data.global_batch_size
-        if not evaluation.interval:
-            return "off"
-        parts = []
-        if evaluation.paths:
-            parts.append(
-                f"{evaluation.batches} x {size} sequences of {', '.join(evaluation.paths)}"
-            )
-        if self.task_scorer is not None:
-            parts.append(f"tasks {self.task_scorer.describe()}")
-        return f"{'; '.join(parts)} every {evaluation.interval} steps"
-
-    def _packing_note(self) -> str:
-        """With data.label_mask: how documents longer than a sequence were handled."""
-        if not self.config.data.label_mask:
-            return ""
-        note = "; whole documents packed, trained on the label mask"
-        if self.dataset.skipped_long:
-            note += (
-                f"; {self.dataset.skipped_long:,} documents longer than data.seq_len+1 "
-                "skipped (data.split_long_examples=true cuts them instead)"
-            )
-        if self.dataset.split_long:
-            note += f"; {self.dataset.split_long:,} documents longer than a sequence cut"
-        return note
+        facts = RunFacts(
+            start=self.start,
+            checkpoint_dir=self.checkpoints.root,
+            peak_flops=self.peak,
+            peak_source=self.peak_source,
+            expert_gemm=self.runner.expert_gemm,
+            dataset=self.dataset,
+            task_scorer=self.task_scorer,
+        )
+        self.console.banner(banner_rows(config, runtime, facts))
 
     def _open_trackers(self) -> None:
         """TensorBoard and W&B, as asked (rank 0; its errors reach every rank via on_main)."""
