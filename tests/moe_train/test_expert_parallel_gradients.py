@@ -140,7 +140,7 @@ def test_outputs_and_gradients_match_single_process(single_process, world_size, 
     """ep in {2, 4} with dp in {ep, 2 x ep}, the backends (rowwise over both transports,
     all_to_all_dedup at ep 2 and 4 in the world-4 launch); recompute at ep 2."""
     reference_logits, reference_grads = single_process
-    per_case = run_distributed(_expert_parallel_steps, world_size, args=(cases,))
+    per_case = run_distributed(_expert_parallel_steps, world_size, args=(cases,), timeout=600)
     per_rank = NUM_MICRO // world_size
     for case in cases:
         for result in (r[case] for r in per_case):
