@@ -351,7 +351,7 @@ def _all_checks(rank: int, world_size: int) -> Report:
 def ep_reports(world_size: int) -> list[Report]:
     """Every rank's report of the all_to_all, rowwise, symmetric-memory and dedup checks; one spawn
     per world size."""
-    return run_distributed(_all_checks, world_size=world_size)
+    return run_distributed(_all_checks, world_size=world_size, timeout=600)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda ep: f"ep{ep}")
