@@ -2,7 +2,7 @@
 equal to a single-process LocalDispatcher run over every rank's tokens.
 
 Spawning costs seconds (mostly imports), so one spawn per world size runs every check of
-this file and of test_rowwise.py and reports each by name; the tests read those reports
+this file and of test_rowwise.py, test_symmetric_memory.py and test_dedup.py and reports each by name; the tests read those reports
 (``ep_reports`` caches them for both files). The helpers here are shared with test_rowwise.py.
 """
 
@@ -338,19 +338,20 @@ def all_to_all_checks(rank: int, world_size: int) -> Report:
 
 
 def _all_checks(rank: int, world_size: int) -> Report:
-    # Same spawn for all three files: imports dominate the cost.
+    # Same spawn for all four files: imports dominate the cost.
+    from test_dedup import dedup_checks
     from test_rowwise import rowwise_checks
     from test_symmetric_memory import symmetric_memory_checks
 
     report = all_to_all_checks(rank, world_size) | rowwise_checks(rank, world_size)
-    return report | symmetric_memory_checks(rank, world_size)
+    return report | symmetric_memory_checks(rank, world_size) | dedup_checks(rank, world_size)
 
 
 @functools.cache
 def ep_reports(world_size: int) -> list[Report]:
-    """Every rank's report of the all_to_all, rowwise and symmetric-memory checks; one spawn
+    """Every rank's report of the all_to_all, rowwise, symmetric-memory and dedup checks; one spawn
     per world size."""
-    return run_distributed(_all_checks, world_size=world_size)
+    return run_distributed(_all_checks, world_size=world_size, timeout=600)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda ep: f"ep{ep}")

@@ -203,7 +203,7 @@ def test_local_dispatcher_satisfies_the_protocol() -> None:
 
 
 def test_make_dispatcher_names() -> None:
-    assert DISPATCHER_NAMES == ("local", "all_to_all", "rowwise", "deepep")
+    assert DISPATCHER_NAMES == ("local", "all_to_all", "rowwise", "deepep", "all_to_all_dedup")
     for name in ("all_to_all", "rowwise"):
         with pytest.raises(ValueError, match=f"parallel.dispatcher={name} needs"):
             make_dispatcher(name, num_experts=4, capacity_factor=1.0)

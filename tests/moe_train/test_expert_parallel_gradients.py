@@ -128,6 +128,8 @@ def _expert_parallel_steps(rank: int, world_size: int, cases: list[tuple]) -> di
                 (4, "all_to_all"),
                 (4, "rowwise"),
                 (4, "rowwise/symmetric_memory"),
+                (2, "all_to_all_dedup"),
+                (4, "all_to_all_dedup"),
             ],
         ),
         (8, [(4, "all_to_all"), (4, "rowwise"), (4, "rowwise/symmetric_memory")]),
@@ -135,10 +137,10 @@ def _expert_parallel_steps(rank: int, world_size: int, cases: list[tuple]) -> di
     ids=["world2", "world4", "world8"],
 )
 def test_outputs_and_gradients_match_single_process(single_process, world_size, cases):
-    """ep in {2, 4} with dp in {ep, 2 x ep}, both backends (rowwise over both transports);
-    recompute at ep 2."""
+    """ep in {2, 4} with dp in {ep, 2 x ep}, the backends (rowwise over both transports,
+    all_to_all_dedup at ep 2 and 4 in the world-4 launch); recompute at ep 2."""
     reference_logits, reference_grads = single_process
-    per_case = run_distributed(_expert_parallel_steps, world_size, args=(cases,))
+    per_case = run_distributed(_expert_parallel_steps, world_size, args=(cases,), timeout=600)
     per_rank = NUM_MICRO // world_size
     for case in cases:
         for result in (r[case] for r in per_case):

@@ -5,6 +5,7 @@ simulated nodes (one device each) sends to the other node. One spawn runs every 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -18,7 +19,12 @@ import memory as memory_benchmark
 from harness.ranks import run_distributed
 from moe_train.config import load_config
 from moe_train.plan import DEVICES, device_with, held_per_micro_batch, make_plan, predict_traffic
-from moe_train.plan.traffic import across_nodes, expert_nodes, node_limited_bound
+from moe_train.plan.traffic import (
+    across_nodes,
+    expert_nodes,
+    node_limited_bound,
+    ranks_per_token,
+)
 
 SMALL = [
     "--model.d_model=64",
@@ -52,6 +58,8 @@ NODE_LIMITED = [
     "--model.moe.topk_group=1",
 ]
 """Two ranks, each a node of one device: experts 0-1 (group 0) on rank 0, 2-3 on rank 1."""
+NODE_LIMITED_DEDUP = [*NODE_LIMITED, "--parallel.dispatcher=all_to_all_dedup"]
+"""The same, each token sent once per rank its experts lie on (so at most once across)."""
 
 
 def _saved_bytes(config, rank: int) -> int:
@@ -109,13 +117,13 @@ class Counter:
             if tensor.is_floating_point():
                 size = dist.get_world_size(group)
                 self.bytes[name, size] += tensor.numel() * tensor.element_size()
-                if name == "all_to_all_single":
-                    splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
-                    row = tensor[0].numel() * tensor.element_size() if len(tensor) else 0
-                    mine = dist.get_rank(group)
-                    for peer, rows in enumerate(splits or []):
-                        if peer != mine:
-                            self.to_peer[peer] += rows * row
+            if name == "all_to_all_single":  # rows of any dtype (dedup's expert ids too)
+                splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+                row = tensor[0].numel() * tensor.element_size() if len(tensor) else 0
+                mine = dist.get_rank(group)
+                for peer, rows in enumerate(splits or []):
+                    if peer != mine:
+                        self.to_peer[peer] += rows * row
             return original(*args, **kwargs)
 
         return counted
@@ -124,7 +132,7 @@ class Counter:
 def _train_step_counted(config, record_routing: bool = False) -> dict:
     """One step's collectives after a warm step of the real trainer; with `record_routing`
     also each dispatch's chosen experts and the rank's first local expert."""
-    from moe_dispatch import AllToAllDispatcher
+    from moe_dispatch import AllToAllDispatcher, DedupAllToAllDispatcher
     from moe_train.train.runtime import start_runtime
     from moe_train.train.step import StepRunner
 
@@ -137,7 +145,10 @@ def _train_step_counted(config, record_routing: bool = False) -> dict:
     runner.train_step(batch, 1e-4)
     chosen: list[torch.Tensor] = []
     first: list[int] = []
-    original = AllToAllDispatcher.dispatch
+    backend = {"all_to_all_dedup": DedupAllToAllDispatcher}.get(
+        config.parallel.dispatcher, AllToAllDispatcher
+    )
+    original = backend.dispatch
 
     def dispatch(self, x, topk_idx, *args, **kwargs):
         chosen.append(topk_idx.detach().clone())
@@ -145,12 +156,12 @@ def _train_step_counted(config, record_routing: bool = False) -> dict:
         return original(self, x, topk_idx, *args, **kwargs)
 
     if record_routing:
-        AllToAllDispatcher.dispatch = dispatch
+        backend.dispatch = dispatch
     try:
         with Counter() as counter:
             runner.train_step(batch, 1e-4)
     finally:
-        AllToAllDispatcher.dispatch = original
+        backend.dispatch = original
     runtime.close(clean=True)
     return {
         "bytes": dict(counter.bytes),
@@ -170,6 +181,8 @@ def _rank_body(rank: int, world_size: int) -> dict:
     out["cp2 step"] = _train_step_counted(cp_config)
     limited = memory_benchmark.row_config(NODE_LIMITED, "none", Path("/unused"), 4)
     out["node-limited step"] = _train_step_counted(limited, record_routing=True)
+    dedup = memory_benchmark.row_config(NODE_LIMITED_DEDUP, "none", Path("/unused"), 4)
+    out["node-limited dedup step"] = _train_step_counted(dedup, record_routing=True)
     return out
 
 
@@ -290,6 +303,82 @@ def test_two_simulated_nodes_send_across_only_what_the_planner_predicts(two_rank
     # One row per token and node would cross at most once per token.
     tokens = config.data.micro_batch_size * config.data.seq_len
     assert node_limited_bound(config, 1) == tokens * row
+
+
+def _tokens_to_peer(chosen: list[torch.Tensor], rank: int, local: int) -> int:
+    """Rows a dedup dispatch of this rank sends the other rank: its tokens with a copy there."""
+    return sum(int(((idx // local) != rank).any(1).sum()) for idx in chosen)
+
+
+def _predicted_across(config) -> float:
+    """The planner's bytes per step of the expert exchange that cross the two nodes."""
+    traffic = predict_traffic(config, 2)
+    return sum(
+        across_nodes(config, 2, kind, wire, 1)
+        for kind, wire in traffic.wire.items()
+        if kind.startswith("ep ")
+    )
+
+
+@pytest.mark.slow
+def test_dedup_dispatch_sends_a_token_across_once(two_ranks, capsys):
+    """all_to_all_dedup on the same two simulated nodes: a token whose two experts lie on the
+    other node crosses once each way (its row, two expert ids and two weights; the combined
+    row back), against the planner's prediction and the per-copy all_to_all's bytes."""
+    config = memory_benchmark.row_config(NODE_LIMITED_DEDUP, "none", Path("/unused"), 4)
+    moe, d = config.model.moe, config.model.d_model
+    local = moe.num_experts // config.parallel.ep
+    runs = [r["node-limited dedup step"] for r in two_ranks]
+    per_copy = [r["node-limited step"]["to_peer"][1 - rank] for rank, r in enumerate(two_ranks)]
+    crossing = [_tokens_to_peer(run["chosen"], rank, local) for rank, run in enumerate(runs)]
+    row, ids, weights = d * 4, moe.top_k * 4, moe.top_k * 4
+    predicted = _predicted_across(config)
+    tokens = config.data.micro_batch_size * config.data.seq_len
+    for rank, run in enumerate(runs):
+        for idx in run["chosen"]:  # at most once per token and dispatch: the planner's bound
+            assert int(((idx // local) != rank).any(1).sum()) <= tokens
+        mine, theirs = crossing[rank], crossing[1 - rank]
+        # Sent by this rank: its rows (with routing) and their combine gradients; the
+        # combined rows and the gradients (rows and weights) of the rows it received.
+        expected = (
+            mine * (row + ids + weights) + mine * row + theirs * (row + weights) + theirs * row
+        )
+        sent = run["to_peer"][1 - rank]
+        assert run["to_peer"] == {1 - rank: expected}, (rank, crossing)
+        assert sent == pytest.approx(predicted, rel=0.05), (rank, sent, predicted)
+        assert sent < 0.6 * per_copy[rank], (rank, sent, per_copy[rank])
+        with capsys.disabled():
+            print(
+                f"\nrank {rank}: dedup sent {sent:,} bytes across, planner {predicted:,.0f} "
+                f"({sent / predicted:.3f}); per-copy all_to_all sent {per_copy[rank]:,} "
+                f"(dedup/per-copy {sent / per_copy[rank]:.3f}; planner per-copy "
+                f"{_predicted_across(config_with_dispatcher(config, 'all_to_all')):,.0f})"
+            )
+
+
+def test_ranks_per_token_by_hand():
+    """Expected ranks a token reaches, against cases counted by hand: 2 of 4 experts on 2
+    ranks reach both unless both fall on one (2 of 6 pairs): 2 - 2/6; one group of two per
+    rank reaches one; 12 experts in 3 groups of 4 over 4 ranks of 3, one group: groups 0 and
+    2 split 3 + 1 (both on one rank in 3 of 6 pairs), group 1 splits 2 + 2 (2 of 6 pairs)."""
+    assert ranks_per_token(4, 2, 2) == pytest.approx(2 - 2 / 6)
+    assert ranks_per_token(4, 2, 2, n_group=2, topk_group=1) == pytest.approx(1.0)
+    assert ranks_per_token(12, 2, 4, n_group=3, topk_group=1) == pytest.approx(
+        (1.5 + (2 - 2 / 6) + 1.5) / 3
+    )
+    # 8 ranks of 32 experts, top-8: at most the 4 ranks of the chosen groups; unlimited: each
+    # rank missed with probability C(224, 8) / C(256, 8).
+    assert 1 < ranks_per_token(256, 8, 8, n_group=8, topk_group=4) < 4
+    assert ranks_per_token(256, 8, 8) == pytest.approx(
+        8 * (1 - math.comb(224, 8) / math.comb(256, 8))
+    )
+
+
+def config_with_dispatcher(config, name: str):
+    """`config` with parallel.dispatcher = `name`."""
+    from dataclasses import replace
+
+    return replace(config, parallel=replace(config.parallel, dispatcher=name))
 
 
 def test_plan_searches_context_parallel_layouts():

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from moe_dispatch.all_to_all import AllToAllDispatcher
 from moe_dispatch.capacity import capacity_per_expert
+from moe_dispatch.dedup import ROUTE_ID_DTYPE, DedupAllToAllDispatcher
 from moe_dispatch.deepep import DeepEPDispatcher, deep_ep_module
 from moe_dispatch.local import LocalDispatcher
 from moe_dispatch.protocol import BackendUnavailable, Dispatcher, DispatchHandle
@@ -26,14 +27,16 @@ try:
 except importlib.metadata.PackageNotFoundError:  # imported from source via PYTHONPATH
     __version__ = "0+unknown"
 
-DISPATCHER_NAMES: tuple[str, ...] = ("local", "all_to_all", "rowwise", "deepep")
+DISPATCHER_NAMES: tuple[str, ...] = ("local", "all_to_all", "rowwise", "deepep", "all_to_all_dedup")
 """Valid values of ``parallel.dispatcher``."""
 
 __all__ = [
     "DISPATCHER_NAMES",
+    "ROUTE_ID_DTYPE",
     "ROW_TRANSPORT_NAMES",
     "AllToAllDispatcher",
     "BackendUnavailable",
+    "DedupAllToAllDispatcher",
     "DeepEPDispatcher",
     "DispatchHandle",
     "Dispatcher",
@@ -64,7 +67,7 @@ def make_dispatcher(
     """Build the dispatcher named by ``parallel.dispatcher``.
 
     ``group`` is the expert-parallel process group (``parallel.ep`` ranks): required by
-    all_to_all, rowwise and deepep; local takes none (or one of size 1). Raises ``ValueError``
+    all_to_all, all_to_all_dedup, rowwise and deepep; local takes none (or one of size 1). Raises ``ValueError``
     for an unknown name or inconsistent settings and ``BackendUnavailable`` for deepep without
     the ``deep_ep`` library. ``row_transport`` (rowwise only): a name in
     ``ROW_TRANSPORT_NAMES`` or a transport from ``make_row_transport`` shared between layers.
@@ -90,6 +93,8 @@ def make_dispatcher(
     # The constructors check that parallel.ep divides model.moe.num_experts.
     if name == "all_to_all":
         return AllToAllDispatcher(num_experts, group, capacity_factor, group_alignment)
+    if name == "all_to_all_dedup":
+        return DedupAllToAllDispatcher(num_experts, group, capacity_factor, group_alignment)
     if name == "rowwise":
         if capacity_factor is None:
             raise ValueError(

@@ -27,9 +27,15 @@ class ParallelConfig:
     """Pipeline schedule."""
     virtual_stages: int = 1
     """Pipeline stages per pp rank; more than 1 only with pp_schedule=interleaved_1f1b."""
-    dispatcher: Literal["auto", "local", "all_to_all", "rowwise", "deepep"] = "auto"
+    dispatcher: Literal["auto", "local", "all_to_all", "rowwise", "deepep", "all_to_all_dedup"] = (
+        "auto"
+    )
     """Token dispatch backend between expert-parallel ranks: auto (local with ep = 1,
-    all_to_all with ep > 1), or one by name; with ep = 1 every one is local."""
+    all_to_all with ep > 1), or one by name; with ep = 1 every one is local. all_to_all sends
+    one row per token copy; all_to_all_dedup sends a token once to each rank holding any of
+    its experts (the rank sums its experts' weighted outputs and sends one row back), which
+    saves bytes where tokens choose several experts on one rank, as node-limited routing
+    (model.moe.topk_group) does when groups lie on ranks or nodes."""
     rowwise_transport: Literal["all_to_all", "symmetric_memory", "nvshmem"] = "all_to_all"
     """How dispatcher=rowwise moves its fixed-size blocks: all_to_all (an even all-to-all over
     the process group, any backend), symmetric_memory (written straight into peers' buffers;

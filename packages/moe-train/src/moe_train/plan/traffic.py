@@ -8,6 +8,9 @@ all_reduce: the tensor). `wire` is what leaves the rank over its links with the 
 and pairwise algorithms: an all-to-all sends (g - 1) / g of its input, a reduce-scatter
 (g - 1) / g, an all-gather (g - 1) shards, an all-reduce 2 (g - 1) / g.
 
+The expert exchange is one row per token copy, except with all_to_all_dedup: one row per
+token and EP rank its copies reach (`ranks_per_token`), plus each row's routing ("ep routing").
+
 Context parallelism (cp > 1) adds the keys and values attention gathers: per attention layer
 and micro-batch, one all-gather each of the rank's keys and of its values (payload: the
 rank's shard, 2 x C positions of the key/value width), rerun by recompute, and in the
@@ -17,8 +20,12 @@ gloo, which has no reduce-scatter, an all-reduce of the same bytes).
 
 from __future__ import annotations
 
+import collections
+import functools
+import math
 from dataclasses import dataclass, field
 
+from moe_dispatch import ROUTE_ID_DTYPE
 from moe_train.config import Config
 from moe_train.plan.activations import DTYPE_BYTES, FP32, capacity
 from moe_train.plan.memory import rank_params
@@ -63,6 +70,8 @@ def predict_traffic(config: Config, world_size: int, pp_rank: int = 0) -> Traffi
         for kind in ("ep dispatch", "ep combine"):
             calls = moe_layers * num_micro * rounds
             traffic.add(kind, calls * exchange, calls * per_layer, ep, calls)
+        if parallel.dispatcher == "all_to_all_dedup":
+            _add_dedup_routing(traffic, config, moe_layers * num_micro, rounds - 1)
     params = rank_params(config, pp_rank)
     w = DTYPE_BYTES[config.precision.param_dtype]
     grad_bytes = FP32 if w < FP32 else w  # low-precision gradients are reduced in FP32
@@ -109,12 +118,71 @@ def _exchange_bytes(config: Config) -> float:
     c = DTYPE_BYTES[config.precision.compute_dtype]
     d = config.model.d_model
     per_expert = capacity(config, tokens)
+    if parallel.dispatcher == "all_to_all_dedup":
+        return _dedup_rows(config) * d * c
     if parallel.dispatcher == "rowwise" and per_expert is not None:
         return parallel.ep * (moe.num_experts // parallel.ep) * per_expert * d * c
     copies = tokens * moe.top_k
     if per_expert is not None:
         copies = min(copies, moe.num_experts * per_expert)
     return copies * d * c
+
+
+def _dedup_rows(config: Config) -> float:
+    """Rows of one all_to_all_dedup exchange of one MoE layer and micro-batch: one per token
+    and EP rank holding any of its copies (the copies of a dropless, balanced router)."""
+    moe = config.model.moe
+    tokens = config.data.micro_batch_size * config.data.seq_len // config.parallel.cp
+    reach = ranks_per_token(
+        moe.num_experts, moe.top_k, config.parallel.ep, moe.n_group, moe.topk_group
+    )
+    return tokens * reach
+
+
+def _add_dedup_routing(traffic: Traffic, config: Config, passes: int, forwards: int) -> None:
+    """What all_to_all_dedup's rows carry besides the token, in `passes` dispatches (each run
+    `forwards` times): K local expert ids (int32) and K routing weights (FP32) forward, the
+    weights' gradients backward."""
+    ep, top_k = config.parallel.ep, config.model.moe.top_k
+    rows = _dedup_rows(config)
+    ids, weights = rows * top_k * ROUTE_ID_DTYPE.itemsize, rows * top_k * FP32
+    payload = passes * (forwards * (ids + weights) + weights)
+    traffic.add("ep routing", payload, payload * (ep - 1) / ep, ep, passes * (2 * forwards + 1))
+
+
+@functools.cache
+def ranks_per_token(
+    num_experts: int, top_k: int, ep: int, n_group: int = 1, topk_group: int = 1
+) -> float:
+    """Expected EP ranks one token's copies reach, its `top_k` distinct experts drawn
+    uniformly from `topk_group` of the `n_group` groups (themselves drawn uniformly): what a
+    balanced router does on average. Exact over how each rank's experts fall into groups."""
+    local, per_group = num_experts // ep, num_experts // n_group
+    eligible = topk_group * per_group
+    pick = math.comb(eligible, top_k)
+    reach = 0.0
+    for rank in range(ep):
+        experts = range(rank * local, (rank + 1) * local)
+        sizes = list(collections.Counter(e // per_group for e in experts).values())
+        # ways[j, m]: subsets of j of the rank's groups holding m of its experts
+        ways: dict[tuple[int, int], int] = {(0, 0): 1}
+        for size in sizes:
+            grown = dict(ways)
+            for (j, m), count in ways.items():
+                grown[j + 1, m + size] = grown.get((j + 1, m + size), 0) + count
+            ways = grown
+        others = n_group - len(sizes)
+        missed = sum(
+            count
+            * math.comb(others, topk_group - j)
+            / math.comb(n_group, topk_group)
+            * math.comb(eligible - m, top_k)
+            / pick
+            for (j, m), count in ways.items()
+            if topk_group >= j
+        )
+        reach += 1.0 - missed
+    return reach
 
 
 @dataclass(frozen=True)

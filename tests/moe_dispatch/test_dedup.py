@@ -1,0 +1,149 @@
+"""DedupAllToAllDispatcher on gloo (ep 2 and 4), in test_all_to_all.py's spawn: identity round
+trips, outputs and gradients equal to a single-process LocalDispatcher run (dropless and with
+capacity drops), and the rows it sends: one per token and destination rank holding a kept
+copy, counted from the routing by a plain loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_all_to_all import (
+    NUM_EXPERTS,
+    ROUTINGS,
+    TOP_K,
+    Problem,
+    Report,
+    assert_report_passed,
+    check_against_reference,
+    check_identity,
+    copies_received,
+    ep_reports,
+    local_reference,
+    make_problem,
+    record,
+    run_identity,
+    run_reference_problem,
+)
+
+from moe_dispatch import DedupAllToAllDispatcher, Dispatcher, make_dispatcher
+
+
+def rows_per_peer(problem: Problem, rank: int, num_local: int, ep: int) -> list[int]:
+    """Rows this rank sends each peer (dropless): its tokens with a copy on that peer."""
+    rows = [0] * ep
+    for experts in problem.topk_idx_NK[problem.rows(rank)].tolist():
+        for peer in {expert // num_local for expert in experts}:
+            rows[peer] += 1
+    return rows
+
+
+def same_rank_problem(tokens_per_rank: list[int], num_local: int, seed: int) -> Problem:
+    """Every token's TOP_K experts on one rank (token t: rank t mod ep), as node-limited
+    routing with groups on ranks gives."""
+    problem = make_problem(tokens_per_rank, "random", seed)
+    ep = len(tokens_per_rank)
+    token = torch.arange(problem.x_ND.shape[0]).unsqueeze(1)
+    problem.topk_idx_NK.copy_((token % ep) * num_local + torch.arange(TOP_K))
+    return problem
+
+
+def check_rows_sent(
+    dispatcher: DedupAllToAllDispatcher, problem: Problem, rank: int, expect_copies: int
+) -> None:
+    """The split sizes of one dispatch: a row per token and peer, against the loop."""
+    rows = problem.rows(rank)
+    _, _, handle = dispatcher.dispatch(
+        problem.x_ND[rows], problem.topk_idx_NK[rows], problem.topk_weight_NK[rows]
+    )
+    num_local, ep = dispatcher.num_local_experts, dispatcher.ep
+    expected = rows_per_peer(problem, rank, num_local, ep)
+    assert handle.state.send_splits == expected, (handle.state.send_splits, expected)
+    if expect_copies:  # same-rank routing: one row per token where the per-copy sends K
+        assert sum(expected) * expect_copies == handle.num_copies
+
+
+def check_make_dispatcher(group: dist.ProcessGroup, rank: int, num_local: int) -> None:
+    built = make_dispatcher("all_to_all_dedup", num_experts=NUM_EXPERTS, group=group)
+    assert isinstance(built, DedupAllToAllDispatcher) and isinstance(built, Dispatcher)
+    assert (built.num_local_experts, built.first_local_expert) == (num_local, rank * num_local)
+    with pytest.raises(ValueError, match=r"num_experts=3 .*parallel\.ep="):
+        make_dispatcher("all_to_all_dedup", num_experts=3, group=group)
+
+
+def dedup_checks(rank: int, world_size: int) -> Report:
+    group = dist.group.WORLD
+    report: Report = {}
+    num_local = NUM_EXPERTS // world_size
+    uneven_tokens = [13 + 7 * r for r in range(world_size)]
+
+    for routing in ROUTINGS:
+        problem = make_problem(uneven_tokens, routing, seed=300 + len(routing))
+        for alignment in (1, 4):
+            dispatcher = DedupAllToAllDispatcher(NUM_EXPERTS, group, group_alignment=alignment)
+            run = run_identity(dispatcher, problem, rank)
+            expected = copies_received(problem, rank, num_local, alignment)
+            name = f"dedup/identity/{routing}/align{alignment}"
+            record(report, rank, name, check_identity, run, expected)
+        dispatcher = DedupAllToAllDispatcher(NUM_EXPERTS, group)
+        record(report, rank, f"dedup/rows/{routing}", check_rows_sent, dispatcher, problem, rank, 0)
+    problem = same_rank_problem(uneven_tokens, num_local, seed=5)
+    dispatcher = DedupAllToAllDispatcher(NUM_EXPERTS, group)
+    record(report, rank, "dedup/rows/same_rank", check_rows_sent, dispatcher, problem, rank, TOP_K)
+
+    cases = [(None, 1, "skewed"), (None, 4, "random"), (0.5, 1, "skewed"), (0.5, 4, "skewed")]
+    cases.append((None, 1, "same_rank"))
+    for capacity_factor, alignment, routing in cases:
+        if routing == "same_rank":
+            problem = same_rank_problem(uneven_tokens, num_local, seed=11)
+        else:
+            problem = make_problem(uneven_tokens, routing, seed=17 + alignment)
+        reference = local_reference(problem, capacity_factor, world_size)
+        dispatcher = DedupAllToAllDispatcher(NUM_EXPERTS, group, capacity_factor, alignment)
+        run = run_reference_problem(dispatcher, problem, rank)
+        total_dropped = torch.tensor(run.dropped_copies)
+        dist.all_reduce(total_dropped)
+        name = "dropless" if capacity_factor is None else f"cf{capacity_factor}"
+        record(
+            report,
+            rank,
+            f"dedup/reference/{name}/align{alignment}/{routing}",
+            check_against_reference,
+            run,
+            reference,
+            problem,
+            rank,
+            int(total_dropped),
+            capacity_factor is not None,
+        )
+    record(report, rank, "dedup/make_dispatcher", check_make_dispatcher, group, rank, num_local)
+    return report
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda ep: f"ep{ep}")
+def reports(request: pytest.FixtureRequest) -> list[Report]:
+    return ep_reports(request.param)
+
+
+def test_identity_experts_return_x_times_weight_sum(reports: list[Report]) -> None:
+    """Uneven, skewed, all-to-one-expert and idle-rank routings; alignment 1 and 4."""
+    assert_report_passed(reports, "dedup/identity/")
+
+
+def test_outputs_and_gradients_match_single_process_local_dispatcher(
+    reports: list[Report],
+) -> None:
+    """y, dL/dx, dL/dtopk_weight and each owner's dL/dW_e (within 1e-5); dropless and with
+    capacity drops, and tokens whose copies all lie on one rank; kept copies per expert on
+    the handle (checked in run_moe)."""
+    assert_report_passed(reports, "dedup/reference/")
+
+
+def test_a_token_is_sent_once_per_destination_rank(reports: list[Report]) -> None:
+    """Split sizes equal the distinct (token, rank) pairs; one row per token when its copies
+    share a rank (top-2: half the per-copy rows)."""
+    assert_report_passed(reports, "dedup/rows/")
+
+
+def test_make_dispatcher_builds_the_dedup_dispatcher(reports: list[Report]) -> None:
+    assert_report_passed(reports, "dedup/make_dispatcher")
