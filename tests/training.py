@@ -16,6 +16,22 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 """The shipped configs."""
 
+FP8_PRECISION = {"compute_dtype": "bfloat16", "expert_gemm": "fp8_rowwise", "linear": "fp8_rowwise"}
+"""The precision section of rowwise FP8 training: expert GEMMs and linear layers (emulated on
+a CPU)."""
+FP8_LAYOUT_RTOL = 7e-5
+"""Layouts against one process, both with `FP8_PRECISION`. A layout that keeps micro-batches
+whole sees the same scales (dp2, pp2: equal); one that splits an expert's or a linear's rows
+over ranks (ep, cp) scales the weight-gradient operands over other rows, a few 1e-5 apart.
+Tighter than the bf16 layout tolerance (2e-3), which the gap between FP8 and plain bf16
+training (1.6e-4 after 6 steps) would pass: a layout that dropped FP8 fails here."""
+FP8_CONTEXT_RTOL = 2e-3
+"""Context-parallel layouts of four ranks against one process, both with `FP8_PRECISION`: the
+bf16 layout tolerance. Each context rank quantizes the weight-gradient operands over its part
+of the tokens and sums attention in bf16 in another order (measured after 6 steps: cp2 x ep2
+4.7e-5, cp2 x pp2 7.5e-5; 5e-4 after 20). Too loose to tell FP8 from bf16 there (2.5e-4
+apart after 6 steps): the two-rank cp2 case under `FP8_LAYOUT_RTOL` is the one that does."""
+
 CODE_TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n"
 """A few lines of code; repeated, the tests' training text: short, repetitive, learnable."""
 

@@ -18,7 +18,8 @@ from typing import Any
 
 def benchmark_run_overrides(steps: int, run_dir: Path, peak_flops: float) -> tuple[str, ...]:
     """Config overrides (``--section.key=value``) of a benchmark's training run: ``steps``
-    steps in ``run_dir``, every step logged, no progress line, no checkpoints, and the given
+    steps in ``run_dir``, every step logged, no progress line, no checkpoints, no evaluation
+    (it costs time and leaves the training losses as they are), and the given
     peak FLOP/s, so that the rows of one benchmark share the MFU denominator and none
     measures it again."""
     return (
@@ -29,6 +30,8 @@ def benchmark_run_overrides(steps: int, run_dir: Path, peak_flops: float) -> tup
         f"--train.peak_flops={peak_flops}",
         "--checkpoint.interval=0",
         "--checkpoint.interval_minutes=0",
+        "--eval.interval=0",
+        "--eval.tasks=[]",
     )
 
 

@@ -11,10 +11,17 @@ from test_document_masking import _short_documents
 from harness.ranks import run_distributed
 from moe_train.config import config_from_dict
 from moe_train.train import read_metrics, train
-from training import assert_losses_match, small_config_data, train_cases
+from training import (
+    FP8_CONTEXT_RTOL,
+    FP8_PRECISION,
+    assert_losses_match,
+    small_config_data,
+    train_cases,
+)
 
 STEPS = 20
 RESUMED_AT = 10
+FP8_STEPS = 6
 
 
 def _case(tmp_path, data_dir, name, parallel, masking, **train_section) -> dict:
@@ -62,6 +69,14 @@ def assert_evaluations_match(name: str, run_dir, reference_dir) -> None:
     reference = eval_losses(reference_dir)
     assert len(reference) == STEPS // RESUMED_AT, reference
     assert_losses_match(f"{name} eval", eval_losses(run_dir), reference)
+
+
+def _fp8_case(tmp_path, data_dir, name, parallel) -> dict:
+    """A case with rowwise FP8 experts and linears, 6 steps, no evaluation."""
+    data = _case(tmp_path, data_dir, name, parallel, False, max_steps=FP8_STEPS)
+    data["precision"] = FP8_PRECISION
+    data["eval"] = {"interval": 0}
+    return data
 
 
 def _resume_case(tmp_path, data_dir, name, parallel, checkpoint) -> dict:
@@ -152,9 +167,13 @@ def test_cp2_on_two_ranks_matches_single_process(documents_dir, single_process, 
 def test_cp2_with_experts_and_pipelines_on_four_ranks(documents_dir, single_process, tmp_path):
     """cp2 x ep2 (experts spread over the context ranks; with the distributed optimizer and
     full recompute, and with the rowwise dispatcher under masking) and cp2 x pp2 (1f1b with
-    selective recompute, and gpipe), each without and with document masking; then a
-    cp1 run (dp2 x pp2) resumes the cp2 x ep2 run's checkpoint."""
+    selective recompute, and gpipe), each without and with document masking; cp2 x ep2 and
+    cp2 x pp2 with rowwise FP8 (experts and linears) against the single process with FP8; then
+    a cp1 run (dp2 x pp2) resumes the cp2 x ep2 run's checkpoint."""
     (single, single_masked), single_root = single_process[0].values(), single_process[1]
+    single_fp8 = train(
+        config_from_dict(_fp8_case(tmp_path, documents_dir, "single_fp8", {}))
+    ).losses
     layouts = {
         "cp2_ep2": (
             {"cp": 2, "ep": 2, "distributed_optimizer": True, "recompute": "full"},
@@ -176,8 +195,13 @@ def test_cp2_with_experts_and_pipelines_on_four_ranks(documents_dir, single_proc
     # Two micro-batches a step: dp2 x pp2 (gpipe) is the cp1 layout of four ranks.
     cp1 = {"pp": 2, "pp_schedule": "gpipe"}
     cases["resume_cp1"] = _resume_case(tmp_path, documents_dir, "resume_cp1", cp1, halfway)
+    fp8_layouts = {"cp2_ep2_fp8": {"cp": 2, "ep": 2}, "cp2_pp2_fp8": {"cp": 2, "pp": 2}}
+    for name, parallel in fp8_layouts.items():
+        cases[name] = _fp8_case(tmp_path, documents_dir, name, parallel)
     per_rank = run_distributed(train_cases, world_size=4, args=(cases,), timeout=600)
     losses = per_rank[0]
+    for name in fp8_layouts:
+        assert_losses_match(name, losses[name], single_fp8, rtol=FP8_CONTEXT_RTOL)
     for name in layouts:
         assert_losses_match(name, losses[name], single)
         assert_losses_match(f"{name} masked", losses[f"{name}_masked"], single_masked)

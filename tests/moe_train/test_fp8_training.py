@@ -14,14 +14,10 @@ from moe_train.model.moe import Experts
 from moe_train.train import train
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
-from training import assert_losses_match, train_cases
+from training import FP8_LAYOUT_RTOL, FP8_PRECISION, assert_losses_match, train_cases
 
-FP8 = {"compute_dtype": "bfloat16", "expert_gemm": "fp8_rowwise", "linear": "fp8_rowwise"}
+FP8 = FP8_PRECISION
 STEPS = 6
-LAYOUT_RTOL = 7e-5
-"""Layouts against one process with FP8 on (measured: dp2 and pp2 0, ep2 3.5e-5 after 6
-steps): tighter than the bf16 layout tolerance, which the gap between FP8 and plain bf16
-training (1.6e-4 after 6 steps) would pass, so a layout that dropped FP8 fails here."""
 
 
 @pytest.mark.slow  # importing torchao takes seconds
@@ -65,27 +61,44 @@ def test_fp8_needs_bf16_compute(key):
         config_from_dict({"precision": {"linear": "fp4"}})
 
 
+TWO_RANK_LAYOUTS: dict[str, dict] = {
+    "dp2": {},
+    "dp2_sharded": {"distributed_optimizer": True},
+    "ep2": {"ep": 2, "dispatcher": "all_to_all"},
+    "ep2_sharded": {"ep": 2, "dispatcher": "all_to_all", "distributed_optimizer": True},
+    "ep2_rowwise": {"ep": 2, "dispatcher": "rowwise"},
+    "ep2_rowwise_shared_memory": {
+        "ep": 2,
+        "dispatcher": "rowwise",
+        "rowwise_transport": "symmetric_memory",
+    },
+    "pp2": {"pp": 2},
+    "cp2": {"cp": 2},
+}
+"""Every layout of two ranks: data parallel with the replicated and the distributed
+optimizer, expert parallel over each dispatcher (and sharded), pipeline and context parallel."""
+
+
 @pytest.mark.slow
 def test_fp8_rowwise_trains_on_every_layout_like_one_process(make_config, tmp_path):
-    """fp8_rowwise experts and linears: dp2, ep2 and pp2 (one 2-rank spawn) against the single
-    process, within `LAYOUT_RTOL`. Each micro-batch quantizes its own rows, so
-    layouts that keep micro-batches whole see the same scales."""
+    """fp8_rowwise experts and linears on every two-rank layout (`TWO_RANK_LAYOUTS`, one
+    spawn) against the single process, within `FP8_LAYOUT_RTOL`. Each micro-batch quantizes its
+    own rows, so layouts that keep micro-batches whole see the same scales."""
 
     def config(name: str, **parallel) -> dict:
-        return make_config(
+        data = make_config(
             tmp_path / name,
             train={"max_steps": STEPS},
             data={"micro_batch_size": 2},
             precision=FP8,
             parallel=parallel,
         ).to_dict()
+        if parallel.get("dispatcher") == "rowwise":  # more than any expert can receive
+            data["model"]["moe"]["capacity_factor"] = 4.0
+        return data
 
     single = train(config_from_dict(config("single")))
-    cases = {
-        "dp2": config("dp2"),
-        "ep2": config("ep2", ep=2, dispatcher="all_to_all"),
-        "pp2": config("pp2", pp=2),
-    }
-    for losses in run_distributed(train_cases, world_size=2, args=(cases,)):
+    cases = {name: config(name, **parallel) for name, parallel in TWO_RANK_LAYOUTS.items()}
+    for losses in run_distributed(train_cases, world_size=2, args=(cases,), timeout=600):
         for name in cases:
-            assert_losses_match(name, losses[name], single.losses, rtol=LAYOUT_RTOL)
+            assert_losses_match(name, losses[name], single.losses, rtol=FP8_LAYOUT_RTOL)

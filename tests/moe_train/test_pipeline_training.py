@@ -9,9 +9,16 @@ from moe_train.config import config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.train import train
 from moe_train.train.pipeline import check_pipeline, plan_stages
-from training import assert_losses_match, small_config_data, train_cases
+from training import (
+    FP8_LAYOUT_RTOL,
+    FP8_PRECISION,
+    assert_losses_match,
+    small_config_data,
+    train_cases,
+)
 
 STEPS = 10
+FP8_STEPS = 6
 
 
 def _config_data(token_file, run_dir, **parallel) -> dict:
@@ -31,6 +38,14 @@ def _config_data(token_file, run_dir, **parallel) -> dict:
         train={"max_steps": STEPS},
         parallel=parallel,
     )
+
+
+def _fp8_config_data(token_file, run_dir, **parallel) -> dict:
+    """`_config_data` with rowwise FP8 experts and linears, 6 steps."""
+    data = _config_data(token_file, run_dir, **parallel)
+    data["precision"] = FP8_PRECISION
+    data["train"]["max_steps"] = FP8_STEPS
+    return data
 
 
 def test_stage_plan_places_stages_in_a_loop():
@@ -65,7 +80,10 @@ def test_pipeline_schedules_match_single_process(token_file, tmp_path):
 
 
 def test_pipeline_with_expert_and_data_parallel_matches_single_process(token_file, tmp_path):
+    """pp2 x ep2 x dp2 in fp32 with each dispatcher and the distributed optimizer, and with
+    rowwise FP8 (experts and linears) against the single process with FP8, in one spawn."""
     single = train(config_from_dict(_config_data(token_file, tmp_path / "single"))).losses
+    single_fp8 = train(config_from_dict(_fp8_config_data(token_file, tmp_path / "single_fp8")))
     ep2 = {"ep": 2, "dispatcher": "all_to_all"}
     cases = {
         "pp2_ep2_dp2": _config_data(token_file, tmp_path / "pp2ep2", pp=2, **ep2),
@@ -83,10 +101,15 @@ def test_pipeline_with_expert_and_data_parallel_matches_single_process(token_fil
     }
     # Rowwise buffers: capacity 4 x the even share is more than any expert can receive.
     cases["pp2_ep2_dp2_rowwise_shared_memory"]["model"]["moe"]["capacity_factor"] = 4.0
-    per_rank = run_distributed(train_cases, world_size=4, args=(cases,))
+    fp8_layout = {"pp": 2, "distributed_optimizer": True, **ep2}
+    cases["fp8"] = _fp8_config_data(token_file, tmp_path / "pp2ep2fp8", **fp8_layout)
+    per_rank = run_distributed(train_cases, world_size=4, args=(cases,), timeout=600)
     for losses in per_rank:
         for name in cases:
-            assert_losses_match(name, losses[name], single)
+            if name == "fp8":
+                assert_losses_match(name, losses[name], single_fp8.losses, rtol=FP8_LAYOUT_RTOL)
+            else:
+                assert_losses_match(name, losses[name], single)
 
 
 @pytest.mark.parametrize(
