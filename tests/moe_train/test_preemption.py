@@ -245,8 +245,19 @@ def test_of_two_launches_of_one_command_one_trains_and_the_other_stops_in_one_li
     tmp_path, shared_token_file, reference
 ):
     job = write_config(tmp_path / "job.yaml", tmp_path / "job", shared_token_file, **SECTIONS)
-    launches = [start_ranks(job, 2), start_ranks(job, 2)]
-    outcomes = [[finish(rank, timeout=300) for rank in ranks] for ranks in launches]
+    first = start_ranks(job, 2)
+    wait_for_records(tmp_path / "job" / "metrics.jsonl", 1, first)
+    # The first launch is paused mid-run (it holds the lock, its heartbeat is fresh and its
+    # processes live) while the second starts, so the second always meets a running job:
+    # a run of STEPS could otherwise end before the second launch has even imported torch.
+    for rank in first:
+        os.kill(rank.pid, signal.SIGSTOP)
+    try:
+        second = [finish(rank, timeout=80) for rank in start_ranks(job, 2)]
+    finally:
+        for rank in first:
+            os.kill(rank.pid, signal.SIGCONT)
+    outcomes = [[finish(rank, timeout=300) for rank in first], second]
     codes = [[o.returncode for o in ranks] for ranks in outcomes]
     assert sorted(codes) == [[0, 0], [2, 2]], [o[0].stderr[-2000:] for o in outcomes]
     loser = outcomes[codes.index([2, 2])]
