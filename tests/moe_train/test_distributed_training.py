@@ -55,16 +55,25 @@ def _assert_reported_once_first_with_exit_2(result, message: str) -> None:
     assert codes and set(codes) == {"2"}, result.stderr[-3000:]
 
 
+BAD_LAYOUTS = {
+    "ep": (
+        ("--parallel.ep=3", "--parallel.dispatcher=all_to_all"),
+        "error: parallel.ep=3 must divide the data-parallel size 2 (world size 2 / parallel.pp=1)\n",
+    ),
+    "cp": (
+        ("--parallel.cp=2", "--data.seq_len=30"),
+        "error: data.seq_len=30 must be a multiple of 2 x parallel.cp=4 (each ",
+    ),
+}
+
+
 @pytest.mark.slow
-def test_torchrun_bad_layout_is_one_line_first_and_exits_2(token_file, tmp_path):
+@pytest.mark.parametrize("case", BAD_LAYOUTS)
+def test_torchrun_bad_layout_is_one_line_first_and_exits_2(token_file, tmp_path, case):
+    overrides, message = BAD_LAYOUTS[case]
     config_path = tmp_path / "config.yaml"
     save_config(config_path, _config_data(token_file, tmp_path / "bad"))
-    result = run_torchrun(
-        2, "train", str(config_path), "--parallel.ep=3", "--parallel.dispatcher=all_to_all"
-    )
-    message = (
-        "error: parallel.ep=3 must divide the data-parallel size 2 (world size 2 / parallel.pp=1)\n"
-    )
+    result = run_torchrun(2, "train", str(config_path), *overrides)
     _assert_reported_once_first_with_exit_2(result, message)
     assert not (tmp_path / "bad").exists()
 
