@@ -72,21 +72,29 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> ImportResult:
     config.checkpoint.init_from = str(out.resolve())
     tensors, ignored = _read_weights(hf_dir, config, architecture)
 
-    with written_whole(out, "import") as scratch:
-        state = {
-            "step": 0,
-            "config": config.to_dict(),
-            "imported_from": str(hf_dir.resolve()),
-            "architecture": architecture.name,
-            "saved_at": time.time(),
-        }
+    provenance = {"imported_from": str(hf_dir.resolve()), "architecture": architecture.name}
+    write_step_zero(out, "import", config, tensors, provenance, ImportHFError)
+    return ImportResult(out, out / "step_00000000", architecture.name, config, ignored)
+
+
+def write_step_zero(
+    out: Path,
+    what: str,
+    config: Config,
+    tensors: dict[str, Tensor],
+    provenance: dict[str, Any],
+    error: type[MoeTrainError],
+) -> None:
+    """Write `tensors` as OUT/step_00000000 (its state: step 0, the config, `provenance`) and
+    OUT/config.yaml, all or nothing (`written_whole`); a failed write raises `error`."""
+    with written_whole(out, what) as scratch:
+        state = {"step": 0, "config": config.to_dict(), **provenance, "saved_at": time.time()}
         slices = [OwnedSlice.whole(name, t) for name, t in tensors.items()]
         try:
             save_checkpoint(scratch, 0, slices, lambda _: "model", state, group=None).wait()
         except CheckpointError as e:
-            raise ImportHFError(f"writing the checkpoint failed: {e}") from e
+            raise error(f"writing the checkpoint failed: {e}") from e
         dump_config(config, scratch / "config.yaml")
-    return ImportResult(out, out / "step_00000000", architecture.name, config, ignored)
 
 
 # ---- config ------------------------------------------------------------------------------

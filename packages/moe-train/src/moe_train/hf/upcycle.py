@@ -32,7 +32,6 @@ model is not a dense model of a supported family or the options do not fit it.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moe_checkpoint import CheckpointError, OwnedSlice, save_checkpoint
-from moe_train.config import Config, config_from_dict, dump_config
+from moe_train.config import Config, config_from_dict
 from moe_train.errors import MoeTrainError
 from moe_train.hf.architectures import Architecture
 from moe_train.hf.import_hf import (
@@ -50,8 +48,8 @@ from moe_train.hf.import_hf import (
     _refuse,
     _rope_scaling,
     _transformers,
+    write_step_zero,
 )
-from moe_train.hf.output_dir import written_whole
 from moe_train.hf.tensor_map import QWEN3, HFTensor, hub_tensors
 
 SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "olmo2": "Olmo2ForCausalLM"}
@@ -104,21 +102,12 @@ def upcycle(hf_dir: str | Path, out: str | Path, options: UpcycleOptions) -> Upc
     config = _moe_config(dense_config, options)
     config.checkpoint.init_from = str(out.resolve())
     tensors = _moe_tensors(dense, config, options)
-    with written_whole(out, "upcycle") as scratch:
-        state = {
-            "step": 0,
-            "config": config.to_dict(),
-            "upcycled_from": str(hf_dir.resolve()),
-            "architecture": architecture,
-            "upcycling": asdict(options),
-            "saved_at": time.time(),
-        }
-        slices = [OwnedSlice.whole(name, t) for name, t in tensors.items()]
-        try:
-            save_checkpoint(scratch, 0, slices, lambda _: "model", state, group=None).wait()
-        except CheckpointError as e:
-            raise UpcycleError(f"writing the checkpoint failed: {e}") from e
-        dump_config(config, scratch / "config.yaml")
+    provenance = {
+        "upcycled_from": str(hf_dir.resolve()),
+        "architecture": architecture,
+        "upcycling": asdict(options),
+    }
+    write_step_zero(out, "upcycle", config, tensors, provenance, UpcycleError)
     return UpcycleResult(out, out / "step_00000000", architecture, config)
 
 
