@@ -93,7 +93,11 @@ def test_interrupted_preparation_resumes_to_the_same_result(tmp_path):
         (tmp_path / "corpus" / f"{name}.jsonl").write_bytes(jsonl_bytes(documents))
     tokenizer_file = bpe_tokenizer_file(tmp_path, "".join(random_documents(rng, 200)))
     reference = tmp_path / "reference"
+    started = time.monotonic()
     prepare_data([tmp_path / "corpus"], reference, str(tokenizer_file), shard_size="64K")
+    # Orphaned workers would go on with every queued shard: about half of this run's work, on
+    # two processes. Killed workers are gone long before, even on a loaded machine.
+    orphan_wait_s = 0.2 * (time.monotonic() - started)
     shards = len(json.loads((reference / "meta.json").read_text())["shards"])
     assert shards > 40
     out, partial = tmp_path / "out", tmp_path / ".out.partial"
@@ -113,7 +117,9 @@ def test_interrupted_preparation_resumes_to_the_same_result(tmp_path):
         process.send_signal(stop_signal)
         process.wait(timeout=60)  # not communicate: orphaned workers would hold stderr open
         if stop_signal == signal.SIGKILL:
-            time.sleep(0.1)  # far less than the work left: orphans would still be busy
+            deadline = time.monotonic() + orphan_wait_s
+            while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+                time.sleep(0.01)
             survivors = [pid for pid in workers if alive(pid)]
             assert survivors == [], f"workers {survivors} outlived the killed prepare-data"
             assert process.returncode == -signal.SIGKILL
