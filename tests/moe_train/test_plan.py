@@ -596,3 +596,46 @@ def test_plan_command_when_nothing_fits(capsys):
     assert smallest["world_size"] == 4 and smallest["layout"]["fits"]
     assert all(isinstance(r["overrides"], list) for r in [*plan["rejected"], *plan["closest"]])
     assert "mbM" in plan["legend"] and plan["rejected_groups"][0]["count"] > 1
+
+
+def test_a_device_of_figures_takes_an_fp8_rate_and_the_label_names_fp8_linears(capsys):
+    """--gpu-fp8-tflops gives a device of figures its FP8 rate (its FP8 products then run
+    faster, as on a listed device), a bad rate is one line naming the flag and exit 2; the
+    layout label and its legend tell FP8 experts and FP8 linears apart."""
+    from moe_train.cli import main
+    from moe_train.cli.plan import plan_json_of
+    from moe_train.errors import ConfigError
+    from moe_train.plan.roofline import compute_seconds
+
+    tiny = ROOT / "configs/tiny.yaml"
+    figures = ["--gpu-memory-gib", "80", "--gpu-tflops", "989"]
+    figures += ["--intra-node-gbps", "450", "--inter-node-gbps", "50"]
+    fp8 = ["--precision.expert_gemm=fp8_rowwise", "--precision.linear=fp8_rowwise"]
+
+    def plan(*args: str) -> dict:
+        return plan_json_of([str(tiny), "--gpus", "1", *figures, *args], search=False)
+
+    given = plan(*fp8, "--gpu-fp8-tflops", "1979")
+    assert given["device"]["fp8_tflops"] == 1979.0
+    assert plan()["device"]["fp8_tflops"] == 0.0, "none unless given"
+    kwargs = {"memory_gib": 80, "tflops": 989, "intra_node_gbps": 450, "inter_node_gbps": 50}
+    device, with_fp8 = device_with(None, **kwargs), device_with(None, **kwargs, fp8_tflops=1979)
+    config, bf16 = load_config(tiny, fp8), load_config(tiny)
+    assert compute_seconds(config, with_fp8)[0] * 1.2 < compute_seconds(config, device)[0]
+    assert compute_seconds(bf16, with_fp8) == compute_seconds(bf16, device)
+    assert device_with("h100", fp8_tflops=0.0).fp8_tflops == 0.0
+    for bad in ("-1", "nan", "inf"):
+        message = rf"^--gpu-fp8-tflops {float(bad)} must be a positive dense FP8 rate, or 0 "
+        with pytest.raises(ConfigError, match=message):
+            plan("--gpu-fp8-tflops", bad)
+    capsys.readouterr()
+    assert main(["plan", str(tiny), "--gpus", "1", "--gpu-fp8-tflops=-1"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --gpu-fp8-tflops -1.0 must be a positive dense FP8 rate, "
+        "or 0 for a device without native FP8\n"
+    )
+    assert given["own"]["layout"].endswith(" mb8 rc:none fp8 lin:fp8")
+    linears = plan("--precision.linear=fp8_tensorwise")["own"]["layout"]
+    assert linears.endswith(" rc:none lin:fp8-tensor"), linears
+    assert plan(fp8[0])["own"]["layout"].endswith(" rc:none fp8")
+    assert "lin:fp8|fp8-tensor" in given["legend"]

@@ -24,6 +24,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=None, metavar="G")
     parser.add_argument("--gpu-memory-gib", type=float, default=None, metavar="M")
     parser.add_argument("--gpu-tflops", type=float, default=None, metavar="F", help="dense bf16")
+    parser.add_argument(
+        "--gpu-fp8-tflops",
+        type=float,
+        default=None,
+        metavar="F",
+        help="dense FP8 (e4m3); 0: no native FP8 (a custom device's default)",
+    )
     parser.add_argument("--intra-node-gbps", type=float, default=None, metavar="B", help="GB/s")
     parser.add_argument("--inter-node-gbps", type=float, default=None, metavar="B", help="GB/s")
     parser.add_argument(
@@ -87,6 +94,7 @@ def plan_of(args: argparse.Namespace, *, search: bool = True) -> Any:
             intra_node_gbps=args.intra_node_gbps,
             inter_node_gbps=args.inter_node_gbps,
             gpus_per_node=args.gpus_per_node,
+            fp8_tflops=args.gpu_fp8_tflops,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e

@@ -1,10 +1,12 @@
 """The devices `moe-train plan` knows, from their makers' published figures.
 
-Each can be overridden from the command line; for another device, give all four figures.
+Each can be overridden from the command line; for another device, give all four figures (and
+its FP8 rate, if it runs FP8 natively).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 
@@ -36,6 +38,7 @@ FLAGS = {
     "bf16_tflops": "--gpu-tflops",
     "intra_node_gbps": "--intra-node-gbps",
     "inter_node_gbps": "--inter-node-gbps",
+    "fp8_tflops": "--gpu-fp8-tflops",
 }
 """The command-line flag of each figure."""
 
@@ -60,15 +63,22 @@ def device_with(
     intra_node_gbps: float | None = None,
     inter_node_gbps: float | None = None,
     gpus_per_node: int | None = None,
+    fp8_tflops: float | None = None,
 ) -> Device:
     """A known device with some figures overridden, or (name None) one made of the figures,
-    all of which must then be given. Raises ValueError naming what is missing or wrong."""
+    all of which but `fp8_tflops` (0, no native FP8, unless given) must then be given. Raises
+    ValueError naming what is missing or wrong."""
     figures = {
         "memory_gib": memory_gib,
         "bf16_tflops": tflops,
         "intra_node_gbps": intra_node_gbps,
         "inter_node_gbps": inter_node_gbps,
     }
+    if fp8_tflops is not None and not (0 <= fp8_tflops < math.inf):
+        raise ValueError(
+            f"--gpu-fp8-tflops {fp8_tflops} must be a positive dense FP8 rate, "
+            "or 0 for a device without native FP8"
+        )
     if name is None:
         missing = [k for k, v in figures.items() if v is None]
         if missing:
@@ -85,4 +95,6 @@ def device_with(
     for key, value in changes.items():
         if not value > 0:
             raise ValueError(f"{FLAGS.get(key, '--gpus-per-node')} {value} must be positive")
+    if fp8_tflops is not None:
+        changes["fp8_tflops"] = fp8_tflops
     return replace(device, **changes)

@@ -121,8 +121,12 @@ LEGEND = {
     "bf16-params": "parameters held in bf16, FP32 master weights in the optimizer",
     "mxfp8": "expert matrix products in MXFP8",
     "fp8": "expert matrix products in rowwise FP8",
+    "lin:fp8|fp8-tensor": "attention, shared-expert and dense linears in rowwise | tensorwise FP8",
 }
 """What each part of a layout's label means."""
+
+LINEAR_LABELS = {"fp8_rowwise": "lin:fp8", "fp8_tensorwise": "lin:fp8-tensor"}
+"""The label part of each FP8 `precision.linear`."""
 
 LAYOUT_KEYS = (
     ("parallel.pp", lambda c: c.parallel.pp),
@@ -169,6 +173,8 @@ def layout_label(config: Config, world_size: int) -> str:
         parts.append("mxfp8")
     elif precision.expert_gemm == "fp8_rowwise":
         parts.append("fp8")
+    if precision.linear != "bf16":
+        parts.append(LINEAR_LABELS[precision.linear])
     return " ".join(parts)
 
 
