@@ -2,6 +2,7 @@
 recompute and train.compile, in the trainer and the MoE layer."""
 
 import copy
+import importlib.util
 import os
 
 import pytest
@@ -244,3 +245,40 @@ def test_compiled_model_gives_the_eager_logits_and_gradients(qk_norm):
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
     for (name, want), got in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("capability", "torchao", "applied"),
+    [
+        ((10, 0), True, "mxfp8 (auto: MXFP8 on sm_100)"),
+        ((10, 0), False, "fp8_rowwise (auto: rowwise FP8 on sm_100)"),
+        ((9, 0), True, "fp8_rowwise (auto: rowwise FP8 on sm_90)"),
+        ((8, 0), True, "auto (auto: bf16 grouped GEMM on sm_80 (no FP8 tensor cores))"),
+    ],
+    ids=["sm100", "sm100_without_torchao", "sm90", "sm80"],
+)
+def test_auto_expert_gemm_picks_per_gpu_and_says_which(monkeypatch, capability, torchao, applied):
+    """precision.expert_gemm=auto with bf16 compute: MXFP8 on SM100 (with torchao's kernels),
+    rowwise FP8 on SM90, bf16 before; what apply_training_choices returns is the banner's
+    `expert GEMMs` text. fp32 compute keeps the fp32 grouped GEMM on any GPU."""
+    from moe_train.config import config_from_dict
+    from moe_train.model import resolve_expert_gemm
+    from moe_train.train.rank_build import apply_training_choices
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "torchao" and not torchao else find_spec(name, *args),
+    )
+    cuda = torch.device("cuda")
+    config = config_from_dict(_config_data(compute_dtype="bfloat16", expert_gemm="auto"))
+    model = Transformer(config.model)
+    assert apply_training_choices(model, config, cuda) == applied
+    gemm = applied.split()[0]
+    assert {layer.experts.gemm for layer in model.moe_layers().values()} == {gemm}
+    assert resolve_expert_gemm("auto", torch.float32, cuda) == (
+        "auto",
+        "auto: torch.float32 grouped GEMM on cuda",
+    )
