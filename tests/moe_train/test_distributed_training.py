@@ -119,12 +119,14 @@ PARALLEL_RUNS = {
 FP8_RUNS_AT_FOUR = {
     "dp_fp8": ({"distributed_optimizer": True}, 1e-5),
     "all_to_all_fp8": ({"ep": 2, "dispatcher": "all_to_all"}, FP8_LAYOUT_RTOL),
+    "ep4_fp8": ({"ep": 4, "dispatcher": "all_to_all"}, FP8_LAYOUT_RTOL),
 }
-"""Rowwise FP8 (experts and linears) at dp4 and ep2 x dp4, each with its tolerance against one
-process with FP8 (every two-rank layout has its FP8 case in test_fp8_training). dp4 keeps
-micro-batches whole, so it sees the single process's scales: the fp32 layouts' tolerance
-(measured: equal), which an FP8 run with bf16 experts fails (3.3e-5 after 6 steps); ep2 x dp4
-quantizes the weight-gradient operands over its ranks' rows (measured 2.0e-5)."""
+"""Rowwise FP8 (experts and linears) at dp4, ep2 x dp4 and ep4 x dp4, each with its tolerance
+against one process with FP8 (every two-rank layout has its FP8 case in test_fp8_training).
+dp4 keeps micro-batches whole, so it sees the single process's scales: the fp32 layouts'
+tolerance (measured: equal), which an FP8 run with bf16 experts fails (3.3e-5 after 6 steps);
+ep2 and ep4 quantize the weight-gradient operands over their ranks' rows (measured 2.0e-5,
+1.3e-5)."""
 
 
 def _fp8_config_data(token_file, run_dir, **parallel) -> dict:
@@ -140,8 +142,8 @@ def test_data_and_expert_parallel_match_single_process(
     shared_token_file, tmp_path, reference_losses, world_size
 ):
     """Data parallel alone and with ep=2 over each dispatcher, trained in one spawn; at four
-    ranks also rowwise FP8 at dp4 (distributed optimizer) and ep2 x dp4 against one process
-    with FP8 (`FP8_RUNS_AT_FOUR`)."""
+    ranks also rowwise FP8 at dp4 (distributed optimizer), ep2 x dp4 and ep4 x dp4 against one
+    process with FP8 (`FP8_RUNS_AT_FOUR`)."""
     configs = {}
     for name, parallel in PARALLEL_RUNS.items():
         data = _config_data(shared_token_file, tmp_path / name, **parallel)
