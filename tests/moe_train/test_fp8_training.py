@@ -74,6 +74,7 @@ TWO_RANK_LAYOUTS: dict[str, dict] = {
     },
     "pp2": {"pp": 2},
     "cp2": {"cp": 2},
+    "ep2_dedup": {"ep": 2, "dispatcher": "all_to_all_dedup"},
 }
 """Every layout of two ranks: data parallel with the replicated and the distributed
 optimizer, expert parallel over each dispatcher (and sharded), pipeline and context parallel."""
