@@ -19,7 +19,12 @@ from torch.autograd.graph import saved_tensors_hooks
 import memory as memory_benchmark
 from harness.ranks import run_distributed
 from moe_train.config import load_config
-from moe_train.model.training_choices import apply_param_dtype, apply_recompute
+from moe_train.model.training_choices import (
+    apply_expert_gemm,
+    apply_linear_precision,
+    apply_param_dtype,
+    apply_recompute,
+)
 from moe_train.model.transformer import Transformer
 from moe_train.plan import (
     DEVICES,
@@ -57,6 +62,8 @@ def _saved_bytes(config) -> int:
     apply_recompute(model, config.parallel.recompute)
     if config.precision.param_dtype == "bfloat16":
         apply_param_dtype(model, torch.bfloat16)
+    apply_expert_gemm(model, config.precision.expert_gemm)
+    apply_linear_precision(model, config.precision.linear, torch.device("cpu"))
     batch, seq = config.data.micro_batch_size, config.data.seq_len
     tokens = torch.randint(0, config.model.vocab_size, (batch, seq + 1))
     model.rope(seq)  # the rotary tables are the model's, made on first use: not activations
@@ -103,6 +110,36 @@ def test_activations_are_the_tensors_saved_for_backward(case):
     layers = list(range(config.model.n_layers))
     predicted = held_per_micro_batch(config, layers, first=True, last=True)
     assert predicted == _saved_bytes(config)
+
+
+# FP8 recipes quantize transient copies per GEMM and keep their bf16 inputs for backward, so
+# the planner counts them as bf16 (bf16 parameters: every saved tensor is an activation).
+FP8_CASES = {
+    "fp8_rowwise experts": ["--precision.expert_gemm=fp8_rowwise"],
+    "mxfp8 experts": ["--precision.expert_gemm=mxfp8"],
+    "fp8_rowwise linears": ["--precision.linear=fp8_rowwise"],
+    "fp8_tensorwise linears, fp8_rowwise experts, qk-norm, shared expert": [
+        "--precision.linear=fp8_tensorwise",
+        "--precision.expert_gemm=fp8_rowwise",
+        "--model.qk_norm=true",
+        "--model.moe.shared_experts=1",
+    ],
+}
+
+
+def test_fp8_keeps_what_bf16_keeps_for_backward():
+    """FP8 expert GEMMs (moe-kernels' rowwise and MXFP8 recipes) and FP8 linears (torchao's
+    Float8Linear) keep the same bytes for backward as bf16: the planner's count, exactly."""
+    pytest.importorskip("torchao.float8")
+    bf16 = ["--precision.compute_dtype=bfloat16", "--precision.param_dtype=bfloat16"]
+    for case, overrides in FP8_CASES.items():
+        config = load_config(None, [*SMALL, *bf16, *overrides])
+        layers = list(range(config.model.n_layers))
+        predicted = held_per_micro_batch(config, layers, first=True, last=True)
+        assert predicted == _saved_bytes(config), case
+        plain = [o for o in overrides if not o.startswith("--precision.")]
+        base = load_config(None, [*SMALL, *bf16, *plain])
+        assert predicted == held_per_micro_batch(base, layers, first=True, last=True), case
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

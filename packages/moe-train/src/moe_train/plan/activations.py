@@ -5,6 +5,12 @@ checked against torch's saved-tensor hooks in the tests). Legend: T tokens of th
 on this rank (under context parallelism its 2 x C positions of each sequence, S / cp), D model width, Q query width (D), K key/value width, F expert width, E experts,
 L local experts, k top-k, R rows the local experts compute (T * k copies, received from the
 expert-parallel group, plus alignment padding), c compute bytes, w parameter bytes.
+
+FP8 changes none of it: moe-kernels' rowwise FP8 and MXFP8 expert GEMMs and torchao's
+Float8Linear (precision.linear) keep their bf16 inputs for backward and quantize transient
+copies in each product (forward, input and weight gradient), so an FP8 layout holds what its
+bf16 twin holds (`test_fp8_keeps_what_bf16_keeps_for_backward`). Transformer Engine, which
+published FP8 runs use, keeps FP8 copies instead; this trainer does not.
 """
 
 from __future__ import annotations
