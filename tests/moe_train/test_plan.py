@@ -128,6 +128,7 @@ FP8_CASES = {
 }
 
 
+@pytest.mark.slow
 def test_fp8_keeps_what_bf16_keeps_for_backward():
     """FP8 expert GEMMs (moe-kernels' rowwise and MXFP8 recipes) and FP8 linears (torchao's
     Float8Linear) keep the same bytes for backward as bf16: the planner's count, exactly."""
