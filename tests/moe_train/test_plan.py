@@ -19,7 +19,12 @@ from torch.autograd.graph import saved_tensors_hooks
 import memory as memory_benchmark
 from harness.ranks import run_distributed
 from moe_train.config import load_config
-from moe_train.model.training_choices import apply_param_dtype, apply_recompute
+from moe_train.model.training_choices import (
+    apply_expert_gemm,
+    apply_linear_precision,
+    apply_param_dtype,
+    apply_recompute,
+)
 from moe_train.model.transformer import Transformer
 from moe_train.plan import (
     DEVICES,
@@ -57,6 +62,8 @@ def _saved_bytes(config) -> int:
     apply_recompute(model, config.parallel.recompute)
     if config.precision.param_dtype == "bfloat16":
         apply_param_dtype(model, torch.bfloat16)
+    apply_expert_gemm(model, config.precision.expert_gemm)
+    apply_linear_precision(model, config.precision.linear, torch.device("cpu"))
     batch, seq = config.data.micro_batch_size, config.data.seq_len
     tokens = torch.randint(0, config.model.vocab_size, (batch, seq + 1))
     model.rope(seq)  # the rotary tables are the model's, made on first use: not activations
@@ -103,6 +110,68 @@ def test_activations_are_the_tensors_saved_for_backward(case):
     layers = list(range(config.model.n_layers))
     predicted = held_per_micro_batch(config, layers, first=True, last=True)
     assert predicted == _saved_bytes(config)
+
+
+# FP8 recipes quantize transient copies per GEMM and keep their bf16 inputs for backward, so
+# the planner counts them as bf16 (bf16 parameters: every saved tensor is an activation).
+FP8_CASES = {
+    "fp8_rowwise experts and linears": [
+        "--precision.expert_gemm=fp8_rowwise",
+        "--precision.linear=fp8_rowwise",
+    ],
+    "mxfp8 experts, fp8_tensorwise linears, qk-norm, shared expert": [
+        "--precision.expert_gemm=mxfp8",
+        "--precision.linear=fp8_tensorwise",
+        "--model.qk_norm=true",
+        "--model.moe.shared_experts=1",
+    ],
+}
+
+
+@pytest.mark.slow
+def test_fp8_keeps_what_bf16_keeps_for_backward():
+    """FP8 expert GEMMs (moe-kernels' rowwise and MXFP8 recipes) and FP8 linears (torchao's
+    Float8Linear) keep the same bytes for backward as bf16: the planner's count, exactly."""
+    pytest.importorskip("torchao.float8")
+    bf16 = ["--precision.compute_dtype=bfloat16", "--precision.param_dtype=bfloat16"]
+    for case, overrides in FP8_CASES.items():
+        config = load_config(None, [*SMALL, *bf16, *overrides])
+        layers = list(range(config.model.n_layers))
+        predicted = held_per_micro_batch(config, layers, first=True, last=True)
+        assert predicted == _saved_bytes(config), case
+        plain = [o for o in overrides if not o.startswith("--precision.")]
+        base = load_config(None, [*SMALL, *bf16, *plain])
+        assert predicted == held_per_micro_batch(base, layers, first=True, last=True), case
+
+
+def test_mxfp8_on_torchao_kernels_keeps_weight_copies_and_padded_inputs(monkeypatch):
+    """On SM100 the MXFP8 experts run torchao's grouped GEMM, which keeps for backward a
+    column-major copy of the experts' weights and block-padded copies of the inputs: the
+    planner's count for such a device, exactly. torchao's emulated kernels stand in for its
+    SM100 ones, through moe-kernels' own glue (the same tensors, computed on the CPU)."""
+    pytest.importorskip("torchao.prototype.moe_training")
+    from moe_kernels import mxfp8
+
+    glue = mxfp8._torchao_grouped_mm
+    monkeypatch.setattr(mxfp8, "_use_torchao", lambda kernel, x: True)
+    monkeypatch.setattr(
+        mxfp8, "_torchao_grouped_mm", lambda x, w, o, mode, _: glue(x, w, o, mode, "emulated")
+    )
+    layers = [0, 1]
+    for params in ("bfloat16", "float32"):
+        overrides = ["--precision.compute_dtype=bfloat16", f"--precision.param_dtype={params}"]
+        config = load_config(None, [*SMALL, *overrides, "--precision.expert_gemm=mxfp8"])
+        predicted = held_per_micro_batch(config, layers, True, True, mxfp8_kernels=True)
+        plain = held_per_micro_batch(config, layers, first=True, last=True)
+        saved = _saved_bytes(config)
+        if params == "bfloat16":
+            assert predicted == saved > plain
+            continue
+        # FP32 parameters: autocast's copies are held but not all saved (see SAVED_CASES), so
+        # what torchao adds (its weight copy replaces the bf16 cast) is checked against the
+        # bf16 recipe's saved tensors.
+        bf16 = load_config(None, [*SMALL, *overrides, "--precision.expert_gemm=torch"])
+        assert predicted - plain == saved - _saved_bytes(bf16) > 0
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

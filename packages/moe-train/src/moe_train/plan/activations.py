@@ -5,6 +5,13 @@ checked against torch's saved-tensor hooks in the tests). Legend: T tokens of th
 on this rank (under context parallelism its 2 x C positions of each sequence, S / cp), D model width, Q query width (D), K key/value width, F expert width, E experts,
 L local experts, k top-k, R rows the local experts compute (T * k copies, received from the
 expert-parallel group, plus alignment padding), c compute bytes, w parameter bytes.
+
+FP8 saves nothing here: moe-kernels' rowwise FP8 and emulated MXFP8 expert GEMMs and torchao's
+Float8Linear (precision.linear) keep their bf16 inputs for backward and quantize transient
+copies in each product (forward, input and weight gradient), so an FP8 layout holds what its
+bf16 twin holds (`test_fp8_keeps_what_bf16_keeps_for_backward`). On SM100 GPUs MXFP8 experts
+run torchao's kernels, which hold more (`mxfp8_kernel_bytes`). Transformer Engine, which the
+published FP8 runs use, keeps FP8 copies of its inputs instead; this trainer does not.
 """
 
 from __future__ import annotations
@@ -47,9 +54,11 @@ class Widths:
     casts: bool
     """Whether the forward keeps compute-dtype copies of the weights (FP32 parameters with
     bf16 compute), as autocast and the experts' casts do."""
+    mxfp8_kernels: bool = False
+    """Whether the expert GEMMs run torchao's MXFP8 kernels (SM100 GPUs)."""
 
     @classmethod
-    def of(cls, config: Config) -> Widths:
+    def of(cls, config: Config, mxfp8_kernels: bool = False) -> Widths:
         model, moe = config.model, config.model.moe
         head_dim = model.d_model // model.n_heads
         c = DTYPE_BYTES[config.precision.compute_dtype]
@@ -69,6 +78,7 @@ class Widths:
             cp=config.parallel.cp,
             qk_norm=bool(model.qk_norm),
             casts=c != w,
+            mxfp8_kernels=mxfp8_kernels,
         )
 
 
@@ -147,10 +157,31 @@ def moe_block_bytes(config: Config, x: Widths, tokens: int) -> float:
         + x.local * 4  # int32 group ends
     )
     weights = x.local * 3 * x.d * x.f * x.c if x.casts else 0
+    if x.mxfp8_kernels:
+        experts += mxfp8_kernel_bytes(x, r)
     shared = _swiglu_bytes(x, t, config.model.moe.shared_experts * x.f)
     if shared and x.c == FP32:
         shared -= t * x.d * x.c  # its input is the router's (FP32) input
     return norm + router + dispatch + experts + weights + shared
+
+
+TORCHAO_MXFP8_ALIGNMENT = 32
+"""Rows torchao's MXFP8 grouped GEMM pads each expert's group to (its block size)."""
+
+
+def mxfp8_kernel_bytes(x: Widths, rows: float) -> float:
+    """What torchao's MXFP8 grouped GEMMs (moe-kernels' SM100 path) hold beyond the bf16
+    recipe, per MoE layer of `rows` expert rows: each of the two GEMMs keeps, in place of its
+    input, a copy padded to whole blocks per expert (sized for the worst case, rows + 32 per
+    local expert, rounded up to 32), a column-major copy of the local experts' weights (the
+    parameters are [E, K, N] row-major, torchao wants [E, N, K] storage), the padding-row
+    mask (a bool per row) and three int32 offset vectors. With FP32 parameters the copy
+    replaces the bf16 cast the bf16 recipe keeps (counted already)."""
+    block = TORCHAO_MXFP8_ALIGNMENT
+    padded = -(-(rows + x.local * block) // block) * block
+    inputs = (padded - rows) * (x.d + x.f) * x.c
+    weights = 0 if x.casts else x.local * 3 * x.d * x.f * x.c
+    return inputs + weights + 2 * rows + 2 * 3 * x.local * 4
 
 
 def dense_block_bytes(model: ModelConfig, x: Widths, tokens: int) -> float:
@@ -166,10 +197,13 @@ def _swiglu_bytes(x: Widths, tokens: int, hidden: int) -> float:
     return kept + weights
 
 
-def held_per_micro_batch(config: Config, layers: Sequence[int], first: bool, last: bool) -> float:
+def held_per_micro_batch(
+    config: Config, layers: Sequence[int], first: bool, last: bool, mxfp8_kernels: bool = False
+) -> float:
     """Bytes held for backward after the forward of one micro-batch of the pipeline stage(s)
-    that hold `layers` (the final norm, head and MTP modules on the `last` one)."""
-    x = Widths.of(config)
+    that hold `layers` (the final norm, head and MTP modules on the `last` one);
+    `mxfp8_kernels`: the expert GEMMs run torchao's MXFP8 kernels."""
+    x = Widths.of(config, mxfp8_kernels)
     model = config.model
     batch = config.data.micro_batch_size
     t = batch * x.seq_len

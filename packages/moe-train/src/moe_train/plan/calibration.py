@@ -18,7 +18,7 @@ from pathlib import Path
 from moe_train.config import Config, load_config
 from moe_train.model.accounting import flops_per_token
 from moe_train.plan.hardware import DEVICES
-from moe_train.plan.layouts import evaluate
+from moe_train.plan.layouts import GIB, evaluate
 from moe_train.plan.report import make_plan
 
 HEADER = re.compile(
@@ -68,6 +68,8 @@ class Calibrated:
     the published model's size) the published tokens/s x the planner's FLOPs per token."""
     fits: bool
     """Whether the planner finds the config's layout within the device's memory."""
+    memory_gib: float = 0.0
+    """The planner's peak memory per device of the config's layout, GiB."""
     fastest: Fastest | None = None
     """For a point whose layout was not published: the planner's fastest fitting layout."""
 
@@ -114,6 +116,7 @@ def calibrate(point: Point) -> Calibrated:
         result.tokens_per_s * flops / 1e12,
         published,
         result.fits,
+        result.memory.total / GIB,
         fastest,
     )
 
@@ -143,8 +146,10 @@ def calibration_table(rows: list[Calibrated]) -> str:
         p = r.point
         tokens = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-"
         tflops = f"{p.tflops:,.0f}" if p.tflops else f"({r.published_tflops:,.0f})"
-        fits = "" if r.fits else " (over memory)"
-        devices = f"{p.gpus} {DEVICES[p.gpu].name}"
+        device = DEVICES[p.gpu]
+        over = f" (over memory: {r.memory_gib:.1f} of {device.memory_gib:.1f} GiB)"
+        fits = "" if r.fits else over
+        devices = f"{p.gpus} {device.name}"
         name = f"`{p.config.name}`"
         if r.fastest is not None:
             place = r.fastest.own_rank

@@ -64,7 +64,7 @@ def evaluate(config: Config, world_size: int, device: Device) -> Evaluated:
     if error is not None:
         return Evaluated(config, world_size, label, error)
     config = _resolved(config)
-    memory = predict_memory(config, world_size)
+    memory = predict_memory(config, world_size, device)
     traffic = predict_traffic(config, world_size, memory.pp_rank)
     time = step_time(config, world_size, device, traffic)
     tokens = tokens_per_second_per_device(config, world_size, time)
@@ -95,7 +95,7 @@ def start_error(config: Config, world_size: int) -> str | None:
 
 def fits_memory(config: Config, world_size: int, device: Device) -> bool:
     """Whether a layout that starts fits the device's memory (the memory prediction alone)."""
-    return predict_memory(_resolved(config), world_size).total <= device.memory_gib * GIB
+    return predict_memory(_resolved(config), world_size, device).total <= device.memory_gib * GIB
 
 
 def _resolved(config: Config) -> Config:

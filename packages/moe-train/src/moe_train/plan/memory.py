@@ -14,6 +14,7 @@ from moe_parallel import assign_owners
 from moe_train.config import Config
 from moe_train.model.accounting import count_params, qk_norm_params
 from moe_train.plan.activations import DTYPE_BYTES, FP32, capacity, held_per_micro_batch
+from moe_train.plan.hardware import Device
 from moe_train.plan.stages import rank_dense_layers, rank_layers, rank_stages
 from moe_train.train.pipeline import plan_stages
 
@@ -168,15 +169,29 @@ def in_flight_micro_batches(config: Config, batch_ranks: int, pp_rank: int) -> f
     return min(warmup + 1, num_micro * virtual) / virtual
 
 
-def predict_memory(config: Config, world_size: int) -> MemoryPrediction:
-    """The busiest pipeline rank's memory (by estimated peak) for `config` on `world_size`."""
+def predict_memory(
+    config: Config, world_size: int, device: Device | None = None
+) -> MemoryPrediction:
+    """The busiest pipeline rank's memory (by estimated peak) for `config` on `world_size`
+    devices of kind `device` (None: what runs anywhere, as on a CPU)."""
     return max(
-        (_rank_memory(config, world_size, r) for r in range(config.parallel.pp)),
+        (_rank_memory(config, world_size, r, device) for r in range(config.parallel.pp)),
         key=lambda m: m.total,
     )
 
 
-def _rank_memory(config: Config, world_size: int, pp_rank: int) -> MemoryPrediction:
+def runs_torchao_mxfp8(config: Config, device: Device | None) -> bool:
+    """Whether the expert GEMMs run torchao's MXFP8 kernels on `device`: mxfp8 (or auto with
+    bf16 compute, which resolves to it) where MXFP8 is native (SM100)."""
+    precision = config.precision
+    if device is None or not device.mxfp8 or precision.compute_dtype != "bfloat16":
+        return False
+    return precision.expert_gemm in ("mxfp8", "auto")
+
+
+def _rank_memory(
+    config: Config, world_size: int, pp_rank: int, device: Device | None = None
+) -> MemoryPrediction:
     parallel, precision = config.parallel, config.precision
     dp = world_size // parallel.pp
     expert_dp = dp // parallel.ep
@@ -211,7 +226,11 @@ def _rank_memory(config: Config, world_size: int, pp_rank: int) -> MemoryPredict
     place = (config.model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
     stages = rank_stages(*place)
     activations = held_per_micro_batch(
-        config, rank_layers(*place), stages.has_first, stages.has_last
+        config,
+        rank_layers(*place),
+        stages.has_first,
+        stages.has_last,
+        mxfp8_kernels=runs_torchao_mxfp8(config, device),
     )
     in_flight = in_flight_micro_batches(config, dp // parallel.cp, pp_rank)
     dispatch = _dispatch_buffers(config)
