@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.output import print_table, write_json
-from moe_train.cli.plan import plan_json_of
+from moe_train.cli.plan import plan_words_of
 from moe_train.plan.serve import BadRequest, Planner, shipped_configs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -55,7 +55,7 @@ def answer_once(
     and body."""
     start, cpu = time.perf_counter(), time.process_time()
     try:
-        body, status = Planner(plan_json_of, configs).plan(request), 200
+        body, status = Planner(plan_words_of, configs).plan(request), 200
     except BadRequest as e:
         body, status = {"errors": e.errors, **(e.plan or {})}, int(e.status)
     text = json.dumps(body)
