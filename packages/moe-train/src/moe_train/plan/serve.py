@@ -280,6 +280,9 @@ class _Handler(BaseHTTPRequestHandler):
             if e.plan is not None:
                 body.update(e.plan)
             self._json(e.status, body)
+        except Exception as e:  # a fault of the planner's, not of the input: say so
+            message = f"the planner failed on this request ({type(e).__name__}: {e})"
+            self._json(HTTPStatus.INTERNAL_SERVER_ERROR, {"errors": {"request": message}})
 
     def _configs(self) -> dict[str, Any]:
         listed: dict[str, Any] = {"configs": list(self.server.planner.configs)}
