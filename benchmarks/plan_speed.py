@@ -1,16 +1,19 @@
 """How long the planner's page waits for an answer: each shipped config through the server's
-own request handler.
+own request handler, beside the whole `moe-train plan --json` of the same inputs.
 
 For every `configs/*.yaml` two requests are timed: the page's default one (8 H100 GPUs, 8 per
 node, a budget of 1e12 tokens) and, for a config whose header names a device count in its
-`# Planner:` or `# Calibration:` line, that count and device. Each time is one call of
+`# Planner:` or `# Calibration:` line, that count and device. "page" is one call of
 `Planner.plan` (a fresh planner, so no answer is cached: the request's fields turned into
-`moe-train plan` words, parsed, planned, made JSON-ready) plus the `json.dumps` the handler
-sends, the median over `--repeats` interleaved rounds, as wall-clock seconds and as this
-process's CPU seconds (on a loaded shared machine the wall time waits for the cores; the CPU
-time is close to what an idle machine's wall time would be: the planner is single-threaded). "layouts" counts the rows evaluated
-(fitting and rejected); "answer MB" is the size of the body the page receives. A request that
-fits nowhere is answered 422 with the plan, as the page gets it: timed the same way.
+`moe-train plan` words, parsed, planned, the shown rows made JSON-ready) plus the `json.dumps`
+the handler sends; "--json" is `plan_json_of` of the same words plus `json.dumps`: every
+layout's full figures, which is what the page received before its answer carried only the rows
+it shows (and what it cost: the rejected layouts' traffic and step time, and their rows). Each
+is the median over `--repeats` interleaved rounds, as this process's CPU seconds and as
+wall-clock seconds (on a loaded shared machine the wall time waits for the cores; the CPU
+time is close to what an idle machine's wall time would be: the planner is single-threaded).
+"layouts" counts the layouts evaluated, "fit" those that fit. A request that fits nowhere is
+answered 422 with the plan, as the page gets it: timed the same way.
 
     uv run python benchmarks/plan_speed.py     # bench_results/plan_speed.json
 
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.output import print_table, write_json
-from moe_train.cli.plan import plan_json_of
+from moe_train.cli.plan import plan_json_of, plan_words_of
 from moe_train.plan.serve import BadRequest, Planner, shipped_configs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -48,19 +51,28 @@ def requests_of(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def answer_once(
-    configs: dict[str, Path], request: dict[str, Any]
-) -> tuple[float, float, int, dict]:
-    """Wall and CPU seconds of one uncached answer (planning and the JSON body), its status
-    and body."""
+def answer_once(configs: dict[str, Path], request: dict[str, Any]) -> dict[str, Any]:
+    """Wall and CPU seconds of one uncached page answer (planning and the JSON body), its
+    status, body and size."""
     start, cpu = time.perf_counter(), time.process_time()
     try:
-        body, status = Planner(plan_json_of, configs).plan(request), 200
+        body, status = Planner(plan_words_of, configs).plan(request), 200
     except BadRequest as e:
         body, status = {"errors": e.errors, **(e.plan or {})}, int(e.status)
-    text = json.dumps(body)
+    size = len(json.dumps(body))
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return seconds, cpu, status, {"body": body, "bytes": len(text)}
+    return {"seconds": seconds, "cpu": cpu, "status": status, "body": body, "bytes": size}
+
+
+def full_once(argv: list[str]) -> dict[str, Any]:
+    """Wall and CPU seconds of `plan --json`'s whole answer for the same words, and its size."""
+    start, cpu = time.perf_counter(), time.process_time()
+    size = len(json.dumps(plan_json_of(argv, search=False)))
+    return {
+        "seconds": time.perf_counter() - start,
+        "cpu": time.process_time() - cpu,
+        "bytes": size,
+    }
 
 
 def run(names: list[str] | None, repeats: int) -> list[dict[str, Any]]:
@@ -71,33 +83,42 @@ def run(names: list[str] | None, repeats: int) -> list[dict[str, Any]]:
         if names is None or name in names
         for label, request in requests_of(path)
     ]
-    seconds: dict[int, list[float]] = {i: [] for i in range(len(cases))}
-    cpu: dict[int, list[float]] = {i: [] for i in range(len(cases))}
-    seen: dict[int, tuple[int, dict]] = {}
+    answer_once(configs, cases[0][2])  # imports and first-use caches, as a served page has
+    page: dict[int, list[dict]] = {i: [] for i in range(len(cases))}
+    full: dict[int, list[dict]] = {i: [] for i in range(len(cases))}
     for _ in range(repeats):
         for i, (_, _, request) in enumerate(cases):
-            took, used, status, answer = answer_once(configs, request)
-            seconds[i].append(took)
-            cpu[i].append(used)
-            seen[i] = (status, answer)
+            page[i].append(answer_once(configs, request))
+            argv = page[i][-1]["body"]["argv"][2:-1]  # the words of the command shown
+            full[i].append(full_once(argv))
     rows = []
     for i, (name, label, _) in enumerate(cases):
-        status, answer = seen[i]
-        plan = answer["body"].get("plan", answer["body"])
+        last = page[i][-1]
+        plan = last["body"]["plan"]
         rows.append(
             {
                 "config": name,
                 "request": label,
-                "status": status,
-                "layouts": len(plan.get("fitting", [])) + len(plan.get("rejected", [])),
-                "answer_bytes": answer["bytes"],
-                "seconds": statistics.median(seconds[i]),
-                "all_seconds": seconds[i],
-                "cpu_seconds": statistics.median(cpu[i]),
-                "all_cpu_seconds": cpu[i],
+                "status": last["status"],
+                "layouts": plan["fitting_count"] + plan["rejected_count"],
+                "fitting": plan["fitting_count"],
+                "answer_bytes": last["bytes"],
+                "full_bytes": full[i][-1]["bytes"],
+                **_medians("", page[i]),
+                **_medians("full_", full[i]),
             }
         )
     return rows
+
+
+def _medians(prefix: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    seconds, cpu = [r["seconds"] for r in runs], [r["cpu"] for r in runs]
+    return {
+        f"{prefix}seconds": statistics.median(seconds),
+        f"{prefix}all_seconds": seconds,
+        f"{prefix}cpu_seconds": statistics.median(cpu),
+        f"{prefix}all_cpu_seconds": cpu,
+    }
 
 
 def main() -> None:
@@ -108,16 +129,34 @@ def main() -> None:
     args = parser.parse_args()
     rows = run(args.configs, args.repeats)
     print_table(
-        ("config", "request", "status", "layouts", "answer MB", "seconds", "CPU s"),
+        (
+            "config",
+            "request",
+            "status",
+            "layouts",
+            "fit",
+            "page KB",
+            "page CPU s",
+            "page s",
+            "--json MB",
+            "--json CPU s",
+            "--json s",
+            "CPU x",
+        ),
         (
             [
                 r["config"],
                 r["request"],
                 r["status"],
                 f"{r['layouts']:,}",
-                f"{r['answer_bytes'] / 1e6:.2f}",
-                f"{r['seconds']:.2f}",
+                f"{r['fitting']:,}",
+                f"{r['answer_bytes'] / 1e3:,.0f}",
                 f"{r['cpu_seconds']:.2f}",
+                f"{r['seconds']:.2f}",
+                f"{r['full_bytes'] / 1e6:.2f}",
+                f"{r['full_cpu_seconds']:.2f}",
+                f"{r['full_seconds']:.2f}",
+                f"{r['full_cpu_seconds'] / r['cpu_seconds']:.1f}",
             ]
             for r in rows
         ),

@@ -567,7 +567,7 @@ def test_rejection_reasons_are_grouped_with_their_counts():
 
 def test_printed_overrides_give_the_same_layout_through_trains_config_loading():
     from moe_train.plan import make_plan
-    from moe_train.plan.layouts import layout_overrides
+    from moe_train.plan.layouts import layout_overrides, with_figures
 
     path = ROOT / "configs/tiny.yaml"
     cases = [
@@ -577,7 +577,8 @@ def test_printed_overrides_give_the_same_layout_through_trains_config_loading():
     for given, gpu in cases:
         base = load_config(path, given)
         plan = make_plan(base, 8, DEVICES[gpu])
-        rows = plan.fitting + [r for r in plan.rejected if r.error is None]
+        rejected = [with_figures(r, DEVICES[gpu]) for r in plan.rejected if r.error is None]
+        rows = plan.fitting + rejected
         assert len(rows) > 100
         rows = rows[
             ::3

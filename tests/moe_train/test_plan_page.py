@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from moe_train.cli import main
-from moe_train.cli.plan import plan_json_of
+from moe_train.cli.plan import plan_json_of, plan_words_of
 from moe_train.config import load_config
+from moe_train.plan.answer import FITTING_SHOWN, REJECTED_SHOWN
 from moe_train.plan.layouts import layout_label
 from moe_train.plan.serve import FIELDS, config_folders, make_server, shipped_configs
 
@@ -29,7 +30,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 @contextlib.contextmanager
 def _serving(configs: dict[str, Path], looked_in: list[Path] | None = None):
-    server = make_server(plan_json_of, configs, 0, looked_in)
+    server = make_server(plan_words_of, configs, 0, looked_in)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -161,6 +162,58 @@ def test_the_model_inputs_are_the_configs_own_values(url):
     assert status == 400 and list(json.loads(body)["errors"]) == ["yaml"]
 
 
+def test_the_answer_carries_the_shown_rows_and_the_rest_on_demand(url):
+    fields = {"config": "olmoe-1b-7b.yaml", "gpus": "8", "tokens": "1e12"}
+    status, body = _post(url, "/api/plan", fields)
+    cli = plan_json_of([str(ROOT / "configs/olmoe-1b-7b.yaml"), "--gpus=8", "--tokens=1e12"])
+    page = json.loads(body)["plan"]
+    assert status == 200 and len(body) < len(json.dumps(cli)) / 20
+    fitting, rejected = cli["fitting"], cli["rejected"]
+    assert len(fitting) > 60 and sum(r["starts"] for r in rejected) > 400
+    assert page["fitting"] == fitting[:FITTING_SHOWN]
+    assert (page["fitting_count"], page["rejected_count"]) == (len(fitting), len(rejected))
+    assert page["rejected"] == [_summary(r, cli) for r in rejected[:REJECTED_SHOWN]]
+    rest = set(page) - {"fitting", "rejected", "fitting_count", "rejected_count"}
+    assert rest == set(cli) - {"fitting", "rejected"}
+    assert {k: page[k] for k in rest} == {k: cli[k] for k in rest}
+    # More rows of either list, as the CLI lists them (the rejected ones summarized).
+    more = {**fields, "list": "fitting", "start": 30, "count": 25}
+    status, body = _post(url, "/api/rows", more)
+    assert status == 200 and json.loads(body) == {
+        "rows": fitting[30:55],
+        "start": 30,
+        "total": len(fitting),
+    }
+    status, body = _post(url, "/api/rows", {**more, "list": "rejected", "start": 600, "count": 99})
+    assert json.loads(body)["rows"] == [_summary(r, cli) for r in rejected[600:699]]
+    # Any layout's full figures by its label: rejected, fitting or the config's own.
+    over = next(r for r in rejected[REJECTED_SHOWN:] if r["starts"])
+    for row in [over, fitting[-1], cli["own"]]:
+        status, body = _post(url, "/api/layout", {**fields, "layout": row["layout"]})
+        assert status == 200 and json.loads(body) == {"layout": row}
+    status, body = _post(url, "/api/layout", {**fields, "layout": "pp9 dp9"})
+    assert status == 404 and "pp9 dp9" in json.loads(body)["errors"]["layout"]
+    for bad, field in [
+        ({"list": "all"}, "list"),
+        ({"start": -1}, "start"),
+        ({"count": "9"}, "count"),
+    ]:
+        status, body = _post(url, "/api/rows", {**more, **bad})
+        assert status == 400 and list(json.loads(body)["errors"]) == [field]
+
+
+def _summary(row: dict, plan: dict) -> dict:
+    """A rejected layout's summary as the page gets it, from `plan --json`'s full row."""
+    out = {k: row[k] for k in ("layout", "starts", "fits", "reason")}
+    if row["starts"]:
+        memory = row["memory_bytes"]
+        out["memory_total_bytes"] = memory["total"]
+        out["over_bytes"] = memory["total"] - plan["device"]["memory_gib"] * 2**30
+        parts = {k: v for k, v in memory.items() if k != "total"}
+        out["largest_part"] = max(parts, key=parts.__getitem__)
+    return out
+
+
 def _malformed(rng: random.Random) -> tuple[str, bytes, dict]:
     junk = [
         "",
@@ -187,11 +240,15 @@ def _malformed(rng: random.Random) -> tuple[str, bytes, dict]:
     if kind == 1:
         return "/api/plan", b"{}", {"Content-Length": "-5"}
     if kind == 2:
-        return (
-            rng.choice(["/api/nothing", "/api/config", "/api/inputs"]),
-            json.dumps({"x": 1}).encode(),
-            {},
+        path = rng.choice(
+            ["/api/nothing", "/api/config", "/api/inputs", "/api/rows", "/api/layout"]
         )
+        body = {"config": "tiny.yaml", "gpus": "2"}
+        body["list"] = rng.choice(["fitting", "rejected", "all", 3, None])
+        body["start"] = rng.choice([0, -1, "0", 1.5, True, 10**12, None])
+        body["count"] = rng.choice([1, 0, 10**9, "5", [], None])
+        body["layout"] = rng.choice(["pp1 dp2 ep1 mb1 rc:none", "", 7, None, {"a": 1}])
+        return path, json.dumps(rng.choice([{"x": 1}, body])).encode(), {}
     body = {"config": rng.choice(["tiny.yaml", "../../etc/passwd", 3, None, "tiny"]), "gpus": "2"}
     for name in rng.sample(list(FIELDS), rng.randrange(1, 4)):
         body[name] = rng.choice([*junk, rng.randrange(-3, 3), [1], {"a": 1}, 1.5])
@@ -248,6 +305,28 @@ def _cells(row: dict, i: int) -> list[str]:
     ]
 
 
+def _assert_fields(shown: list[list[str]], row: dict) -> None:
+    """The page's table of every field of a layout holds `row` (from `plan --json`)."""
+
+    def flat(value, prefix: str):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield from flat(v, f"{prefix}.{k}" if prefix else k)
+        else:
+            yield prefix, value
+
+    expected = dict(flat(row, ""))
+    assert [name for name, _ in shown] == list(expected)
+    for name, text in shown:
+        value = expected[name]
+        if isinstance(value, bool) or value is None:
+            assert text == json.dumps(value), name
+        elif isinstance(value, int | float):
+            assert float(text) == value, name
+        else:
+            assert text == (" ".join(value) if isinstance(value, list) else value), name
+
+
 @pytest.mark.slow
 def test_the_page_in_chromium_shows_the_clis_figures_and_its_config_trains(tmp_path, capsys):
     if not CHROMIUM.exists():
@@ -296,6 +375,17 @@ def test_the_page_in_chromium_shows_the_clis_figures_and_its_config_trains(tmp_p
             assert _shown_rows(page, "own") == [_cells(cli["own"], 1)]
             shown = _shown_rows(page, "fitting")
             assert shown == [_cells(r, i) for i, r in enumerate(cli["fitting"][:25], 1)]
+            page.click("#more-fitting")  # the next rows, asked for
+            page.wait_for_selector("body[data-rows='50']", timeout=60_000)
+            shown = _shown_rows(page, "fitting")
+            assert shown == [_cells(r, i) for i, r in enumerate(cli["fitting"][:50], 1)]
+            # A rejected layout's full figures, asked for by clicking its summary.
+            over = next(r for r in cli["rejected"][:REJECTED_SHOWN] if r["starts"])
+            page.click("#rejected-details summary")
+            page.click(f"#rejected tbody tr[data-layout='{over['layout']}']")
+            page.wait_for_selector(f"#figures[data-layout='{over['layout']}']", timeout=60_000)
+            assert page.text_content("#chosen") == over["layout"]
+            _assert_fields(_shown_rows(page, "fields"), over)
             page.click("#fitting tbody tr:nth-child(2)")
             chosen = cli["fitting"][1]
             assert page.text_content("#chosen") == chosen["layout"]

@@ -111,10 +111,17 @@ class _RaisingParser(argparse.ArgumentParser):
 
 
 def plan_json_of(argv: list[str], *, search: bool = True) -> dict[str, Any]:
-    """What `moe-train plan ARGV --json` prints, as data (the page's server calls this). Raises
-    ConfigError with the message the command would print."""
-    from moe_train.errors import ConfigError
+    """What `moe-train plan ARGV --json` prints, as data. Raises ConfigError with the
+    message the command would print."""
     from moe_train.plan import plan_json
+
+    return plan_json(*plan_words_of(argv, search=search))
+
+
+def plan_words_of(argv: list[str], *, search: bool = True) -> tuple[Any, int | None]:
+    """The Plan and the token budget that `moe-train plan ARGV` works from (the page's
+    server calls this). Raises ConfigError with the message the command would print."""
+    from moe_train.errors import ConfigError
 
     parser = _RaisingParser(prog="moe-train plan", add_help=False)
     _add_arguments(parser)
@@ -123,7 +130,7 @@ def plan_json_of(argv: list[str], *, search: bool = True) -> dict[str, Any]:
     except _Refusal as e:
         raise ConfigError(str(e)) from e
     args.overrides = extra
-    return plan_json(plan_of(args, search=search), args.tokens)
+    return plan_of(args, search=search), args.tokens
 
 
 def _handle(args: argparse.Namespace) -> int:
@@ -132,7 +139,7 @@ def _handle(args: argparse.Namespace) -> int:
     if args.serve:
         from moe_train.plan.serve import serve
 
-        serve(args.port, plan_json_of, args.config)
+        serve(args.port, plan_words_of, args.config)
         return 0
     plan = plan_of(args)
     if args.json:

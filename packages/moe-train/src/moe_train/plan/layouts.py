@@ -59,27 +59,42 @@ def format_bytes(n: float) -> str:
 
 def evaluate(config: Config, world_size: int, device: Device) -> Evaluated:
     """Check `config` at `world_size` with the trainer's own start checks, then predict."""
+    return with_figures(screen(config, world_size, device), device)
+
+
+def screen(config: Config, world_size: int, device: Device) -> Evaluated:
+    """The cheap part of `evaluate`: the start checks and the memory, and whether it fits;
+    no traffic, step time or speed (`with_figures` adds them)."""
     label = layout_label(config, world_size)
     error = start_error(config, world_size)
     if error is not None:
         return Evaluated(config, world_size, label, error)
     config = _resolved(config)
     memory = predict_memory(config, world_size, device)
+    fits = memory.total <= device.memory_gib * GIB
+    return Evaluated(config, world_size, label, None, memory, fits=fits)
+
+
+def with_figures(screened: Evaluated, device: Device) -> Evaluated:
+    """A screened layout with its traffic, step time, tokens/s and MFU (one that cannot
+    start, or has them already, as it is)."""
+    if screened.error is not None or screened.time is not None:
+        return screened
+    config, world_size, memory = screened.config, screened.world_size, screened.memory
     traffic = predict_traffic(config, world_size, memory.pp_rank)
     time = step_time(config, world_size, device, traffic)
     tokens = tokens_per_second_per_device(config, world_size, time)
-    fits = memory.total <= device.memory_gib * GIB
     return Evaluated(
         config,
         world_size,
-        label,
+        screened.label,
         None,
         memory,
         traffic,
         time,
         tokens,
         mfu(config, tokens, device),
-        fits,
+        screened.fits,
     )
 
 
@@ -91,11 +106,6 @@ def start_error(config: Config, world_size: int) -> str | None:
     except ConfigError as e:
         return str(e)
     return None
-
-
-def fits_memory(config: Config, world_size: int, device: Device) -> bool:
-    """Whether a layout that starts fits the device's memory (the memory prediction alone)."""
-    return predict_memory(_resolved(config), world_size, device).total <= device.memory_gib * GIB
 
 
 def _resolved(config: Config) -> Config:

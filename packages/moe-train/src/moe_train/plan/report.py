@@ -17,6 +17,8 @@ from moe_train.plan.layouts import (
     evaluate,
     format_bytes,
     layout_overrides,
+    screen,
+    with_figures,
 )
 from moe_train.plan.search import Smallest, smallest_fitting
 from moe_train.plan.traffic import across_nodes, expert_nodes, node_limited_bound
@@ -37,7 +39,8 @@ class Plan:
     fitting: list[Evaluated]
     """Layouts that start and fit, fastest first."""
     rejected: list[Evaluated]
-    """Layouts that do not start or do not fit."""
+    """Layouts that do not start or do not fit, screened: start error or memory, no traffic
+    or time (`with_figures` adds them)."""
     base: Config | None = None
     """The config as given, against which each layout's overrides are written."""
     closest: list[Evaluated] = field(default_factory=list)
@@ -47,23 +50,28 @@ class Plan:
 
 
 def make_plan(config: Config, world_size: int, device: Device, *, search: bool = True) -> Plan:
-    """Evaluate the config's own layout and every candidate on `world_size` devices; when none
-    fits, find the closest and (with `search`) the smallest device count that fits."""
+    """Evaluate the config's own layout and every candidate on `world_size` devices (the
+    rejected ones as far as their memory); when none fits, find the closest and (with
+    `search`) the smallest device count that fits."""
     own = evaluate(config, world_size, device)
     seen: set[str] = set()
     fitting, rejected = [], []
     for candidate in candidate_layouts(config, world_size, device):
-        result = evaluate(candidate, world_size, device)
+        result = screen(candidate, world_size, device)
         if result.label in seen:
             continue
         seen.add(result.label)
-        (fitting if result.fits else rejected).append(result)
+        if result.fits:
+            fitting.append(with_figures(result, device))
+        else:
+            rejected.append(result)
     fitting.sort(key=lambda r: -r.tokens_per_s)
     if fitting:
         return Plan(world_size, device, own, fitting, rejected, config)
     starting = sorted((r for r in rejected if r.error is None), key=lambda r: r.memory.total)
+    closest = [with_figures(r, device) for r in starting[:CLOSEST]]
     smallest = smallest_fitting(config, world_size, device) if search else None
-    return Plan(world_size, device, own, [], rejected, config, starting[:CLOSEST], smallest)
+    return Plan(world_size, device, own, [], rejected, config, closest, smallest)
 
 
 def format_plan(
@@ -313,20 +321,34 @@ def plan_json(plan: Plan, tokens: int | None = None) -> dict[str, Any]:
     """The plan as JSON-ready data: every evaluated layout with its figures and overrides
     (with `tokens`, the GPU-hours and days each takes to train on that many tokens); when none
     fits, the closest and the smallest device count that fits."""
+    return plan_json_with(
+        plan,
+        tokens,
+        fitting=[layout_row(plan, r, tokens) for r in plan.fitting],
+        rejected=[layout_row(plan, with_figures(r, plan.device), tokens) for r in plan.rejected],
+    )
+
+
+def plan_json_with(
+    plan: Plan, tokens: int | None, fitting: list[dict], rejected: list[dict]
+) -> dict[str, Any]:
+    """`plan_json` with the given rows in place of the lists of layouts that fit and that
+    are rejected (the page's answer sends the first of them, and summaries)."""
     out: dict[str, Any] = {
         "world_size": plan.world_size,
         "device": plan.device.__dict__,
         "tokens": tokens,
-        "own": _row(plan, plan.own, tokens),
-        "fitting": [_row(plan, r, tokens) for r in plan.fitting],
-        "rejected": [_row(plan, r, tokens) for r in plan.rejected],
+        "own": layout_row(plan, plan.own, tokens),
+        "fitting": fitting,
+        "rejected": rejected,
         "legend": LEGEND,
         "rejected_groups": [{"count": c, "reason": text} for c, text in _grouped(plan)],
     }
     if not plan.fitting:
         limit = plan.device.memory_gib * GIB
         out["closest"] = [
-            {**_row(plan, r, tokens), "over_bytes": r.memory.total - limit} for r in plan.closest
+            {**layout_row(plan, r, tokens), "over_bytes": r.memory.total - limit}
+            for r in plan.closest
         ]
     if plan.smallest is not None:
         best = plan.smallest.best
@@ -335,12 +357,13 @@ def plan_json(plan: Plan, tokens: int | None = None) -> dict[str, Any]:
             "searched_to": plan.smallest.searched_to,
             "tried_to": plan.smallest.tried_to,
             "every_count_below": plan.smallest.every_count_below,
-            "layout": _row(plan, best, tokens) if best is not None else None,
+            "layout": layout_row(plan, best, tokens) if best is not None else None,
         }
     return out
 
 
-def _row(plan: Plan, r: Evaluated, tokens: int | None = None) -> dict[str, Any]:
+def layout_row(plan: Plan, r: Evaluated, tokens: int | None = None) -> dict[str, Any]:
+    """One layout as `plan --json` lists it (`r` with its figures, unless it cannot start)."""
     device = plan.device
     row: dict[str, Any] = {"layout": r.label, "starts": r.error is None, "fits": r.fits}
     row["world_size"] = r.world_size

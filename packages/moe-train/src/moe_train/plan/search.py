@@ -12,10 +12,9 @@ from moe_train.plan.layouts import (
     Evaluated,
     candidate_layouts,
     context_sizes,
-    evaluate,
-    fits_memory,
     layout_label,
-    start_error,
+    screen,
+    with_figures,
 )
 
 EVERY_COUNT = 16
@@ -94,18 +93,18 @@ def _fits(config: Config, count: int, device: Device) -> bool:
 
 
 def _fastest(config: Config, count: int, device: Device) -> Evaluated | None:
-    fitting = [evaluate(c, count, device) for c in _fitting(config, count, device)]
+    fitting = [with_figures(r, device) for r in _fitting(config, count, device)]
     return max(fitting, key=lambda r: r.tokens_per_s, default=None)
 
 
-def _fitting(config: Config, count: int, device: Device) -> Iterator[Config]:
-    """The candidate layouts on `count` devices that start and fit, judged by memory alone
-    (the cheap part of an evaluation), one per label."""
+def _fitting(config: Config, count: int, device: Device) -> Iterator[Evaluated]:
+    """The candidate layouts on `count` devices that start and fit, screened (judged by
+    memory alone, the cheap part of an evaluation), one per label."""
     seen: set[str] = set()
     for candidate in candidate_layouts(config, count, device):
         label = layout_label(candidate, count)
         if label in seen:
             continue
         seen.add(label)
-        if start_error(candidate, count) is None and fits_memory(candidate, count, device):
-            yield candidate
+        if (screened := screen(candidate, count, device)).fits:
+            yield screened

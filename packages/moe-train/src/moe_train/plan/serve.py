@@ -1,10 +1,11 @@
 """`moe-train plan --serve`: the planner as a local page.
 
-A thread-per-request HTTP server on 127.0.0.1 serves one static page (plan/page/) and two
-JSON endpoints. Each request's fields become the words of a `moe-train plan` command line,
-which the CLI's own parser and planner answer (`plan_json_of`), so the page shows what
-`moe-train plan --json` prints. Errors come back as 4xx answers with each message keyed by
-the field it names, in the CLI's words.
+A thread-per-request HTTP server on 127.0.0.1 serves one static page (plan/page/) and JSON
+endpoints. Each request's fields become the words of a `moe-train plan` command line, which
+the CLI's own parser and planner answer (`plan_words_of`), so the page shows what
+`moe-train plan --json` prints: the rows it shows (plan/answer.py), and any layout's full
+row or further rows on request (/api/layout, /api/rows). Errors come back as 4xx answers
+with each message keyed by the field it names, in the CLI's words.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import yaml
 
 from moe_train.config import load_config
 from moe_train.errors import MoeTrainError
+from moe_train.plan.answer import LISTS, MOST_ROWS, Answered
 
 FIELDS = {
     "gpu": "--gpu",
@@ -45,10 +47,14 @@ ASSETS = {"/": "index.html", "/page.js": "page.js", "/page.css": "page.css"}
 TYPES = {"html": "text/html", "js": "text/javascript", "css": "text/css"}
 PASTED = "pasted.yaml"
 MAX_BODY = 1 << 20
-CACHED = 32
-"""Answers kept, so that going back to earlier inputs is instant."""
+CACHED = 8
+"""Plans kept, so that going back to earlier inputs, and asking for more rows or a layout's
+figures, is instant."""
+PLAN_KEYS = ("config", "yaml", "search", *FIELDS)
+"""The request fields that choose the plan (the others choose what of it is sent)."""
 
-Answer = Callable[..., dict[str, Any]]
+Answer = Callable[..., tuple[Any, int | None]]
+"""`moe-train plan`'s words to the Plan and the token budget (`cli.plan.plan_words_of`)."""
 
 
 class BadRequest(Exception):
@@ -64,12 +70,50 @@ class Planner:
 
     def __init__(self, answer: Answer, configs: dict[str, Path]):
         self.answer, self.configs = answer, configs
-        self._cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._cache: OrderedDict[str, Answered] = OrderedDict()
         self._lock = threading.Lock()
 
     def plan(self, request: dict[str, Any]) -> dict[str, Any]:
-        """{"argv": the equivalent command's words, "plan": what `--json` prints}."""
-        key = json.dumps(request, sort_keys=True)
+        """{"argv": the equivalent command's words, "plan": what `--json` prints, with the
+        first rows of each list (`Answered.first`)}."""
+        answered = self.answered(request)
+        answer = {"argv": answered.argv, "plan": answered.first()}
+        if not answered.plan.fitting:
+            raise BadRequest(
+                HTTPStatus.UNPROCESSABLE_ENTITY, {"gpus": _fits_nowhere(answer["plan"])}, answer
+            )
+        return answer
+
+    def rows(self, request: dict[str, Any]) -> dict[str, Any]:
+        """More rows of a list: {"rows", "start", "total"} for the request's "list"
+        ("fitting" or "rejected"), "start" and "count"."""
+        which, start, count = request.get("list"), request.get("start"), request.get("count")
+        if which not in LISTS:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, {"list": f"list must be one of {LISTS}"})
+        for name, value, low in (("start", start, 0), ("count", count, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value:
+                raise BadRequest(
+                    HTTPStatus.BAD_REQUEST, {name: f"{name} must be an integer >= {low}"}
+                )
+        answered = self.answered(request)
+        total = len(getattr(answered.plan, which))
+        rows = answered.rows(which, start, min(count, MOST_ROWS))
+        return {"rows": rows, "start": start, "total": total}
+
+    def layout(self, request: dict[str, Any]) -> dict[str, Any]:
+        """{"layout": the full row, as `--json` lists it} of the layout the request's
+        "layout" names (its label)."""
+        label = request.get("layout")
+        if not isinstance(label, str):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, {"layout": "layout must be a layout's label"})
+        row = self.answered(request).layout(label)
+        if row is None:
+            raise BadRequest(HTTPStatus.NOT_FOUND, {"layout": f"no layout {label!r} in this plan"})
+        return {"layout": row}
+
+    def answered(self, request: dict[str, Any]) -> Answered:
+        """The plan of the request's inputs, from the cache or planned now."""
+        key = json.dumps({k: request.get(k) for k in PLAN_KEYS}, sort_keys=True, default=str)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -77,18 +121,16 @@ class Planner:
         with self._config_path(request) as (path, source):
             words = self._words(request)
             try:
-                plan = self.answer([str(path), *words], search=bool(request.get("search")))
+                plan, tokens = self.answer([str(path), *words], search=bool(request.get("search")))
             except MoeTrainError as e:
                 raise _refusal(str(e), path, source) from e
         argv = ["moe-train", "plan", self._shown(request), *words, "--json"]
-        answer = {"argv": argv, "plan": plan}
-        if not plan["fitting"]:
-            raise BadRequest(HTTPStatus.UNPROCESSABLE_ENTITY, {"gpus": _fits_nowhere(plan)}, answer)
+        answered = Answered(plan, tokens, argv)
         with self._lock:
-            self._cache[key] = answer
+            self._cache[key] = answered
             while len(self._cache) > CACHED:
                 self._cache.popitem(last=False)
-        return answer
+        return answered
 
     def config_yaml(self, request: dict[str, Any]) -> str:
         """The config with the page's model knobs and the chosen layout's overrides, as YAML
@@ -222,6 +264,10 @@ class _Handler(BaseHTTPRequestHandler):
             request = self._request()
             if self.path == "/api/plan":
                 self._json(HTTPStatus.OK, self.server.planner.plan(request))
+            elif self.path == "/api/rows":
+                self._json(HTTPStatus.OK, self.server.planner.rows(request))
+            elif self.path == "/api/layout":
+                self._json(HTTPStatus.OK, self.server.planner.layout(request))
             elif self.path == "/api/inputs":
                 self._json(HTTPStatus.OK, {"inputs": self.server.planner.inputs(request)})
             elif self.path == "/api/config":
@@ -234,6 +280,9 @@ class _Handler(BaseHTTPRequestHandler):
             if e.plan is not None:
                 body.update(e.plan)
             self._json(e.status, body)
+        except Exception as e:  # a fault of the planner's, not of the input: say so
+            message = f"the planner failed on this request ({type(e).__name__}: {e})"
+            self._json(HTTPStatus.INTERNAL_SERVER_ERROR, {"errors": {"request": message}})
 
     def _configs(self) -> dict[str, Any]:
         listed: dict[str, Any] = {"configs": list(self.server.planner.configs)}

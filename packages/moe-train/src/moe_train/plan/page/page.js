@@ -1,5 +1,7 @@
 // The planner's page: reads the inputs, asks the server (which runs `moe-train plan --json`),
 // and draws its answer. No figure is computed here; the page only formats and arranges them.
+// The answer carries the first rows of each list (rejected layouts as summaries); more rows,
+// and a rejected layout's full figures, are asked for when wanted (/api/rows, /api/layout).
 "use strict";
 
 const KNOBS = [["n_layers", "layers"], ["d_model", "width (d_model)"], ["num_experts", "experts"],
@@ -10,7 +12,7 @@ const DEVICE_FIELDS = [["gpus", "GPUs", "8"], ["gpus_per_node", "GPUs per node",
 const GPUS = ["h100", "h200", "b200", "b300"];
 const COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
   "#ff9da7", "#9c755f", "#bab0ac"];
-const SHOWN_ROWS = 25;
+const MORE_ROWS = 25, MORE_REJECTED = 200;
 const $ = (id) => document.getElementById(id);
 let answer = null, chosen = null, timer = null, sequence = 0;
 
@@ -173,21 +175,52 @@ function drawRows() {
   const head = answer.tokens ? ROW_HEAD : ROW_HEAD.slice(0, 7);
   rows($("own"), [answer.own], head);
   const fitting = answer.fitting.length ? answer.fitting : (answer.closest || []);
-  $("fitting-title").textContent = answer.fitting.length
-    ? `Layouts that fit (${answer.fitting.length}), fastest first` + (fitting.length > SHOWN_ROWS ? `; the first ${SHOWN_ROWS}` : "")
+  $("fitting-title").textContent = answer.fitting_count
+    ? `Layouts that fit (${answer.fitting_count}), fastest first` + (fitting.length < answer.fitting_count ? `; the first ${fitting.length}` : "")
     : `No layout fits ${answer.device.memory_gib} GiB per device; the closest, least memory first`;
-  const shown = fitting.slice(0, SHOWN_ROWS);
+  const shown = [...fitting];
   const best = (answer.smallest_fitting || {}).layout;
   if (best) shown.push(best);
   rows($("fitting"), shown, head);
-  $("rejected-title").textContent = `Layouts that do not fit or cannot start (${answer.rejected.length})`;
+  $("more-fitting").hidden = answer.fitting.length >= answer.fitting_count;
+  $("rejected-title").textContent = `Layouts that do not fit or cannot start (${answer.rejected_count})`;
   $("groups").replaceChildren(...answer.rejected_groups.map((g) => {
     const li = document.createElement("li"); li.textContent = `${g.count}: ${g.reason}`; return li; }));
-  $("rejected").replaceChildren();
-  $("rejected-details").ontoggle = () => { if ($("rejected-details").open)
-    table($("rejected"), ["#", "layout", "why"], answer.rejected.map((r, i) => [String(i + 1), r.layout, r.reason])); };
+  drawRejected();
   table($("legend"), null, [...Object.entries(answer.legend),
     ...flatten(answer.device, "device")]);
+}
+
+// Rejected layouts come as summaries; clicking one that starts asks for its full figures.
+function drawRejected() {
+  const body = table($("rejected"), ["#", "layout", "memory", "over", "largest part", "why"],
+    answer.rejected.map((r, i) => [String(i + 1), r.layout,
+      r.starts ? bytes(r.memory_total_bytes) : "", r.starts ? "+" + bytes(r.over_bytes) : "",
+      r.largest_part || "", r.reason]));
+  [...body.rows].forEach((tr, i) => { const r = answer.rejected[i]; tr.dataset.layout = r.layout;
+    if (r.starts) tr.onclick = () => details(r.layout); });
+  $("rejected-shown").textContent = answer.rejected.length < answer.rejected_count
+    ? `the first ${answer.rejected.length}` : "";
+  $("more-rejected").hidden = answer.rejected.length >= answer.rejected_count;
+}
+
+async function details(layout) {
+  const response = await post("/api/layout", request({layout}));
+  const data = await response.json();
+  if (!response.ok) { showErrors(data.errors); return; }
+  choose(data.layout);
+}
+
+async function more(list, count) {
+  const mine = answer;
+  const response = await post("/api/rows", request({list, start: mine[list].length, count}));
+  const data = await response.json();
+  if (!response.ok) { showErrors(data.errors); return; }
+  if (mine !== answer) return;  // the inputs changed meanwhile
+  mine[list].push(...data.rows);
+  drawRows();
+  choose(chosen);
+  document.body.dataset.rows = String(mine[list].length);
 }
 
 function drawChart(selected) {
@@ -260,6 +293,8 @@ async function start() {
   $("inputs").addEventListener("change", (e) => later(source(e)));
   $("search").onclick = () => plan({search: true});
   $("download").onclick = download;
+  $("more-fitting").onclick = () => more("fitting", MORE_ROWS);
+  $("more-rejected").onclick = () => more("rejected", MORE_REJECTED);
   await fillInputs();
   plan();
 }
