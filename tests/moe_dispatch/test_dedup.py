@@ -27,6 +27,7 @@ from test_all_to_all import (
 )
 
 from moe_dispatch import DedupAllToAllDispatcher, Dispatcher, make_dispatcher
+from moe_dispatch.dedup import _destinations, _row_routing, _rows_to_send
 
 
 def rows_per_peer(problem: Problem, rank: int, num_local: int, ep: int) -> list[int]:
@@ -147,3 +148,51 @@ def test_a_token_is_sent_once_per_destination_rank(reports: list[Report]) -> Non
 
 def test_make_dispatcher_builds_the_dedup_dispatcher(reports: list[Report]) -> None:
     assert_report_passed(reports, "dedup/make_dispatcher")
+
+
+def rows_by_loop(expert_TK: list, keep_TK: list, weight_TK: list, num_local: int, ep: int):
+    """(peer, token) rows, destination-major then token order, with each row's local experts
+    (-1 elsewhere or dropped) and weights (0 there), by a plain loop."""
+    rows, local, weight = [], [], []
+    for peer in range(ep):
+        for token, (experts, keeps, weights) in enumerate(
+            zip(expert_TK, keep_TK, weight_TK, strict=True)
+        ):
+            mine = [
+                keep and expert // num_local == peer
+                for expert, keep in zip(experts, keeps, strict=True)
+            ]
+            if any(mine):
+                rows.append((peer, token))
+                local.append(
+                    [e - peer * num_local if m else -1 for e, m in zip(experts, mine, strict=True)]
+                )
+                weight.append([w if m else 0.0 for w, m in zip(weights, mine, strict=True)])
+    return rows, local, weight
+
+
+@pytest.mark.parametrize(
+    ("ep", "num_local", "num_tokens", "top_k", "drop"),
+    [
+        (1, 4, 5, 2, 0.0),
+        (3, 2, 37, 3, 0.3),
+        (64, 2, 50, 8, 0.2),
+        (64, 1, 0, 2, 0.0),
+        (5, 2, 9, 2, 1.0),
+    ],
+)
+def test_rows_and_their_routing_equal_a_loop_at_any_ep(ep, num_local, num_tokens, top_k, drop):
+    """The destination step alone (no process group), up to ep 64, with drops and T = 0."""
+    generator = torch.Generator().manual_seed(ep * 1000 + num_tokens)
+    scores = torch.rand(num_tokens, ep * num_local, generator=generator)
+    expert_TK = scores.topk(top_k, dim=1).indices
+    keep_TK = torch.rand(num_tokens, top_k, generator=generator) >= drop
+    weight_TK = torch.rand(num_tokens, top_k, generator=generator)
+    destinations = _destinations(expert_TK // num_local, keep_TK, ep)
+    peer_S, token_S = _rows_to_send(destinations, int(destinations.rows_P.sum()))
+    local_SK, weight_SK = _row_routing(expert_TK, keep_TK, weight_TK, peer_S, token_S, num_local)
+    lists = expert_TK.tolist(), keep_TK.tolist(), weight_TK.tolist()
+    rows, local, weight = rows_by_loop(*lists, num_local, ep)
+    assert list(zip(peer_S.tolist(), token_S.tolist(), strict=True)) == rows
+    assert destinations.rows_P.tolist() == [sum(p == peer for p, _ in rows) for peer in range(ep)]
+    assert local_SK.tolist() == local and weight_SK.tolist() == weight
