@@ -1,4 +1,4 @@
-"""DedupAllToAllDispatcher on gloo (ep 2 and 4), in test_all_to_all.py's spawn: identity round
+"""DedupAllToAllDispatcher on gloo (ep 2 and 4), in ep_checks.py's spawn: identity round
 trips, outputs and gradients equal to a single-process LocalDispatcher run (dropless and with
 capacity drops), and the rows it sends: one per token and destination rank holding a kept
 copy, counted from the routing by a plain loop."""
@@ -8,22 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_all_to_all import (
+from ep_checks import (
     NUM_EXPERTS,
     ROUTINGS,
     TOP_K,
     Problem,
     Report,
     assert_report_passed,
-    check_against_reference,
-    check_identity,
-    copies_received,
-    ep_reports,
-    local_reference,
     make_problem,
     record,
-    run_identity,
-    run_reference_problem,
+    record_identity_round_trips,
+    record_reference_run,
+    uneven_tokens,
 )
 
 from moe_dispatch import DedupAllToAllDispatcher, Dispatcher, make_dispatcher
@@ -76,19 +72,17 @@ def dedup_checks(rank: int, world_size: int) -> Report:
     group = dist.group.WORLD
     report: Report = {}
     num_local = NUM_EXPERTS // world_size
-    uneven_tokens = [13 + 7 * r for r in range(world_size)]
+    tokens = uneven_tokens(world_size)
 
+    def dedup(alignment: int) -> DedupAllToAllDispatcher:
+        return DedupAllToAllDispatcher(NUM_EXPERTS, group, group_alignment=alignment)
+
+    record_identity_round_trips(report, rank, world_size, dedup, "dedup/identity", seed=300)
     for routing in ROUTINGS:
-        problem = make_problem(uneven_tokens, routing, seed=300 + len(routing))
-        for alignment in (1, 4):
-            dispatcher = DedupAllToAllDispatcher(NUM_EXPERTS, group, group_alignment=alignment)
-            run = run_identity(dispatcher, problem, rank)
-            expected = copies_received(problem, rank, num_local, alignment)
-            name = f"dedup/identity/{routing}/align{alignment}"
-            record(report, rank, name, check_identity, run, expected)
-        dispatcher = DedupAllToAllDispatcher(NUM_EXPERTS, group)
-        record(report, rank, f"dedup/rows/{routing}", check_rows_sent, dispatcher, problem, rank, 0)
-    problem = same_rank_problem(uneven_tokens, num_local, seed=5)
+        problem = make_problem(tokens, routing, seed=300 + len(routing))
+        args = (DedupAllToAllDispatcher(NUM_EXPERTS, group), problem, rank, 0)
+        record(report, rank, f"dedup/rows/{routing}", check_rows_sent, *args)
+    problem = same_rank_problem(tokens, num_local, seed=5)
     dispatcher = DedupAllToAllDispatcher(NUM_EXPERTS, group)
     record(report, rank, "dedup/rows/same_rank", check_rows_sent, dispatcher, problem, rank, TOP_K)
 
@@ -96,34 +90,15 @@ def dedup_checks(rank: int, world_size: int) -> Report:
     cases.append((None, 1, "same_rank"))
     for capacity_factor, alignment, routing in cases:
         if routing == "same_rank":
-            problem = same_rank_problem(uneven_tokens, num_local, seed=11)
+            problem = same_rank_problem(tokens, num_local, seed=11)
         else:
-            problem = make_problem(uneven_tokens, routing, seed=17 + alignment)
-        reference = local_reference(problem, capacity_factor, world_size)
+            problem = make_problem(tokens, routing, seed=17 + alignment)
         dispatcher = DedupAllToAllDispatcher(NUM_EXPERTS, group, capacity_factor, alignment)
-        run = run_reference_problem(dispatcher, problem, rank)
-        total_dropped = torch.tensor(run.dropped_copies)
-        dist.all_reduce(total_dropped)
-        name = "dropless" if capacity_factor is None else f"cf{capacity_factor}"
-        record(
-            report,
-            rank,
-            f"dedup/reference/{name}/align{alignment}/{routing}",
-            check_against_reference,
-            run,
-            reference,
-            problem,
-            rank,
-            int(total_dropped),
-            capacity_factor is not None,
-        )
+        drops = "dropless" if capacity_factor is None else f"cf{capacity_factor}"
+        name = f"dedup/reference/{drops}/align{alignment}/{routing}"
+        record_reference_run(report, rank, name, dispatcher, problem, capacity_factor)
     record(report, rank, "dedup/make_dispatcher", check_make_dispatcher, group, rank, num_local)
     return report
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda ep: f"ep{ep}")
-def reports(request: pytest.FixtureRequest) -> list[Report]:
-    return ep_reports(request.param)
 
 
 def test_identity_experts_return_x_times_weight_sum(reports: list[Report]) -> None:
