@@ -4,9 +4,10 @@ bytes each backend moves per token copy against the minimum.
 For each world size (spawned processes, one gloo rank each) and dtype, the backends run
 interleaved in one loop (machines are shared and noisy: compare ratios, not lone times):
 ``local`` (each rank keeps all experts: no communication, the limit), ``all_to_all``
-(dropless, uneven splits) and ``rowwise`` (static capacity, fixed-size blocks) over its two
-transports: ``rowwise/a2a`` (an even all-to-all) and ``rowwise/shm`` (symmetric memory: on
-CPU, blocks written straight into the peers' shared-memory buffers). Experts are the
+(dropless, uneven splits), ``all_to_all_dedup`` (dropless, a token sent once per destination
+rank with its K local expert ids and weights) and ``rowwise`` (static capacity, fixed-size
+blocks) over its two transports: ``rowwise/a2a`` (an even all-to-all) and ``rowwise/shm``
+(symmetric memory: on CPU, blocks written straight into the peers' shared-memory buffers). Experts are the
 identity, so the time is dispatch + combine alone. Bytes are counted for one forward dispatch
 + combine at ``dist.all_to_all_single`` (everything a rank hands to the collective, its own
 block and the count exchange included) or, for ``rowwise/shm``, as the blocks written, and
@@ -34,7 +35,7 @@ from harness.ranks import run_distributed
 from harness.timing import interleaved_medians
 from moe_dispatch import Dispatcher, make_dispatcher, make_row_transport
 
-BACKENDS = ("local", "all_to_all", "rowwise/a2a", "rowwise/shm")
+BACKENDS = ("local", "all_to_all", "all_to_all_dedup", "rowwise/a2a", "rowwise/shm")
 
 
 class _ByteCounter:
@@ -110,6 +111,9 @@ def _bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> list[di
     dispatchers = {
         "local": make_dispatcher("local", num_experts=args.experts),
         "all_to_all": make_dispatcher("all_to_all", num_experts=args.experts, group=group),
+        "all_to_all_dedup": make_dispatcher(
+            "all_to_all_dedup", num_experts=args.experts, group=group
+        ),
         "rowwise/a2a": make_dispatcher("rowwise", **rowwise),
         "rowwise/shm": make_dispatcher("rowwise", **rowwise, row_transport=shared_memory),
     }

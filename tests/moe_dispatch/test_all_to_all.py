@@ -1,287 +1,26 @@
 """AllToAllDispatcher on gloo (ep 2 and 4): identity round trips, and outputs and gradients
 equal to a single-process LocalDispatcher run over every rank's tokens.
 
-Spawning costs seconds (mostly imports), so one spawn per world size runs every check of
-this file and of test_rowwise.py, test_symmetric_memory.py and test_dedup.py and reports each by name; the tests read those reports
-(``ep_reports`` caches them for both files). The helpers here are shared with test_rowwise.py.
+The checks run in the one spawn per world size that ep_checks.py starts for this file,
+test_rowwise.py, test_symmetric_memory.py and test_dedup.py; the tests read its reports.
 """
 
 from __future__ import annotations
 
-import functools
-import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
 import pytest
-import torch
 import torch.distributed as dist
-from torch import Tensor
-
-from assertions import assert_close_report
-from harness.ranks import run_distributed
-from moe_dispatch import (
-    AllToAllDispatcher,
-    Dispatcher,
-    DispatchHandle,
-    LocalDispatcher,
-    make_dispatcher,
+from ep_checks import (
+    NUM_EXPERTS,
+    Report,
+    assert_report_passed,
+    make_problem,
+    record,
+    record_identity_round_trips,
+    record_reference_run,
+    uneven_tokens,
 )
-from moe_kernels import grouped_mm
 
-NUM_EXPERTS = 8
-TOP_K = 2
-DIM = 16
-HIDDEN = 24
-ROUTINGS = ("random", "skewed", "one_expert", "first_rank_only")
-"""random: uniform distinct experts; skewed: low experts popular; one_expert: every copy to
-expert 0; first_rank_only: only rank 0's experts get tokens (the others get none)."""
-
-Report = dict[str, str | None]
-"""Check name -> None if it passed, else the failure (with the rank)."""
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Every rank's tokens and routing, built identically on all ranks from one seed."""
-
-    x_ND: Tensor
-    topk_idx_NK: Tensor
-    topk_weight_NK: Tensor
-    grad_out_NH: Tensor
-    w_experts_EDH: Tensor
-    token_starts: list[int]
-    """Rank r owns tokens token_starts[r]:token_starts[r + 1]."""
-
-    def rows(self, rank: int) -> slice:
-        return slice(self.token_starts[rank], self.token_starts[rank + 1])
-
-
-def make_problem(
-    tokens_per_rank: list[int], routing: str, seed: int, num_experts: int = NUM_EXPERTS
-) -> Problem:
-    """Random tokens, routing of the given kind, weights (not normalised) and expert matrices."""
-    generator = torch.Generator().manual_seed(seed)
-    num_tokens = sum(tokens_per_rank)
-    scores_NE = torch.rand(num_tokens, num_experts, generator=generator)
-    if routing == "skewed":
-        scores_NE = scores_NE - torch.arange(num_experts) * 0.2
-    elif routing == "first_rank_only":
-        scores_NE[:, 2:] -= 10  # experts 0 and 1 live on rank 0 for every ep tested
-    topk_idx_NK = scores_NE.topk(TOP_K, dim=1).indices
-    if routing == "one_expert":
-        topk_idx_NK = torch.zeros_like(topk_idx_NK)
-    starts = [0]
-    for count in tokens_per_rank:
-        starts.append(starts[-1] + count)
-    return Problem(
-        x_ND=torch.randn(num_tokens, DIM, generator=generator),
-        topk_idx_NK=topk_idx_NK,
-        topk_weight_NK=torch.rand(num_tokens, TOP_K, generator=generator) + 0.1,
-        grad_out_NH=torch.randn(num_tokens, HIDDEN, generator=generator),
-        w_experts_EDH=torch.randn(num_experts, DIM, HIDDEN, generator=generator) / DIM**0.5,
-        token_starts=starts,
-    )
-
-
-@dataclass
-class Run:
-    """Outputs and gradients of dispatch -> grouped_mm experts -> combine, backward."""
-
-    y: Tensor
-    grad_x: Tensor
-    grad_weight: Tensor
-    grad_w_experts: Tensor
-    expert_input: Tensor
-    tokens_per_expert: Tensor
-    dropped_copies: int
-
-
-def run_moe(
-    dispatcher: Dispatcher,
-    x_TD: Tensor,
-    topk_idx_TK: Tensor,
-    topk_weight_TK: Tensor,
-    w_experts_LDH: Tensor,
-    grad_out_TH: Tensor,
-    poison_unused_rows: bool = False,
-) -> Run:
-    """Experts multiply by their matrix; with ``poison_unused_rows`` every all-zero row of
-    the expert output (padding, unused slots) is set to NaN, which combine must never read."""
-    x_TD = x_TD.clone().requires_grad_()
-    topk_weight_TK = topk_weight_TK.clone().requires_grad_()
-    w_experts_LDH = w_experts_LDH.clone().requires_grad_()
-    expert_input, tokens_per_expert, handle = dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
-    check_kept_per_expert(dispatcher, handle, topk_idx_TK)
-    expert_output = grouped_mm(expert_input, w_experts_LDH, torch.cumsum(tokens_per_expert, 0))
-    if poison_unused_rows:
-        unused_P1 = (expert_input == 0).all(dim=1, keepdim=True)
-        expert_output = torch.where(unused_P1, float("nan"), expert_output)
-    y_TH = dispatcher.combine(expert_output, handle)
-    y_TH.backward(grad_out_TH)
-    return Run(
-        y=y_TH.detach(),
-        grad_x=x_TD.grad,
-        grad_weight=topk_weight_TK.grad,
-        grad_w_experts=w_experts_LDH.grad,
-        expert_input=expert_input.detach(),
-        tokens_per_expert=tokens_per_expert,
-        dropped_copies=int(handle.dropped_copies),
-    )
-
-
-def check_kept_per_expert(dispatcher: Dispatcher, handle: DispatchHandle, topk_idx_TK: Tensor):
-    """The handle's kept copies per expert: a token-order loop keeping each expert's first
-    `capacity` copies (all of them for a dropless backend)."""
-    num_tokens, top_k = topk_idx_TK.shape
-    capacity_of = getattr(dispatcher, "capacity", None)
-    capacity = capacity_of(num_tokens, top_k) if capacity_of else None
-    kept = [0] * dispatcher.num_experts
-    for expert in topk_idx_TK.flatten().tolist():
-        if capacity is None or kept[expert] < capacity:
-            kept[expert] += 1
-    assert handle.kept_per_expert.dtype == torch.int64
-    assert handle.kept_per_expert.tolist() == kept, (handle.kept_per_expert.tolist(), kept)
-    assert sum(kept) == handle.num_copies - int(handle.dropped_copies)
-
-
-def local_reference(problem: Problem, capacity_factor: float | None, num_ranks: int) -> Run:
-    """Single process: LocalDispatcher over each source rank's tokens (each source decides its
-    own drops, as the EP backends do), gradients summed over all of them."""
-    x_ND = problem.x_ND.clone().requires_grad_()
-    weight_NK = problem.topk_weight_NK.clone().requires_grad_()
-    w_EDH = problem.w_experts_EDH.clone().requires_grad_()
-    dispatcher = LocalDispatcher(problem.w_experts_EDH.shape[0], capacity_factor)
-    outputs, dropped = [], 0
-    for rank in range(num_ranks):
-        rows = problem.rows(rank)
-        expert_input, tokens_per_expert, handle = dispatcher.dispatch(
-            x_ND[rows], problem.topk_idx_NK[rows], weight_NK[rows]
-        )
-        expert_output = grouped_mm(expert_input, w_EDH, torch.cumsum(tokens_per_expert, 0))
-        outputs.append(dispatcher.combine(expert_output, handle))
-        dropped += int(handle.dropped_copies)
-    y_NH = torch.cat(outputs)
-    y_NH.backward(problem.grad_out_NH)
-    return Run(y_NH.detach(), x_ND.grad, weight_NK.grad, w_EDH.grad, x_ND, x_ND, dropped)
-
-
-def compare_with_reference(
-    run: Run, reference: Run, problem: Problem, rank: int, num_local: int
-) -> None:
-    """This rank's outputs and gradients against the reference's rows and experts."""
-    rows = problem.rows(rank)
-    experts = slice(rank * num_local, (rank + 1) * num_local)
-    for name, actual, expected in [
-        ("y", run.y, reference.y[rows]),
-        ("grad_x", run.grad_x, reference.grad_x[rows]),
-        ("grad_topk_weight", run.grad_weight, reference.grad_weight[rows]),
-        ("grad_w_experts", run.grad_w_experts, reference.grad_w_experts[experts]),
-    ]:
-        scale = max(expected.abs().max().item(), 1e-3) if expected.numel() else 1.0
-        assert_close_report(actual, expected, rtol=1e-5, atol=1e-5 * scale, name=name)
-
-
-def record(report: Report, rank: int, name: str, check: Callable[..., None], *args: Any) -> None:
-    """Run one check (pure assertions: every collective ran before); record its failure."""
-    try:
-        check(*args)
-        report[name] = None
-    except AssertionError:
-        report[name] = f"rank {rank}: {traceback.format_exc()}"
-
-
-def assert_report_passed(reports: list[Report], prefix: str) -> None:
-    """Every check starting with ``prefix`` passed on every rank (and at least one ran)."""
-    names = [name for name in reports[0] if name.startswith(prefix)]
-    assert names, f"no check named {prefix}*"
-    failures = [f"{name}: {report[name]}" for report in reports for name in names if report[name]]
-    assert not failures, "\n".join(failures)
-
-
-@dataclass
-class IdentityRun:
-    """dispatch -> identity experts -> combine, backward with a random output gradient."""
-
-    x: Tensor
-    weight: Tensor
-    y: Tensor
-    grad_y: Tensor
-    grad_x: Tensor
-    expert_input: Tensor
-    tokens_per_expert: Tensor
-    dropped_copies: int
-    num_copies: int
-
-
-def run_identity(dispatcher: Dispatcher, problem: Problem, rank: int) -> IdentityRun:
-    rows = problem.rows(rank)
-    x_TD = problem.x_ND[rows].clone().requires_grad_()
-    weight_TK = problem.topk_weight_NK[rows]
-    expert_input, tokens_per_expert, handle = dispatcher.dispatch(
-        x_TD, problem.topk_idx_NK[rows], weight_TK
-    )
-    y_TD = dispatcher.combine(expert_input, handle)
-    grad_y_TD = torch.randn_like(y_TD)
-    y_TD.backward(grad_y_TD)
-    return IdentityRun(
-        x=x_TD.detach(),
-        weight=weight_TK,
-        y=y_TD.detach(),
-        grad_y=grad_y_TD,
-        grad_x=x_TD.grad,
-        expert_input=expert_input.detach(),
-        tokens_per_expert=tokens_per_expert,
-        dropped_copies=int(handle.dropped_copies),
-        num_copies=handle.num_copies,
-    )
-
-
-def check_identity(run: IdentityRun, expected_tokens_per_expert: list[int]) -> None:
-    """Identity experts: y = x * sum_k weight, grad_x = grad_y * sum_k weight; group sizes."""
-    weight_sum_T1 = run.weight.sum(1, keepdim=True)
-    assert_close_report(run.y, run.x * weight_sum_T1, rtol=1e-6, atol=1e-6, name="y")
-    assert_close_report(run.grad_x, run.grad_y * weight_sum_T1, rtol=1e-6, atol=1e-6, name="dx")
-    assert run.tokens_per_expert.dtype == torch.int64
-    assert run.tokens_per_expert.tolist() == expected_tokens_per_expert
-    assert int(run.tokens_per_expert.sum()) <= run.expert_input.shape[0]
-    assert run.dropped_copies == 0
-    assert run.num_copies == run.x.shape[0] * TOP_K
-
-
-def copies_received(problem: Problem, rank: int, num_local: int, alignment: int = 1) -> list[int]:
-    """Copies routed (by any rank) to each of this rank's experts, from the full routing,
-    rounded up to ``alignment`` (the group sizes of a dropless backend)."""
-    first = rank * num_local
-    counts = [int((problem.topk_idx_NK == first + e).sum()) for e in range(num_local)]
-    return [-(-count // alignment) * alignment for count in counts]
-
-
-def run_reference_problem(
-    dispatcher: Dispatcher, problem: Problem, rank: int, poison_unused_rows: bool = True
-) -> Run:
-    """``run_moe`` on this rank's tokens and experts of ``problem``."""
-    rows = problem.rows(rank)
-    num_local = dispatcher.num_local_experts
-    return run_moe(
-        dispatcher,
-        problem.x_ND[rows],
-        problem.topk_idx_NK[rows],
-        problem.topk_weight_NK[rows],
-        problem.w_experts_EDH[rank * num_local : (rank + 1) * num_local],
-        problem.grad_out_NH[rows],
-        poison_unused_rows=poison_unused_rows,
-    )
-
-
-def check_against_reference(
-    run: Run, reference: Run, problem: Problem, rank: int, total_dropped: int, expect_drops: bool
-) -> None:
-    num_local = run.grad_w_experts.shape[0]
-    compare_with_reference(run, reference, problem, rank, num_local)
-    assert total_dropped == reference.dropped_copies
-    assert (reference.dropped_copies > 0) == expect_drops
+from moe_dispatch import AllToAllDispatcher, Dispatcher, make_dispatcher
 
 
 def check_make_dispatcher(group: dist.ProcessGroup, rank: int, num_local: int) -> None:
@@ -300,63 +39,22 @@ def all_to_all_checks(rank: int, world_size: int) -> Report:
     group = dist.group.WORLD
     report: Report = {}
     num_local = NUM_EXPERTS // world_size
-    uneven_tokens = [13 + 7 * r for r in range(world_size)]
 
-    for routing in ROUTINGS:
-        problem = make_problem(uneven_tokens, routing, seed=100 + len(routing))
-        for alignment in (1, 4):
-            dispatcher = AllToAllDispatcher(NUM_EXPERTS, group, group_alignment=alignment)
-            run = run_identity(dispatcher, problem, rank)
-            expected = copies_received(problem, rank, num_local, alignment)
-            name = f"identity/{routing}/align{alignment}"
-            record(report, rank, name, check_identity, run, expected)
+    def all_to_all(alignment: int) -> AllToAllDispatcher:
+        return AllToAllDispatcher(NUM_EXPERTS, group, group_alignment=alignment)
+
+    record_identity_round_trips(report, rank, world_size, all_to_all, "identity", seed=100)
 
     for capacity_factor in (None, 0.5):
         for alignment in (1, 4):
-            problem = make_problem(uneven_tokens, "skewed", seed=7 + alignment)
-            reference = local_reference(problem, capacity_factor, world_size)
+            problem = make_problem(uneven_tokens(world_size), "skewed", seed=7 + alignment)
             dispatcher = AllToAllDispatcher(NUM_EXPERTS, group, capacity_factor, alignment)
-            run = run_reference_problem(dispatcher, problem, rank)
-            total_dropped = torch.tensor(run.dropped_copies)
-            dist.all_reduce(total_dropped)
-            name = "dropless" if capacity_factor is None else f"cf{capacity_factor}"
-            record(
-                report,
-                rank,
-                f"reference/{name}/align{alignment}",
-                check_against_reference,
-                run,
-                reference,
-                problem,
-                rank,
-                int(total_dropped),
-                capacity_factor is not None,
-            )
+            drops = "dropless" if capacity_factor is None else f"cf{capacity_factor}"
+            name = f"reference/{drops}/align{alignment}"
+            record_reference_run(report, rank, name, dispatcher, problem, capacity_factor)
 
     record(report, rank, "make_dispatcher", check_make_dispatcher, group, rank, num_local)
     return report
-
-
-def _all_checks(rank: int, world_size: int) -> Report:
-    # Same spawn for all four files: imports dominate the cost.
-    from test_dedup import dedup_checks
-    from test_rowwise import rowwise_checks
-    from test_symmetric_memory import symmetric_memory_checks
-
-    report = all_to_all_checks(rank, world_size) | rowwise_checks(rank, world_size)
-    return report | symmetric_memory_checks(rank, world_size) | dedup_checks(rank, world_size)
-
-
-@functools.cache
-def ep_reports(world_size: int) -> list[Report]:
-    """Every rank's report of the all_to_all, rowwise, symmetric-memory and dedup checks; one spawn
-    per world size."""
-    return run_distributed(_all_checks, world_size=world_size, timeout=600)
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda ep: f"ep{ep}")
-def reports(request: pytest.FixtureRequest) -> list[Report]:
-    return ep_reports(request.param)
 
 
 def test_identity_experts_return_x_times_weight_sum(reports: list[Report]) -> None:

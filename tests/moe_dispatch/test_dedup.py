@@ -1,4 +1,4 @@
-"""DedupAllToAllDispatcher on gloo (ep 2 and 4), in test_all_to_all.py's spawn: identity round
+"""DedupAllToAllDispatcher on gloo (ep 2 and 4), in ep_checks.py's spawn: identity round
 trips, outputs and gradients equal to a single-process LocalDispatcher run (dropless and with
 capacity drops), and the rows it sends: one per token and destination rank holding a kept
 copy, counted from the routing by a plain loop."""
@@ -8,25 +8,22 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_all_to_all import (
+from ep_checks import (
     NUM_EXPERTS,
     ROUTINGS,
     TOP_K,
     Problem,
     Report,
     assert_report_passed,
-    check_against_reference,
-    check_identity,
-    copies_received,
-    ep_reports,
-    local_reference,
     make_problem,
     record,
-    run_identity,
-    run_reference_problem,
+    record_identity_round_trips,
+    record_reference_run,
+    uneven_tokens,
 )
 
 from moe_dispatch import DedupAllToAllDispatcher, Dispatcher, make_dispatcher
+from moe_dispatch.dedup import _destinations, _row_routing, _rows_to_send
 
 
 def rows_per_peer(problem: Problem, rank: int, num_local: int, ep: int) -> list[int]:
@@ -75,19 +72,17 @@ def dedup_checks(rank: int, world_size: int) -> Report:
     group = dist.group.WORLD
     report: Report = {}
     num_local = NUM_EXPERTS // world_size
-    uneven_tokens = [13 + 7 * r for r in range(world_size)]
+    tokens = uneven_tokens(world_size)
 
+    def dedup(alignment: int) -> DedupAllToAllDispatcher:
+        return DedupAllToAllDispatcher(NUM_EXPERTS, group, group_alignment=alignment)
+
+    record_identity_round_trips(report, rank, world_size, dedup, "dedup/identity", seed=300)
     for routing in ROUTINGS:
-        problem = make_problem(uneven_tokens, routing, seed=300 + len(routing))
-        for alignment in (1, 4):
-            dispatcher = DedupAllToAllDispatcher(NUM_EXPERTS, group, group_alignment=alignment)
-            run = run_identity(dispatcher, problem, rank)
-            expected = copies_received(problem, rank, num_local, alignment)
-            name = f"dedup/identity/{routing}/align{alignment}"
-            record(report, rank, name, check_identity, run, expected)
-        dispatcher = DedupAllToAllDispatcher(NUM_EXPERTS, group)
-        record(report, rank, f"dedup/rows/{routing}", check_rows_sent, dispatcher, problem, rank, 0)
-    problem = same_rank_problem(uneven_tokens, num_local, seed=5)
+        problem = make_problem(tokens, routing, seed=300 + len(routing))
+        args = (DedupAllToAllDispatcher(NUM_EXPERTS, group), problem, rank, 0)
+        record(report, rank, f"dedup/rows/{routing}", check_rows_sent, *args)
+    problem = same_rank_problem(tokens, num_local, seed=5)
     dispatcher = DedupAllToAllDispatcher(NUM_EXPERTS, group)
     record(report, rank, "dedup/rows/same_rank", check_rows_sent, dispatcher, problem, rank, TOP_K)
 
@@ -95,34 +90,15 @@ def dedup_checks(rank: int, world_size: int) -> Report:
     cases.append((None, 1, "same_rank"))
     for capacity_factor, alignment, routing in cases:
         if routing == "same_rank":
-            problem = same_rank_problem(uneven_tokens, num_local, seed=11)
+            problem = same_rank_problem(tokens, num_local, seed=11)
         else:
-            problem = make_problem(uneven_tokens, routing, seed=17 + alignment)
-        reference = local_reference(problem, capacity_factor, world_size)
+            problem = make_problem(tokens, routing, seed=17 + alignment)
         dispatcher = DedupAllToAllDispatcher(NUM_EXPERTS, group, capacity_factor, alignment)
-        run = run_reference_problem(dispatcher, problem, rank)
-        total_dropped = torch.tensor(run.dropped_copies)
-        dist.all_reduce(total_dropped)
-        name = "dropless" if capacity_factor is None else f"cf{capacity_factor}"
-        record(
-            report,
-            rank,
-            f"dedup/reference/{name}/align{alignment}/{routing}",
-            check_against_reference,
-            run,
-            reference,
-            problem,
-            rank,
-            int(total_dropped),
-            capacity_factor is not None,
-        )
+        drops = "dropless" if capacity_factor is None else f"cf{capacity_factor}"
+        name = f"dedup/reference/{drops}/align{alignment}/{routing}"
+        record_reference_run(report, rank, name, dispatcher, problem, capacity_factor)
     record(report, rank, "dedup/make_dispatcher", check_make_dispatcher, group, rank, num_local)
     return report
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda ep: f"ep{ep}")
-def reports(request: pytest.FixtureRequest) -> list[Report]:
-    return ep_reports(request.param)
 
 
 def test_identity_experts_return_x_times_weight_sum(reports: list[Report]) -> None:
@@ -147,3 +123,51 @@ def test_a_token_is_sent_once_per_destination_rank(reports: list[Report]) -> Non
 
 def test_make_dispatcher_builds_the_dedup_dispatcher(reports: list[Report]) -> None:
     assert_report_passed(reports, "dedup/make_dispatcher")
+
+
+def rows_by_loop(expert_TK: list, keep_TK: list, weight_TK: list, num_local: int, ep: int):
+    """(peer, token) rows, destination-major then token order, with each row's local experts
+    (-1 elsewhere or dropped) and weights (0 there), by a plain loop."""
+    rows, local, weight = [], [], []
+    for peer in range(ep):
+        for token, (experts, keeps, weights) in enumerate(
+            zip(expert_TK, keep_TK, weight_TK, strict=True)
+        ):
+            mine = [
+                keep and expert // num_local == peer
+                for expert, keep in zip(experts, keeps, strict=True)
+            ]
+            if any(mine):
+                rows.append((peer, token))
+                local.append(
+                    [e - peer * num_local if m else -1 for e, m in zip(experts, mine, strict=True)]
+                )
+                weight.append([w if m else 0.0 for w, m in zip(weights, mine, strict=True)])
+    return rows, local, weight
+
+
+@pytest.mark.parametrize(
+    ("ep", "num_local", "num_tokens", "top_k", "drop"),
+    [
+        (1, 4, 5, 2, 0.0),
+        (3, 2, 37, 3, 0.3),
+        (64, 2, 50, 8, 0.2),
+        (64, 1, 0, 2, 0.0),
+        (5, 2, 9, 2, 1.0),
+    ],
+)
+def test_rows_and_their_routing_equal_a_loop_at_any_ep(ep, num_local, num_tokens, top_k, drop):
+    """The destination step alone (no process group), up to ep 64, with drops and T = 0."""
+    generator = torch.Generator().manual_seed(ep * 1000 + num_tokens)
+    scores = torch.rand(num_tokens, ep * num_local, generator=generator)
+    expert_TK = scores.topk(top_k, dim=1).indices
+    keep_TK = torch.rand(num_tokens, top_k, generator=generator) >= drop
+    weight_TK = torch.rand(num_tokens, top_k, generator=generator)
+    destinations = _destinations(expert_TK // num_local, keep_TK, ep)
+    peer_S, token_S = _rows_to_send(destinations, int(destinations.rows_P.sum()))
+    local_SK, weight_SK = _row_routing(expert_TK, keep_TK, weight_TK, peer_S, token_S, num_local)
+    lists = expert_TK.tolist(), keep_TK.tolist(), weight_TK.tolist()
+    rows, local, weight = rows_by_loop(*lists, num_local, ep)
+    assert list(zip(peer_S.tolist(), token_S.tolist(), strict=True)) == rows
+    assert destinations.rows_P.tolist() == [sum(p == peer for p, _ in rows) for peer in range(ep)]
+    assert local_SK.tolist() == local and weight_SK.tolist() == weight

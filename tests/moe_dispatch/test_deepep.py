@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 import torch
 import torch.distributed as dist
-from test_all_to_all import (
+from ep_checks import (
     DIM,
     HIDDEN,
     NUM_EXPERTS,
@@ -45,7 +45,7 @@ BF16_RTOL = 1 / 64
 relative, and times the largest expected magnitude, absolute. Three roundings bound the
 identity round trip; the measured worst error is about one unit."""
 ROUTINGS = ("random", "skewed", "first_rank_only")
-"""test_all_to_all's routings except one_expert: DeepEP needs a token's experts distinct."""
+"""ep_checks' routings except one_expert: DeepEP needs a token's experts distinct."""
 
 
 @pytest.fixture

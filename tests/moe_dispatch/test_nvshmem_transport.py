@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from test_all_to_all import (
+from ep_checks import (
     NUM_EXPERTS,
     Report,
     assert_report_passed,

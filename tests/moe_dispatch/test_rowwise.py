@@ -1,8 +1,8 @@
 """RowwiseDispatcher on gloo (ep 2 and 4): identity round trips, the single-process reference
 with ample capacity, drops counted exactly and contributing exactly zero, no host reads.
 
-The checks run in the spawn that test_all_to_all.py starts for each world size (imports are
-most of a spawn's cost); ``ep_reports`` hands both files the same per-rank reports.
+The checks run in the spawn that ep_checks.py starts for each world size (imports are most
+of a spawn's cost); ``ep_reports`` hands every file of that spawn the same per-rank reports.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from test_all_to_all import (
+from ep_checks import (
     NUM_EXPERTS,
     ROUTINGS,
     TOP_K,
@@ -27,12 +27,12 @@ from test_all_to_all import (
     check_identity,
     compare_with_reference,
     copies_received,
-    ep_reports,
     local_reference,
     make_problem,
     record,
     run_identity,
     run_reference_problem,
+    uneven_tokens,
 )
 from torch import Tensor
 
@@ -170,8 +170,8 @@ def transport_checks(report: Report, rank: int, world_size: int, transport_name:
     group = dist.group.WORLD
     transport = make_row_transport(transport_name, group)
     num_local = NUM_EXPERTS // world_size
-    uneven_tokens = [13 + 7 * r for r in range(world_size)]
-    max_tokens = max(uneven_tokens)
+    tokens_per_rank = uneven_tokens(world_size)
+    max_tokens = max(tokens_per_rank)
     ample = float(NUM_EXPERTS)  # capacity = T_max * K: nothing can overflow
 
     def rowwise(capacity_factor: float, max_tokens_per_rank: int | None, alignment: int):
@@ -180,7 +180,7 @@ def transport_checks(report: Report, rank: int, world_size: int, transport_name:
         )
 
     for routing in ROUTINGS:
-        problem = make_problem(uneven_tokens, routing, seed=200 + len(routing))
+        problem = make_problem(tokens_per_rank, routing, seed=200 + len(routing))
         for alignment in (1, 4):
             run = run_identity(rowwise(ample, max_tokens, alignment), problem, rank)
             rows_per_expert = -(-world_size * max_tokens * TOP_K // alignment) * alignment
@@ -196,7 +196,7 @@ def transport_checks(report: Report, rank: int, world_size: int, transport_name:
             )
 
     for alignment in (1, 4):
-        problem = make_problem(uneven_tokens, "skewed", seed=30 + alignment)
+        problem = make_problem(tokens_per_rank, "skewed", seed=30 + alignment)
         reference = local_reference(problem, None, world_size)
         run = run_reference_problem(rowwise(ample, max_tokens, alignment), problem, rank)
         name = f"rowwise/reference/{transport_name}/ample/align{alignment}"
@@ -206,7 +206,7 @@ def transport_checks(report: Report, rank: int, world_size: int, transport_name:
     capacity_factor = 0.5
     for name, tokens, max_tokens_per_rank in [
         ("equal_tokens", [24] * world_size, None),
-        ("uneven_tokens", uneven_tokens, max_tokens),
+        ("uneven_tokens", tokens_per_rank, max_tokens),
     ]:
         problem = make_problem(tokens, "skewed", seed=len(name))
         capacity = math.ceil(
@@ -228,13 +228,13 @@ def rowwise_checks(rank: int, world_size: int) -> Report:
     group = dist.group.WORLD
     report: Report = {}
     num_local = NUM_EXPERTS // world_size
-    uneven_tokens = [13 + 7 * r for r in range(world_size)]
-    max_tokens = max(uneven_tokens)
+    tokens_per_rank = uneven_tokens(world_size)
+    max_tokens = max(tokens_per_rank)
 
     for transport in CPU_TRANSPORTS:
         transport_checks(report, rank, world_size, transport)
 
-    problem = make_problem(uneven_tokens, "skewed", seed=5)
+    problem = make_problem(tokens_per_rank, "skewed", seed=5)
     rowwise_dropped = {}
     for transport in CPU_TRANSPORTS:
         rowwise = RowwiseDispatcher(NUM_EXPERTS, group, 0.5, max_tokens, 4, transport)
@@ -254,11 +254,6 @@ def rowwise_checks(rank: int, world_size: int) -> Report:
 
     record(report, rank, "rowwise/make_dispatcher", check_make_dispatcher, group, rank, num_local)
     return report
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda ep: f"ep{ep}")
-def reports(request: pytest.FixtureRequest) -> list[Report]:
-    return ep_reports(request.param)
 
 
 def test_identity_experts_return_x_times_weight_sum(reports: list[Report]) -> None:

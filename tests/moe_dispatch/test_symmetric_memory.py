@@ -2,7 +2,7 @@
 the same blocks as the padded all-to-all, no files left behind, and one clear error
 on every rank when a rank cannot reach its peers' memory.
 
-The checks run in the spawn that test_all_to_all.py starts for each world size.
+The checks run in the spawn that ep_checks.py starts for each world size.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from test_all_to_all import Report, assert_report_passed, ep_reports, record
+from ep_checks import Report, assert_report_passed, record
 from torch import Tensor
 
 import moe_dispatch.transport_symm as transport_symm
@@ -129,11 +129,6 @@ def symmetric_memory_checks(rank: int, world_size: int) -> Report:
         message = str(error)
     record(report, rank, "symm/device", check_error, message, "cuda or cpu tensors, not meta")
     return report
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda ep: f"ep{ep}")
-def reports(request: pytest.FixtureRequest) -> list[Report]:
-    return ep_reports(request.param)
 
 
 def test_exchange_moves_the_same_blocks_as_the_padded_all_to_all(reports: list[Report]) -> None:

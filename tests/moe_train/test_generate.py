@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from generate_checks import assert_refused_in_one_line, bpe_text_checkpoint
 
 from harness.ranks import run_distributed
 from moe_checkpoint import read_trainer_state
@@ -16,7 +17,6 @@ from moe_train.data.tokenizer import ByteTokenizer
 from moe_train.generate import generate, generate_ids, next_token
 from moe_train.model import Transformer
 from moe_train.train import train
-from tokenizer_files import bpe_tokenizer_file
 from training import CODE_TEXT, save_byte_tokens, small_config_data, small_model_config
 
 TEXT = CODE_TEXT * 100
@@ -213,24 +213,13 @@ def test_seed_repeats_a_sampled_run_and_top_k_1_is_greedy(byte_run, capsys):
     ],
 )
 def test_bad_input_is_one_error_line(id_runs, args, expected, capsys):
-    assert main(["generate", str(id_runs["single"]), *args]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+    assert_refused_in_one_line(["generate", str(id_runs["single"]), *args], expected, capsys)
 
 
 def test_a_tokenizer_json_of_the_data_encodes_the_prompt_and_decodes_the_text(tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
-    tokenizer = tokenizers.Tokenizer.from_file(str(bpe_tokenizer_file(tmp_path, TEXT)))
-    (tmp_path / "train.txt").write_text(TEXT)
-    prepare_data([tmp_path / "train.txt"], tmp_path / "data", str(tmp_path / "tokenizer.json"))
-    data = small_config_data(
-        tmp_path / "run",
-        tmp_path / "unused.npy",
-        model={"vocab_size": 320},
-        data={"paths": [str(tmp_path / "data")], "seq_len": 16},
-        train={"max_steps": 2},
-    )
-    ckpt = train(config_from_dict(data)).checkpoint
+    ckpt = bpe_text_checkpoint(tmp_path, TEXT, max_steps=2)
+    tokenizer = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     capsys.readouterr()
     assert main(["generate", str(ckpt), "--prompt", "class Point", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from generate_checks import assert_refused_in_one_line, bpe_text_checkpoint
 from test_chat_data import (
     CONVERSATIONS,
     LLAMA_SPECIALS,
@@ -16,12 +17,10 @@ from test_chat_data import (
 
 from moe_train.cli import main
 from moe_train.config import config_from_dict
-from moe_train.data import prepare_data
 from moe_train.data.conversations import prepare_conversations
 from moe_train.data.tokenizer import HFTokenizer
 from moe_train.generate import chat_prompt, generate_ids, load_checkpoint_model
 from moe_train.train import train
-from tokenizer_files import bpe_tokenizer_file
 from training import CODE_TEXT, small_config_data
 
 transformers = pytest.importorskip("transformers")
@@ -110,31 +109,19 @@ def test_chat_generation_stops_at_the_end_of_turn_token(tokenizer_dirs, tmp_path
     assert stopped[0].tolist() == free[: free.index(free[1]) + 1]
 
 
-def _refused(argv, expected, capsys):
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
-
-
 def test_a_model_without_a_chat_template_is_refused(tmp_path, capsys):
-    text = CODE_TEXT * 100
-    bpe_tokenizer_file(tmp_path, text)  # a tokenizer.json alone: no template beside it
-    (tmp_path / "train.txt").write_text(text)
-    prepare_data([tmp_path / "train.txt"], tmp_path / "data", str(tmp_path / "tokenizer.json"))
-    data = small_config_data(
-        tmp_path / "run",
-        tmp_path / "unused.npy",
-        model={"vocab_size": 320},
-        data={"paths": [str(tmp_path / "data")], "seq_len": 16},
-        train={"max_steps": 1},
-    )
-    ckpt = str(train(config_from_dict(data)).checkpoint)
-    _refused(["generate", ckpt, "--chat", "--prompt", "hi"], f"{tmp_path} has no chat template", capsys)  # fmt: skip
-    _refused(["generate", ckpt, "--chat", "--prompt-ids", "1,2"], "--chat takes the prompt as text", capsys)  # fmt: skip
+    # A tokenizer.json alone: no template beside it.
+    ckpt = str(bpe_text_checkpoint(tmp_path, CODE_TEXT * 100, max_steps=1))
+    chat = ["generate", ckpt, "--chat"]
+    no_template = f"{tmp_path} has no chat template"
+    assert_refused_in_one_line([*chat, "--prompt", "hi"], no_template, capsys)
+    prompt_as_text = "--chat takes the prompt as text"
+    assert_refused_in_one_line([*chat, "--prompt-ids", "1,2"], prompt_as_text, capsys)
 
 
 def test_a_run_without_a_known_tokenizer_is_refused(tmp_path, capsys, token_file):
     data = small_config_data(tmp_path / "run", token_file, train={"max_steps": 1})
     ckpt = str(train(config_from_dict(data)).checkpoint)
-    _refused(["generate", ckpt, "--chat", "--prompt", "hi"], "which is not known here", capsys)
+    assert_refused_in_one_line(
+        ["generate", ckpt, "--chat", "--prompt", "hi"], "which is not known here", capsys
+    )

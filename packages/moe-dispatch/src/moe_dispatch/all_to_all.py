@@ -130,19 +130,15 @@ class AllToAllDispatcher:
             self.group_alignment,
             tokens_per_expert_E=recv_counts_E.view(ep, num_local).sum(0),
         )
-        num_copies = topk_idx_TK.numel()
-        handle = DispatchHandle(
-            state=_AllToAllState(
-                send_permutation=send_permutation,
-                recv_permutation=recv_permutation,
-                send_splits=send_splits,
-                recv_splits=recv_splits,
-                topk_weight_TK=topk_weight_TK,
-            ),
-            dropped_copies=num_copies - send_counts_E.sum(),
-            num_copies=num_copies,
-            kept_per_expert=send_counts_E,
-            group_ends=recv_permutation.offsets,
+        state = _AllToAllState(
+            send_permutation=send_permutation,
+            recv_permutation=recv_permutation,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            topk_weight_TK=topk_weight_TK,
+        )
+        handle = DispatchHandle.from_kept(
+            state, send_counts_E, topk_idx_TK.numel(), recv_permutation.offsets
         )
         return expert_input_PD, recv_permutation.rows_per_expert, handle
 

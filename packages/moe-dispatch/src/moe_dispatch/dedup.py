@@ -2,8 +2,8 @@
 rank, however many of its experts that rank holds.
 
 Legend: T tokens, K top-k, D width, H expert output width, E experts, L local experts, P
-group ranks, S rows this rank sends (one per token and destination rank), R rows it
-receives, C the copies those rows expand to.
+group ranks, F the T * K copies, S rows this rank sends (one per token and destination rank),
+R rows it receives, C the copies those rows expand to.
 
 Dispatch: a source sends each token once to every rank that holds one of its kept copies,
 and with the row that rank's share of its routing: per copy, the local expert (-1 for a copy
@@ -50,13 +50,62 @@ class _DedupState:
     num_tokens: int
 
 
-def _rows_to_send(on_peer_PTK: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+@dataclass(frozen=True)
+class _Destinations:
+    """Each token's destination ranks as sorted (peer, token) pairs: O(T * K) memory."""
+
+    pair_F: Tensor
+    """[T * K] int64, ascending: ``peer * T + token`` per kept copy, ``P * T`` per dropped one."""
+    first_F: Tensor
+    """[T * K] bool: where each (peer, token) pair first stands (never at a dropped copy)."""
+    rows_P: Tensor
+    """[P] int64: rows this rank sends each group rank (its tokens with a kept copy there)."""
+    num_tokens: int
+
+
+def _destinations(peer_TK: Tensor, keep_TK: Tensor, ep: int) -> _Destinations:
+    """The (peer, token) pairs of the kept copies, sorted, each marked where it first stands;
+    no host sync."""
+    num_tokens = peer_TK.shape[0]
+    token_T1 = torch.arange(num_tokens, device=peer_TK.device).unsqueeze(1)
+    dropped = ep * num_tokens  # sorts after every pair
+    pair_TK = torch.where(keep_TK, peer_TK * num_tokens + token_T1, dropped)
+    pair_F = pair_TK.flatten().sort(stable=True).values  # stable sorts integers by radix on CPU
+    first_F = torch.ones_like(pair_F, dtype=torch.bool)
+    first_F[1:] = pair_F[1:] != pair_F[:-1]
+    first_F &= pair_F != dropped
+    # Entry P of the count gathers the dropped copies, none of them first.
+    rows_P = torch.zeros(ep + 1, dtype=torch.int64, device=peer_TK.device)
+    rows_P.scatter_add_(0, pair_F // max(num_tokens, 1), first_F.to(torch.int64))
+    return _Destinations(pair_F, first_F, rows_P[:ep], num_tokens)
+
+
+def _rows_to_send(destinations: _Destinations, num_rows: int) -> tuple[Tensor, Tensor]:
     """(peer, token) of the rows to send, destination-major then token order, without a
-    host sync (``num_rows``, the count of (peer, token) pairs with a copy, is known)."""
-    num_tokens = on_peer_PTK.shape[1]
-    send_F = on_peer_PTK.any(2).reshape(-1)
-    order = torch.argsort(send_F.logical_not().to(torch.uint8), stable=True)[:num_rows]
-    return order // max(num_tokens, 1), order % max(num_tokens, 1)
+    host sync (``num_rows``, the count of pairs, is known)."""
+    first_F, pair_F = destinations.first_F, destinations.pair_F
+    # Each pair's row is the count of pairs before it; other entries land past the end.
+    row_F = torch.where(first_F, first_F.cumsum(0) - 1, num_rows)
+    pair_S = pair_F.new_empty(num_rows + 1).scatter_(0, row_F, pair_F)[:num_rows]
+    num_tokens = max(destinations.num_tokens, 1)
+    return pair_S // num_tokens, pair_S % num_tokens
+
+
+def _row_routing(
+    expert_TK: Tensor,
+    keep_TK: Tensor,
+    topk_weight_TK: Tensor,
+    peer_S: Tensor,
+    token_S: Tensor,
+    num_local: int,
+) -> tuple[Tensor, Tensor]:
+    """Each row's share of its token's routing, [S, K] each: per copy, the local expert on the
+    row's peer (``ROUTE_ID_DTYPE``; -1 for a copy elsewhere or dropped) and the routing
+    weight (0 there)."""
+    local_SK = expert_TK.to(ROUTE_ID_DTYPE)[token_S]
+    local_SK -= (peer_S * num_local).unsqueeze(1)
+    other_SK = (local_SK < 0) | (local_SK >= num_local) | ~keep_TK[token_S]
+    return local_SK.masked_fill_(other_SK, -1), topk_weight_TK[token_S].masked_fill_(other_SK, 0)
 
 
 class DedupAllToAllDispatcher:
@@ -93,14 +142,63 @@ class DedupAllToAllDispatcher:
         """Copies one source rank may send each expert; None if dropless."""
         return capacity_per_expert(self.capacity_factor, num_tokens, top_k, self.num_experts)
 
-    def _exchange_counts(self, kept_E: Tensor, rows_P: Tensor) -> tuple[list[int], list[int]]:
-        """Per peer: [L] kept copies and 1 row count, sent and received; on the host."""
+    def _kept_copies(
+        self, expert_TK: Tensor, copies_per_expert: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """[T, K] keep mask (capacity drops; all True when dropless), [E] kept copies."""
+        keep_TK, kept_E = keep_within_capacity(
+            expert_TK, self.num_experts, self.capacity_factor, copies_per_expert
+        )
+        if keep_TK is None:
+            keep_TK = torch.ones_like(expert_TK, dtype=torch.bool)
+        if kept_E is None:
+            kept_E = torch.zeros(self.num_experts, dtype=torch.int64, device=expert_TK.device)
+            kept_E.scatter_add_(0, expert_TK.reshape(-1), keep_TK.reshape(-1).to(torch.int64))
+        return keep_TK, kept_E
+
+    def _exchange_counts(
+        self, kept_E: Tensor, rows_P: Tensor
+    ) -> tuple[list[int], list[int], Tensor]:
+        """Exchange per peer [L] kept copies and 1 row count; returns on the host the rows sent
+        and received per peer, and the [L] copies received per local expert."""
         ep, num_local = self.ep, self.num_local_experts
         send_counts = torch.cat([kept_E.view(ep, num_local), rows_P.view(ep, 1)], 1)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
         # The one host sync: split sizes and the expert groups' sizes.
-        return send_counts.flatten().tolist(), recv_counts.flatten().tolist()
+        sent, received = send_counts.flatten().tolist(), recv_counts.flatten().tolist()
+        width = num_local + 1
+        recv_counts_PL = torch.tensor(received, dtype=torch.int64).view(ep, width)[:, :num_local]
+        return sent[num_local::width], received[num_local::width], recv_counts_PL.sum(0)
+
+    def _send_rows(
+        self, rows_SD: Tensor, local_SK: Tensor, weight_SK: Tensor, splits: tuple[list[int], ...]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Send the rows with their routing; returns what arrived: [R, D] tokens, [R, K] local
+        experts (int64), [R, K] weights. ``splits``: rows sent, then received, per peer."""
+        send_splits, recv_splits = splits
+        recv_x_RD = exchange_rows(rows_SD, recv_splits, send_splits, self.group)
+        recv_weight_RK = exchange_rows(weight_SK, recv_splits, send_splits, self.group)
+        recv_local_RK = exchange_rows(local_SK, recv_splits, send_splits, self.group)
+        return recv_x_RD, recv_local_RK.to(torch.int64), recv_weight_RK
+
+    def _group_by_expert(
+        self, recv_x_RD: Tensor, recv_local_RK: Tensor, copies_L: Tensor
+    ) -> tuple[Tensor, Permutation, int]:
+        """Expand the received rows into one row per local copy, grouped by local expert (the
+        other ranks' copies after the groups); returns them, the permutation, and the rows of
+        the groups (alignment padding included)."""
+        align = self.group_alignment
+        expert_rows = int(((copies_L + align - 1) // align * align).sum())
+        expert_input_CD, recv_permutation = permute(
+            recv_x_RD,
+            recv_local_RK.clamp(min=0),
+            self.num_local_experts,
+            recv_local_RK >= 0,
+            align,
+            tokens_per_expert_E=copies_L.to(recv_x_RD.device),
+        )
+        return expert_input_CD, recv_permutation, expert_rows
 
     def dispatch(
         self,
@@ -112,59 +210,31 @@ class DedupAllToAllDispatcher:
         """Send each token once to each rank holding a kept copy; rows grouped by local
         expert on arrival (one row per copy)."""
         num_tokens, _ = check_routing("DedupAllToAllDispatcher", topk_idx_TK, topk_weight_TK)
-        ep, num_local, device = self.ep, self.num_local_experts, x_TD.device
         expert_TK = topk_idx_TK.to(torch.int64)
-        keep_TK, kept_E = keep_within_capacity(
-            expert_TK, self.num_experts, self.capacity_factor, copies_per_expert
+        keep_TK, kept_E = self._kept_copies(expert_TK, copies_per_expert)
+        destinations = _destinations(expert_TK // self.num_local_experts, keep_TK, self.ep)
+        send_splits, recv_splits, copies_L = self._exchange_counts(kept_E, destinations.rows_P)
+        peer_S, token_S = _rows_to_send(destinations, sum(send_splits))
+        local_SK, weight_SK = _row_routing(
+            expert_TK, keep_TK, topk_weight_TK, peer_S, token_S, self.num_local_experts
         )
-        if keep_TK is None:
-            keep_TK = torch.ones_like(expert_TK, dtype=torch.bool)
-        if kept_E is None:
-            kept_E = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
-            kept_E.scatter_add_(0, expert_TK.reshape(-1), keep_TK.reshape(-1).to(torch.int64))
-        peers_P11 = torch.arange(ep, device=device).view(ep, 1, 1)
-        on_peer_PTK = ((expert_TK // num_local).unsqueeze(0) == peers_P11) & keep_TK
-        sent, received = self._exchange_counts(kept_E, on_peer_PTK.any(2).sum(1))
-        width = num_local + 1
-        send_splits, recv_splits = sent[num_local::width], received[num_local::width]
-        peer_S, token_S = _rows_to_send(on_peer_PTK, sum(send_splits))
-
-        mine_SK = on_peer_PTK[peer_S, token_S]
-        local_SK = torch.where(mine_SK, expert_TK[token_S] - (peer_S * num_local).unsqueeze(1), -1)
-        weight_SK = torch.where(mine_SK, topk_weight_TK[token_S], 0)
-        recv_x_RD = exchange_rows(x_TD[token_S], recv_splits, send_splits, self.group)
-        recv_weight_RK = exchange_rows(weight_SK, recv_splits, send_splits, self.group)
-        recv_local_RK = exchange_rows(
-            local_SK.to(ROUTE_ID_DTYPE), recv_splits, send_splits, self.group
-        ).to(torch.int64)
-
-        recv_counts_PL = torch.tensor(received, dtype=torch.int64).view(ep, width)[:, :num_local]
-        copies_L = recv_counts_PL.sum(0)
-        align = self.group_alignment
-        expert_rows = int(((copies_L + align - 1) // align * align).sum())
-        expert_input_CD, recv_permutation = permute(
-            recv_x_RD,
-            recv_local_RK.clamp(min=0),
-            num_local,
-            recv_local_RK >= 0,
-            align,
-            tokens_per_expert_E=copies_L.to(device),
+        recv_x_RD, recv_local_RK, recv_weight_RK = self._send_rows(
+            x_TD[token_S], local_SK, weight_SK, (send_splits, recv_splits)
         )
-        num_copies = topk_idx_TK.numel()
-        handle = DispatchHandle(
-            state=_DedupState(
-                token_of_row_S=token_S,
-                recv_permutation=recv_permutation,
-                recv_weight_RK=recv_weight_RK,
-                send_splits=send_splits,
-                recv_splits=recv_splits,
-                expert_rows=expert_rows,
-                num_tokens=num_tokens,
-            ),
-            dropped_copies=num_copies - kept_E.sum(),
-            num_copies=num_copies,
-            kept_per_expert=kept_E,
-            group_ends=recv_permutation.offsets,
+        expert_input_CD, recv_permutation, expert_rows = self._group_by_expert(
+            recv_x_RD, recv_local_RK, copies_L
+        )
+        state = _DedupState(
+            token_of_row_S=token_S,
+            recv_permutation=recv_permutation,
+            recv_weight_RK=recv_weight_RK,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            expert_rows=expert_rows,
+            num_tokens=num_tokens,
+        )
+        handle = DispatchHandle.from_kept(
+            state, kept_E, topk_idx_TK.numel(), recv_permutation.offsets
         )
         # The copies of other ranks' experts sat after the groups: not handed to the experts.
         return expert_input_CD[:expert_rows], recv_permutation.rows_per_expert, handle

@@ -74,14 +74,11 @@ class LocalDispatcher:
             self.group_alignment,
             tokens_per_expert_E=kept_E,
         )
-        num_copies = topk_idx_TK.numel()
-        dropped_copies = num_copies - permutation.tokens_per_expert.sum()
-        handle = DispatchHandle(
-            state=_LocalState(permutation=permutation, topk_weight_TK=topk_weight_TK),
-            dropped_copies=dropped_copies,
-            num_copies=num_copies,
-            kept_per_expert=permutation.tokens_per_expert,
-            group_ends=permutation.offsets,
+        handle = DispatchHandle.from_kept(
+            _LocalState(permutation=permutation, topk_weight_TK=topk_weight_TK),
+            permutation.tokens_per_expert,
+            topk_idx_TK.numel(),
+            permutation.offsets,
         )
         return expert_input_PD, permutation.rows_per_expert, handle
 

@@ -41,6 +41,24 @@ class DispatchHandle:
     ``expert_input`` (the ``offsets`` of a grouped GEMM), when the backend built them; None
     when it did not (take the cumulative sum of ``tokens_per_expert``)."""
 
+    @classmethod
+    def from_kept(
+        cls,
+        state: Any,
+        kept_per_expert: Tensor,
+        num_copies: int,
+        group_ends: Tensor | None = None,
+    ) -> DispatchHandle:
+        """The handle of a call that kept ``kept_per_expert`` of its ``num_copies`` token
+        copies and dropped the rest."""
+        return cls(
+            state=state,
+            dropped_copies=num_copies - kept_per_expert.sum(),
+            num_copies=num_copies,
+            kept_per_expert=kept_per_expert,
+            group_ends=group_ends,
+        )
+
 
 @runtime_checkable
 class Dispatcher(Protocol):

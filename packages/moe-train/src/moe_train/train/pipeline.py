@@ -195,7 +195,7 @@ class PipelineRunner:
         self.step_losses: list[Tensor] = []
         self.loss_normalizer: Tensor | None = None
         """The step's `accumulate_gradients` normalizer (None: the batch has no mask)."""
-        self.stages = _stages(model, plan, config, layout, device, hidden_dtype, autocast)
+        self.stages = self._build_stages(config, layout, device, hidden_dtype)
         schedule_class = schedules[config.parallel.pp_schedule]
         interleaved = config.parallel.pp_schedule == "interleaved_1f1b"
         # Gradients are scaled by the loss itself (1 / micro-batches of the whole step, over
@@ -206,6 +206,48 @@ class PipelineRunner:
             loss_fn=self._loss,
             scale_grads=False,
         )
+
+    def _build_stages(
+        self, config: Config, layout: Layout, device: torch.device, hidden_dtype: torch.dtype
+    ) -> list:
+        """This rank's `PipelineStage`s, one per stage of the plan, each over a `StageModule` of
+        the rank's model, with the shapes and dtypes the stages exchange."""
+        from torch.distributed.pipelining import PipelineStage  # see PipelineRunner.__init__
+
+        model, plan = self._model, self.plan
+        data, model_config = config.data, config.model
+        micro_shape = (data.micro_batch_size, data.seq_len // layout.cp)  # the rank's positions
+        # Shapes and dtypes of what stages exchange (static: no shape-inference pass). Hidden
+        # states need gradients, so the stages also exchange their gradients in backward.
+        hidden = torch.empty(
+            *micro_shape,
+            model_config.d_model,
+            dtype=hidden_dtype,
+            device=device,
+            requires_grad=True,
+        )
+        tokens = torch.empty(micro_shape, dtype=torch.long, device=device)
+        exchanged: Tensor | tuple[Tensor, Tensor] = hidden
+        if model_config.mtp_depth:
+            exchanged = (hidden, hidden.detach().clone().requires_grad_(True))
+        stages = []
+        for stage in plan.stages:
+            first, last = stage == 0, stage == plan.num_stages - 1
+            module = StageModule(
+                model, plan.layers_of_stage[stage], first=first, last=last, autocast=self._autocast
+            )
+            stages.append(
+                PipelineStage(
+                    module,
+                    stage,
+                    plan.num_stages,
+                    device,
+                    input_args=tokens if first else exchanged,
+                    output_args=exchanged,
+                    group=layout.pp_group,
+                )
+            )
+        return stages
 
     def _loss(self, output: Tensor | tuple[Tensor, Tensor], targets: Tensor) -> Tensor:
         """The last stage's output (see `StageModule.forward`) to the micro-batch's loss."""
@@ -248,51 +290,3 @@ class PipelineRunner:
         for loss in self.step_losses:
             total += loss.double()
         return total
-
-
-def _stages(
-    model: Transformer,
-    plan: StagePlan,
-    config: Config,
-    layout: Layout,
-    device: torch.device,
-    hidden_dtype: torch.dtype,
-    autocast: Callable[[], contextlib.AbstractContextManager],
-) -> list:
-    """This rank's `PipelineStage`s, one per stage of `plan`, each over a `StageModule` of the
-    rank's model, with the shapes and dtypes the stages exchange."""
-    from torch.distributed.pipelining import PipelineStage  # see PipelineRunner.__init__
-
-    data, model_config = config.data, config.model
-    micro_shape = (data.micro_batch_size, data.seq_len // layout.cp)  # the rank's positions
-    # Shapes and dtypes of what stages exchange (static: no shape-inference pass). Hidden
-    # states need gradients, so the stages also exchange their gradients in backward.
-    hidden = torch.empty(
-        *micro_shape,
-        model_config.d_model,
-        dtype=hidden_dtype,
-        device=device,
-        requires_grad=True,
-    )
-    tokens = torch.empty(micro_shape, dtype=torch.long, device=device)
-    exchanged: Tensor | tuple[Tensor, Tensor] = hidden
-    if model_config.mtp_depth:
-        exchanged = (hidden, hidden.detach().clone().requires_grad_(True))
-    stages = []
-    for stage in plan.stages:
-        first, last = stage == 0, stage == plan.num_stages - 1
-        module = StageModule(
-            model, plan.layers_of_stage[stage], first=first, last=last, autocast=autocast
-        )
-        stages.append(
-            PipelineStage(
-                module,
-                stage,
-                plan.num_stages,
-                device,
-                input_args=tokens if first else exchanged,
-                output_args=exchanged,
-                group=layout.pp_group,
-            )
-        )
-    return stages
