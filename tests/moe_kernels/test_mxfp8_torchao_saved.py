@@ -118,3 +118,21 @@ def test_weight_changed_in_place_before_backward_is_refused() -> None:
         w.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward(grad_out)
+
+
+def test_glue_under_activation_checkpointing_gives_the_same_bytes() -> None:
+    """Full recompute (non-reentrant checkpoint) runs the glue's forward again in backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, w, grad_out, offsets = make_inputs([37, 0, 64, 50, 20], 200, 96, 64, torch.bfloat16)
+
+    def glue(x, w, offsets, mode):
+        return _torchao_grouped_mm(x, w, offsets, mode, "emulated")
+
+    def recomputed(x, w, offsets, mode):
+        return checkpoint(glue, x, w, offsets, mode, use_reentrant=False)
+
+    *plain, _ = run(glue, x, w, offsets, grad_out, "rceil")
+    *again, _ = run(recomputed, x, w, offsets, grad_out, "rceil")
+    for name, first, second in zip(("out", "grad_x", "grad_w"), plain, again, strict=True):
+        assert torch.equal(first, second), name
