@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.autograd.graph import saved_tensors_hooks
 
 from moe_kernels.grouped_mm import _padding_rows_mask
-from moe_kernels.mxfp8 import _torchao_grouped_mm
+from moe_kernels.mxfp8_torchao import _torchao_grouped_mm
 
 pytest.importorskip("torchao.prototype.moe_training")
 
