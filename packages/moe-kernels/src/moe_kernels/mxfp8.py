@@ -26,14 +26,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from types import ModuleType
 from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_kernels.grouped_mm import _check_inputs, _padding_rows_mask, grouped_mm
+from moe_kernels.grouped_mm import _check_inputs, grouped_mm
+from moe_kernels.mxfp8_torchao import (
+    _torchao_grouped_mm,
+    _torchao_moe_training,
+    _torchao_unsupported_reason,
+)
 from moe_kernels.triton_support import import_kernels
 
 __all__ = [
@@ -72,7 +76,6 @@ _E4M3_MAX_POW2 = 8
 _E4M3_NAN_BYTE = 0x7F
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
-_TORCHAO_INSTALL_HINT = "pip install 'moestack-kernels[mxfp8]'"
 
 
 # --------------------------------------------------------------------------- quantization
@@ -341,79 +344,6 @@ class _EmulatedMxfp8GroupedMm(torch.autograd.Function):
             grad_out_q = _fake_quantize_token_groups(grad_out_TN, offsets_E, scale_mode)
             grad_w_EKN = _weight_grad(x_q, grad_out_q, offsets_E)
         return grad_x_TK, grad_w_EKN, None, None
-
-
-class _ZeroEmptyGroupWeightGrad(torch.autograd.Function):
-    """Identity on ``w`` whose backward zeroes the gradient of experts with no rows."""
-
-    @staticmethod
-    def forward(ctx, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(offsets_E)
-        return w_EKN.view_as(w_EKN)
-
-    @staticmethod
-    def backward(ctx, grad_w_EKN: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        (offsets_E,) = ctx.saved_tensors
-        starts_E = F.pad(offsets_E[:-1], (1, 0))
-        return grad_w_EKN.masked_fill((offsets_E == starts_E)[:, None, None], 0), None
-
-
-def _torchao_moe_training() -> ModuleType:
-    """``torchao.prototype.moe_training``, imported on first use (the ``mxfp8`` extra)."""
-    try:
-        from torchao.prototype import moe_training
-    except ImportError as e:
-        raise ImportError(
-            "mxfp8_grouped_mm kernel='torchao' needs torchao: "
-            f"{_TORCHAO_INSTALL_HINT} (or use kernel='emulated')"
-        ) from e
-    return moe_training
-
-
-def _torchao_unsupported_reason(x_TK: Tensor) -> str | None:
-    """Why torchao's MXFP8 grouped GEMM cannot run on ``x``'s device, or None if it can."""
-    if x_TK.device.type != "cuda":
-        return f"x is on {x_TK.device}"
-    major, minor = torch.cuda.get_device_capability(x_TK.device)
-    if major != 10:
-        return f"the GPU is sm_{major}{minor}"
-    cuda_version = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
-    if cuda_version < (12, 8):
-        return f"torch is built with CUDA {torch.version.cuda}"
-    return None
-
-
-def _torchao_grouped_mm(
-    x_TK: Tensor,
-    w_EKN: Tensor,
-    offsets_E: Tensor,
-    scale_mode: Mxfp8ScaleMode,
-    kernel_preference: str,
-) -> Tensor:
-    """torchao's MXFP8 grouped GEMM (``kernel_preference`` "auto": SM100 kernels, "emulated")."""
-    moe_training = _torchao_moe_training()
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.quantization.quantize_.common import KernelPreference
-
-    padding_T1 = _padding_rows_mask(x_TK.shape[0], offsets_E)
-    # torchao wants w per expert column-major ([E, N, K] storage), and groups that cover all
-    # rows: the padding rows, zeroed, join the last group (zero rows change no block scale and
-    # add nothing to its weight gradient). Their output and input gradient are masked here, as
-    # is the weight gradient of empty groups.
-    if not w_EKN.transpose(-2, -1).is_contiguous():
-        w_EKN = w_EKN.transpose(-2, -1).contiguous().transpose(-2, -1)
-    offsets_all_rows_E = offsets_E.clone()
-    offsets_all_rows_E[-1] = x_TK.shape[0]
-    out_TN = moe_training._to_mxfp8_then_scaled_grouped_mm(
-        x_TK.masked_fill(padding_T1, 0),
-        _ZeroEmptyGroupWeightGrad.apply(w_EKN, offsets_E),
-        offs=offsets_all_rows_E,
-        out_dtype=x_TK.dtype,
-        kernel_preference=KernelPreference(kernel_preference),
-        scale_calculation_mode=ScaleCalculationMode(scale_mode),
-        pad_token_groups_for_grouped_mm=True,
-    )
-    return out_TN.masked_fill(padding_T1, 0)
 
 
 def _use_torchao(kernel: Mxfp8Kernel, x_TK: Tensor) -> bool:

@@ -10,8 +10,9 @@ FP8 saves nothing here: moe-kernels' rowwise FP8 and emulated MXFP8 expert GEMMs
 Float8Linear (precision.linear) keep their bf16 inputs for backward and quantize transient
 copies in each product (forward, input and weight gradient), so an FP8 layout holds what its
 bf16 twin holds (`test_fp8_keeps_what_bf16_keeps_for_backward`). On SM100 GPUs MXFP8 experts
-run torchao's kernels, which hold more (`mxfp8_kernel_bytes`). Transformer Engine, which the
-published FP8 runs use, keeps FP8 copies of its inputs instead; this trainer does not.
+run torchao's kernels, through glue that keeps the same (`mxfp8_kernel_bytes`). Transformer
+Engine, which the published FP8 runs use, keeps FP8 copies of its inputs instead; this trainer
+does not.
 """
 
 from __future__ import annotations
@@ -165,23 +166,15 @@ def moe_block_bytes(config: Config, x: Widths, tokens: int) -> float:
     return norm + router + dispatch + experts + weights + shared
 
 
-TORCHAO_MXFP8_ALIGNMENT = 32
-"""Rows torchao's MXFP8 grouped GEMM pads each expert's group to (its block size)."""
-
-
 def mxfp8_kernel_bytes(x: Widths, rows: float) -> float:
     """What torchao's MXFP8 grouped GEMMs (moe-kernels' SM100 path) hold beyond the bf16
-    recipe, per MoE layer of `rows` expert rows: each of the two GEMMs keeps, in place of its
-    input, a copy padded to whole blocks per expert (sized for the worst case, rows + 32 per
-    local expert, rounded up to 32), a column-major copy of the local experts' weights (the
-    parameters are [E, K, N] row-major, torchao wants [E, N, K] storage), the padding-row
-    mask (a bool per row) and three int32 offset vectors. With FP32 parameters the copy
-    replaces the bf16 cast the bf16 recipe keeps (counted already)."""
-    block = TORCHAO_MXFP8_ALIGNMENT
-    padded = -(-(rows + x.local * block) // block) * block
-    inputs = (padded - rows) * (x.d + x.f) * x.c
-    weights = 0 if x.casts else x.local * 3 * x.d * x.f * x.c
-    return inputs + weights + 2 * rows + 2 * 3 * x.local * 4
+    recipe, per MoE layer of `rows` expert rows: nothing. torchao's own autograd function
+    keeps a column-major copy of the local experts' weights and a copy of its input padded to
+    whole blocks per expert; moe-kernels' glue keeps instead what the bf16 recipe keeps (the
+    input, the weights and the group ends) and rebuilds both copies in backward, one layer at
+    a time (`test_mxfp8_on_torchao_kernels_keeps_what_bf16_keeps`)."""
+    del x, rows
+    return 0.0
 
 
 def dense_block_bytes(model: ModelConfig, x: Widths, tokens: int) -> float:
