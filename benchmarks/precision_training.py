@@ -7,10 +7,13 @@ and compares the loss at the last step (mean over the last --loss-window steps) 
 tokens/s (median over the steps after --warmup). Runs of one seed see the same batches and
 start from the same weights, yet their trajectories part: one seed's gap moves by more than
 a percent either way from seed to seed, so the target (`TARGET_GAPS`) is judged on the mean
-gap over the seeds, and the table shows each seed's gap beside it. Off SM100 GPUs the MXFP8
-run (off SM90+ GPUs the rowwise FP8 runs) uses the exact emulation, so its throughput shows
-the cost of the emulation, not FP8 hardware's speed-up. The runs go one after the other: on a shared machine compare
-the tokens/s ratios with care.
+gap over the seeds, and the table shows each seed's gap beside it. The rows fp32 and
+bf16-init, without a target, show how large such gaps are when nothing is quantized: a
+variant's mean gap means something only where it stands out of theirs (docs/training.md
+reads them for rowwise FP8, which ends about 2% below bf16 at every seed). Off SM100 GPUs
+the MXFP8 run (off SM90+ GPUs the rowwise FP8 runs) uses the exact emulation, so its
+throughput shows the cost of the emulation, not FP8 hardware's speed-up. The runs go one
+after the other: on a shared machine compare the tokens/s ratios with care.
 
     uv run python benchmarks/precision_training.py [--variants mxfp8 bf16-params fp8-rowwise
         fp8-rowwise-linears fp32 bf16-init]
