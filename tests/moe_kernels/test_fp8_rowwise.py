@@ -12,6 +12,7 @@ from torch import Tensor
 from moe_kernels import (
     dequantize_fp8_rowwise,
     fp8_rowwise_grouped_mm,
+    grouped_mm,
     to_fp8_rowwise,
     to_fp8_rowwise_token_groups,
 )
@@ -306,6 +307,39 @@ def test_grouped_mm_in_bf16_gives_the_fp32_products_rounded_once():
     ):
         assert a.dtype == torch.bfloat16
         assert torch.equal(a, b.bfloat16()), f"{name} differs from the fp32 products rounded"
+
+
+def e4m3_at_scale_one(shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+    """bf16 multiples of 0.5 in [-8, 8] (e4m3 holds them exactly) with 448 along the first
+    index of the last two dimensions: every slice of every GEMM of the recipe then has its
+    maximum at 448, its scale is 1 and quantization changes nothing."""
+    t = torch.randint(-16, 17, shape, generator=generator).float() / 2
+    t[..., 0, :] = 448
+    t[..., :, 0] = 448
+    return t.bfloat16()
+
+
+def test_grouped_mm_on_exact_operands_equals_the_bf16_grouped_mm():
+    """Where e4m3 rounding changes nothing, the recipe gives the bf16 ``grouped_mm``'s numbers
+    bit for bit (forward, input and weight gradients; padding rows, an empty group): the two
+    expert paths sum in FP32 and round to bf16 once, and differ only by the operands' e4m3
+    rounding. (Every partial sum here is exact in FP32, so summation order cannot matter.)"""
+    generator = torch.Generator().manual_seed(3)
+    offsets = torch.tensor([9, 9, 25, 40])  # group 1 empty, 8 padding rows
+    x = e4m3_at_scale_one((48, 32), generator)
+    x[offsets[:-1]] = 448  # each group's first row: the weight gradient's slices over tokens
+    w = e4m3_at_scale_one((4, 32, 16), generator)
+    grad_out = e4m3_at_scale_one((48, 16), generator)
+    grad_out[offsets[:-1]] = 448
+    results = []
+    for product in (fp8_rowwise_grouped_mm, grouped_mm):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = product(xi, wi, offsets)
+        out.backward(grad_out)
+        results.append((out, xi.grad, wi.grad))
+    for name, fp8, bf16 in zip(("out", "grad_x", "grad_w"), *results, strict=True):
+        assert fp8.dtype == bf16.dtype == torch.bfloat16, f"{name}: {fp8.dtype} vs {bf16.dtype}"
+        assert torch.equal(fp8, bf16), f"{name}: {int((fp8 != bf16).sum())} elements differ"
 
 
 def test_bad_arguments_are_named():
