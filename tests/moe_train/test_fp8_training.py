@@ -11,6 +11,7 @@ from moe_train.config import PrecisionConfig, config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.model import resolve_expert_gemm
 from moe_train.model.moe import Experts
+from moe_train.train import train
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
 from training import (
@@ -96,16 +97,16 @@ BF16_PARAM_LAYOUTS: dict[str, dict] = {
 def test_fp8_rowwise_trains_on_every_layout_like_one_process(make_config, tmp_path):
     """fp8_rowwise experts and linears on every two-rank layout (`TWO_RANK_LAYOUTS`), and with
     bf16 parameters (`BF16_PARAM_LAYOUTS`), in one spawn, against the single process within
-    `FP8_LAYOUT_RTOL`; every rank reports that its experts and linears ran FP8. Each
-    micro-batch quantizes its own rows, so layouts that keep micro-batches whole see the same
-    scales."""
+    `FP8_LAYOUT_RTOL`; every rank reports that its experts and linears ran FP8, and plain bf16
+    training is further from the FP8 process than that tolerance. Each micro-batch quantizes
+    its own rows, so layouts that keep micro-batches whole see the same scales."""
 
-    def config(name: str, param_dtype: str = "float32", **parallel) -> dict:
+    def config(name: str, param_dtype: str = "float32", precision=FP8, **parallel) -> dict:
         data = make_config(
             tmp_path / name,
             train={"max_steps": STEPS},
             data={"micro_batch_size": 2},
-            precision={**FP8, "param_dtype": param_dtype},
+            precision={**precision, "param_dtype": param_dtype},
             parallel=parallel,
         ).to_dict()
         if parallel.get("dispatcher") == "rowwise":  # more than any expert can receive
@@ -114,6 +115,9 @@ def test_fp8_rowwise_trains_on_every_layout_like_one_process(make_config, tmp_pa
 
     single = train_fp8_single(config("single"))
     single_bf16_params = train_fp8_single(config("single_bf16_params", "bfloat16"))
+    bf16 = train(config_from_dict(config("bf16", precision={"compute_dtype": "bfloat16"})))
+    gap = max(abs(a - b) / abs(b) for a, b in zip(bf16.losses, single, strict=True))
+    assert gap > FP8_LAYOUT_RTOL, f"bf16 is {gap:.1e} from FP8: the tolerance cannot tell them"
     cases = {name: config(name, **parallel) for name, parallel in TWO_RANK_LAYOUTS.items()}
     for name, parallel in BF16_PARAM_LAYOUTS.items():
         cases[name] = config(name, "bfloat16", **parallel)
