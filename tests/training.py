@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import yaml
+from torch import nn
 
 from moe_train.config import Config, ModelConfig, MoEConfig, config_from_dict
 from moe_train.train import train
@@ -24,7 +26,9 @@ FP8_LAYOUT_RTOL = 7e-5
 whole sees the same scales (dp2, pp2: equal); one that splits an expert's or a linear's rows
 over ranks (ep, cp) scales the weight-gradient operands over other rows, a few 1e-5 apart.
 Tighter than the bf16 layout tolerance (2e-3), which the gap between FP8 and plain bf16
-training (1.6e-4 after 6 steps) would pass: a layout that dropped FP8 fails here."""
+training (1.6e-4 after 6 steps) would pass: a layout that dropped FP8 fails here. One rank of
+ep2 or ep4 dropping FP8 experts moves the losses only about 3e-5, within it: the FP8 cases
+also check each rank's GEMMs (`assert_fp8_ran`)."""
 FP8_CONTEXT_RTOL = 2e-3
 """Context-parallel layouts of four ranks against one process, both with `FP8_PRECISION`: the
 bf16 layout tolerance. Each context rank quantizes the weight-gradient operands over its part
@@ -110,6 +114,92 @@ def small_config_data(run_dir: Path, token_file: Path, **sections: dict) -> dict
 def train_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, list[float]]:
     """Body for `run_distributed`: train each config (plain data) in turn; losses by name."""
     return {name: train(config_from_dict(data)).losses for name, data in cases.items()}
+
+
+FP8_GEMMS = ("fp8_rowwise_grouped_mm", "Float8Linear")
+"""What `recording_gemms` reports on a rank that trained with `FP8_PRECISION`: its experts ran
+moe-kernels' rowwise FP8 grouped GEMM and nothing else, its attention and feed-forward linears
+were torchao's Float8Linear and nothing else."""
+
+
+@contextmanager
+def recording_gemms() -> Iterator[dict[str, set]]:
+    """While active, record what ran in this process: the grouped-GEMM functions the experts
+    called (under "experts"; `grouped_mm` with its backend) and the linear modules that ran
+    forward (under "modules"). `gemms_of` reduces the record to a trained model's."""
+    from moe_train.model import moe
+
+    record: dict[str, set] = {"experts": set(), "modules": set()}
+    names = ("grouped_mm", "mxfp8_grouped_mm", "fp8_rowwise_grouped_mm")
+    originals = {name: getattr(moe, name) for name in names}
+
+    def recorded(name, function):
+        def call(*args, **kwargs):
+            backend = kwargs.get("backend")
+            record["experts"].add(f"{name}/{backend}" if backend else name)
+            return function(*args, **kwargs)
+
+        return call
+
+    def linear_ran(module, args, output) -> None:
+        if isinstance(module, nn.Linear):
+            record["modules"].add(module)
+
+    for name, function in originals.items():
+        setattr(moe, name, recorded(name, function))
+    hook = nn.modules.module.register_module_forward_hook(linear_ran)
+    try:
+        yield record
+    finally:
+        hook.remove()
+        for name, function in originals.items():
+            setattr(moe, name, function)
+
+
+def gemms_of(record: dict[str, set], model: nn.Module) -> tuple[str, str]:
+    """The experts' GEMM functions and the classes of `model`'s attention and feed-forward
+    linears that ran, each a sorted comma-separated string (compared with `FP8_GEMMS`)."""
+    from moe_train.model.attention import Attention
+    from moe_train.model.moe import SwiGLU
+
+    linears = {
+        id(linear)
+        for module in model.modules()
+        if isinstance(module, Attention | SwiGLU)
+        for linear in module.children()
+        if isinstance(linear, nn.Linear)
+    }
+    classes = {type(m).__name__ for m in record["modules"] if id(m) in linears}
+    return ",".join(sorted(record["experts"])), ",".join(sorted(classes))
+
+
+def train_cases_with_gemms(
+    rank: int, world_size: int, cases: dict[str, dict]
+) -> tuple[dict[str, list[float]], dict[str, tuple[str, str]]]:
+    """Body for `run_distributed`: as `train_cases`, and each case's `gemms_of` on this rank."""
+    losses, gemms = {}, {}
+    for name, data in cases.items():
+        with recording_gemms() as record:
+            result = train(config_from_dict(data))
+        losses[name], gemms[name] = result.losses, gemms_of(record, result.model)
+    return losses, gemms
+
+
+def train_fp8_single(data: dict) -> list[float]:
+    """One process trained with `data` (FP8 precision); its losses, after checking that its
+    experts and linears ran FP8 (`FP8_GEMMS`)."""
+    with recording_gemms() as record:
+        result = train(config_from_dict(data))
+    assert gemms_of(record, result.model) == FP8_GEMMS, "the single FP8 process ran without FP8"
+    return result.losses
+
+
+def assert_fp8_ran(gemms_per_rank: Sequence[dict], names: Sequence[str]) -> None:
+    """Every rank of each named case (`train_cases_with_gemms`' second result) ran `FP8_GEMMS`:
+    a rank whose experts or linears silently ran bf16 fails here, whatever its losses."""
+    for name in names:
+        ran = [gemms[name] for gemms in gemms_per_rank]
+        assert all(each == FP8_GEMMS for each in ran), f"{name}: GEMMs per rank {ran}"
 
 
 def assert_losses_match(

@@ -14,9 +14,12 @@ from moe_train.train import read_metrics, train
 from training import (
     FP8_CONTEXT_RTOL,
     FP8_PRECISION,
+    assert_fp8_ran,
     assert_losses_match,
     small_config_data,
     train_cases,
+    train_cases_with_gemms,
+    train_fp8_single,
 )
 
 STEPS = 20
@@ -71,9 +74,9 @@ def assert_evaluations_match(name: str, run_dir, reference_dir) -> None:
     assert_losses_match(f"{name} eval", eval_losses(run_dir), reference)
 
 
-def _fp8_case(tmp_path, data_dir, name, parallel) -> dict:
+def _fp8_case(tmp_path, data_dir, name, parallel, masking=False) -> dict:
     """A case with rowwise FP8 experts and linears, 6 steps, no evaluation."""
-    data = _case(tmp_path, data_dir, name, parallel, False, max_steps=FP8_STEPS)
+    data = _case(tmp_path, data_dir, name, parallel, masking, max_steps=FP8_STEPS)
     data["precision"] = FP8_PRECISION
     data["eval"] = {"interval": 0}
     return data
@@ -168,12 +171,16 @@ def test_cp2_with_experts_and_pipelines_on_four_ranks(documents_dir, single_proc
     """cp2 x ep2 (experts spread over the context ranks; with the distributed optimizer and
     full recompute, and with the rowwise dispatcher under masking) and cp2 x pp2 (1f1b with
     selective recompute, and gpipe), each without and with document masking; cp2 x ep2 and
-    cp2 x pp2 with rowwise FP8 (experts and linears) against the single process with FP8; then
+    cp2 x pp2 with rowwise FP8 (experts and linears), and cp2 x ep2 over rowwise under masking
+    with FP8, against the single process with FP8 (masked or not), every rank running FP8; then
     a cp1 run (dp2 x pp2) resumes the cp2 x ep2 run's checkpoint."""
     (single, single_masked), single_root = single_process[0].values(), single_process[1]
-    single_fp8 = train(
-        config_from_dict(_fp8_case(tmp_path, documents_dir, "single_fp8", {}))
-    ).losses
+    single_fp8 = {
+        masking: train_fp8_single(
+            _fp8_case(tmp_path, documents_dir, f"single_fp8_{masking}", {}, masking)
+        )
+        for masking in (False, True)
+    }
     layouts = {
         "cp2_ep2": (
             {"cp": 2, "ep": 2, "distributed_optimizer": True, "recompute": "full"},
@@ -195,13 +202,22 @@ def test_cp2_with_experts_and_pipelines_on_four_ranks(documents_dir, single_proc
     # Two micro-batches a step: dp2 x pp2 (gpipe) is the cp1 layout of four ranks.
     cp1 = {"pp": 2, "pp_schedule": "gpipe"}
     cases["resume_cp1"] = _resume_case(tmp_path, documents_dir, "resume_cp1", cp1, halfway)
-    fp8_layouts = {"cp2_ep2_fp8": {"cp": 2, "ep": 2}, "cp2_pp2_fp8": {"cp": 2, "pp": 2}}
-    for name, parallel in fp8_layouts.items():
-        cases[name] = _fp8_case(tmp_path, documents_dir, name, parallel)
-    per_rank = run_distributed(train_cases, world_size=4, args=(cases,), timeout=600)
+    fp8_layouts = {  # name: (parallel, masking)
+        "cp2_ep2_fp8": ({"cp": 2, "ep": 2}, False),
+        "cp2_pp2_fp8": ({"cp": 2, "pp": 2}, False),
+        "cp2_ep2_masked_fp8": ({"cp": 2, "ep": 2, "dispatcher": "rowwise"}, True),
+    }
+    for name, (parallel, masking) in fp8_layouts.items():
+        cases[name] = _fp8_case(tmp_path, documents_dir, name, parallel, masking)
+    cases["cp2_ep2_masked_fp8"]["model"]["moe"]["capacity_factor"] = 4.0
+    per_rank, gemms_per_rank = zip(
+        *run_distributed(train_cases_with_gemms, world_size=4, args=(cases,), timeout=600),
+        strict=True,
+    )
     losses = per_rank[0]
-    for name in fp8_layouts:
-        assert_losses_match(name, losses[name], single_fp8, rtol=FP8_CONTEXT_RTOL)
+    assert_fp8_ran(gemms_per_rank, list(fp8_layouts))
+    for name, (_, masking) in fp8_layouts.items():
+        assert_losses_match(name, losses[name], single_fp8[masking], rtol=FP8_CONTEXT_RTOL)
     for name in layouts:
         assert_losses_match(name, losses[name], single)
         assert_losses_match(f"{name} masked", losses[f"{name}_masked"], single_masked)

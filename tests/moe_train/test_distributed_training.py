@@ -12,10 +12,12 @@ from training import (
     CONFIGS,
     FP8_LAYOUT_RTOL,
     FP8_PRECISION,
+    assert_fp8_ran,
     assert_losses_match,
     save_config,
     small_config_data,
-    train_cases,
+    train_cases_with_gemms,
+    train_fp8_single,
 )
 
 STEPS = 4
@@ -120,9 +122,11 @@ FP8_RUNS_AT_FOUR = {
     "dp_fp8": ({"distributed_optimizer": True}, 1e-5),
     "all_to_all_fp8": ({"ep": 2, "dispatcher": "all_to_all"}, FP8_LAYOUT_RTOL),
     "ep4_fp8": ({"ep": 4, "dispatcher": "all_to_all"}, FP8_LAYOUT_RTOL),
+    "rowwise_fp8": ({"ep": 2, "dispatcher": "rowwise"}, FP8_LAYOUT_RTOL),
 }
-"""Rowwise FP8 (experts and linears) at dp4, ep2 x dp4 and ep4 x dp4, each with its tolerance
-against one process with FP8 (every two-rank layout has its FP8 case in test_fp8_training).
+"""Rowwise FP8 (experts and linears) at dp4, ep2 x dp4 (all_to_all and rowwise) and ep4 x dp4,
+each with its tolerance against one process with FP8 (every two-rank layout has its FP8 case
+in test_fp8_training); every rank also reports that its experts and linears ran FP8.
 dp4 keeps micro-batches whole, so it sees the single process's scales: the fp32 layouts'
 tolerance (measured: equal), which an FP8 run with bf16 experts fails (3.3e-5 after 6 steps);
 ep2 and ep4 quantize the weight-gradient operands over their ranks' rows (measured 2.0e-5,
@@ -142,27 +146,35 @@ def test_data_and_expert_parallel_match_single_process(
     shared_token_file, tmp_path, reference_losses, world_size
 ):
     """Data parallel alone and with ep=2 over each dispatcher, trained in one spawn; at four
-    ranks also rowwise FP8 at dp4 (distributed optimizer), ep2 x dp4 and ep4 x dp4 against one
-    process with FP8 (`FP8_RUNS_AT_FOUR`)."""
+    ranks also rowwise FP8 at dp4 (distributed optimizer), ep2 x dp4 (all_to_all, rowwise) and
+    ep4 x dp4 against one process with FP8 (`FP8_RUNS_AT_FOUR`), each rank running FP8."""
     configs = {}
-    for name, parallel in PARALLEL_RUNS.items():
-        data = _config_data(shared_token_file, tmp_path / name, **parallel)
+    fp8_runs = FP8_RUNS_AT_FOUR if world_size == 4 else {}
+    runs = {**PARALLEL_RUNS, **{name: parallel for name, (parallel, _) in fp8_runs.items()}}
+    for name, parallel in runs.items():
+        if name in fp8_runs:
+            data = _fp8_config_data(shared_token_file, tmp_path / name, **parallel)
+        else:
+            data = _config_data(shared_token_file, tmp_path / name, **parallel)
         # Rowwise buffers: capacity 4 x the even share is more than any expert can receive.
         rowwise = parallel.get("dispatcher") == "rowwise"
         data["model"]["moe"]["capacity_factor"] = 4.0 if rowwise else None
         configs[name] = data
-    fp8_runs = FP8_RUNS_AT_FOUR if world_size == 4 else {}
-    for name, (parallel, _) in fp8_runs.items():
-        configs[name] = _fp8_config_data(shared_token_file, tmp_path / name, **parallel)
-    per_rank = run_distributed(train_cases, world_size=world_size, args=(configs,), timeout=600)
+    per_rank, gemms_per_rank = zip(
+        *run_distributed(
+            train_cases_with_gemms, world_size=world_size, args=(configs,), timeout=600
+        ),
+        strict=True,
+    )
     for name in configs:
         assert all(r[name] == per_rank[0][name] for r in per_rank), f"{name}: ranks disagree"
         if name not in fp8_runs:
             _assert_losses_match(per_rank[0][name], reference_losses)
             assert len(read_metrics(tmp_path / name / "metrics.jsonl")) == STEPS
     if fp8_runs:
+        assert_fp8_ran(gemms_per_rank, list(fp8_runs))
         single = _fp8_config_data(shared_token_file, tmp_path / "single_fp8")
-        single_fp8 = train(config_from_dict(single)).losses
+        single_fp8 = train_fp8_single(single)
         for name, (_, rtol) in fp8_runs.items():
             assert_losses_match(name, per_rank[0][name], single_fp8, rtol=rtol)
 

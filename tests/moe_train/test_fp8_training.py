@@ -14,7 +14,14 @@ from moe_train.model.moe import Experts
 from moe_train.train import train
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner
-from training import FP8_LAYOUT_RTOL, FP8_PRECISION, assert_losses_match, train_cases
+from training import (
+    FP8_LAYOUT_RTOL,
+    FP8_PRECISION,
+    assert_fp8_ran,
+    assert_losses_match,
+    train_cases_with_gemms,
+    train_fp8_single,
+)
 
 FP8 = FP8_PRECISION
 STEPS = 6
@@ -79,27 +86,47 @@ TWO_RANK_LAYOUTS: dict[str, dict] = {
 """Every layout of two ranks: data parallel with the replicated and the distributed
 optimizer, expert parallel over each dispatcher (and sharded), pipeline and context parallel."""
 
+BF16_PARAM_LAYOUTS: dict[str, dict] = {
+    "dp2_bf16_params": {"distributed_optimizer": True},
+    "ep2_bf16_params": {"ep": 2, "dispatcher": "all_to_all"},
+}
+"""Layouts with bf16 parameters (and FP8), against one process with bf16 parameters and FP8."""
+
 
 @pytest.mark.slow
 def test_fp8_rowwise_trains_on_every_layout_like_one_process(make_config, tmp_path):
-    """fp8_rowwise experts and linears on every two-rank layout (`TWO_RANK_LAYOUTS`, one
-    spawn) against the single process, within `FP8_LAYOUT_RTOL`. Each micro-batch quantizes its
-    own rows, so layouts that keep micro-batches whole see the same scales."""
+    """fp8_rowwise experts and linears on every two-rank layout (`TWO_RANK_LAYOUTS`), and with
+    bf16 parameters (`BF16_PARAM_LAYOUTS`), in one spawn, against the single process within
+    `FP8_LAYOUT_RTOL`; every rank reports that its experts and linears ran FP8, and plain bf16
+    training is further from the FP8 process than that tolerance. Each micro-batch quantizes
+    its own rows, so layouts that keep micro-batches whole see the same scales."""
 
-    def config(name: str, **parallel) -> dict:
+    def config(name: str, param_dtype: str = "float32", precision=FP8, **parallel) -> dict:
         data = make_config(
             tmp_path / name,
             train={"max_steps": STEPS},
             data={"micro_batch_size": 2},
-            precision=FP8,
+            precision={**precision, "param_dtype": param_dtype},
             parallel=parallel,
         ).to_dict()
         if parallel.get("dispatcher") == "rowwise":  # more than any expert can receive
             data["model"]["moe"]["capacity_factor"] = 4.0
         return data
 
-    single = train(config_from_dict(config("single")))
+    single = train_fp8_single(config("single"))
+    single_bf16_params = train_fp8_single(config("single_bf16_params", "bfloat16"))
+    bf16 = train(config_from_dict(config("bf16", precision={"compute_dtype": "bfloat16"})))
+    gap = max(abs(a - b) / abs(b) for a, b in zip(bf16.losses, single, strict=True))
+    assert gap > FP8_LAYOUT_RTOL, f"bf16 is {gap:.1e} from FP8: the tolerance cannot tell them"
     cases = {name: config(name, **parallel) for name, parallel in TWO_RANK_LAYOUTS.items()}
-    for losses in run_distributed(train_cases, world_size=2, args=(cases,), timeout=600):
+    for name, parallel in BF16_PARAM_LAYOUTS.items():
+        cases[name] = config(name, "bfloat16", **parallel)
+    losses_per_rank, gemms_per_rank = zip(
+        *run_distributed(train_cases_with_gemms, world_size=2, args=(cases,), timeout=600),
+        strict=True,
+    )
+    assert_fp8_ran(gemms_per_rank, list(cases))
+    for losses in losses_per_rank:
         for name in cases:
-            assert_losses_match(name, losses[name], single.losses, rtol=FP8_LAYOUT_RTOL)
+            reference = single_bf16_params if name in BF16_PARAM_LAYOUTS else single
+            assert_losses_match(name, losses[name], reference, rtol=FP8_LAYOUT_RTOL)

@@ -12,9 +12,11 @@ from moe_train.train.pipeline import check_pipeline, plan_stages
 from training import (
     FP8_LAYOUT_RTOL,
     FP8_PRECISION,
+    assert_fp8_ran,
     assert_losses_match,
     small_config_data,
-    train_cases,
+    train_cases_with_gemms,
+    train_fp8_single,
 )
 
 STEPS = 10
@@ -58,37 +60,42 @@ def test_stage_plan_places_stages_in_a_loop():
 
 
 def test_pipeline_schedules_match_single_process(token_file, tmp_path):
-    """Each schedule at pp2 against one process, in one spawn; the interleaved one also with
-    rowwise FP8 (experts and linears: each rank converts its own layer chunks) against one
-    process with FP8, within `FP8_LAYOUT_RTOL`."""
+    """Each schedule at pp2 against one process, in one spawn; each also with rowwise FP8
+    (experts and linears: each rank converts its own layer chunks) against one process with
+    FP8, within `FP8_LAYOUT_RTOL`, every rank running FP8."""
     single = train(config_from_dict(_config_data(token_file, tmp_path / "single"))).losses
     interleaved = {"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2}
-    cases = {
-        "1f1b": _config_data(token_file, tmp_path / "1f1b", pp=2),
-        "gpipe": _config_data(token_file, tmp_path / "gpipe", pp=2, pp_schedule="gpipe"),
-        "interleaved": _config_data(token_file, tmp_path / "interleaved", **interleaved),
-        "1f1b_recompute": _config_data(
-            token_file, tmp_path / "recompute", pp=2, recompute="selective"
-        ),
-        "interleaved_fp8": _fp8_config_data(
-            token_file, tmp_path / "interleaved_fp8", **interleaved
-        ),
+    schedules = {
+        "1f1b": {"pp": 2},
+        "gpipe": {"pp": 2, "pp_schedule": "gpipe"},
+        "interleaved": interleaved,
+        "1f1b_recompute": {"pp": 2, "recompute": "selective"},
     }
-    per_rank = run_distributed(train_cases, world_size=2, args=(cases,))
-    single_fp8 = train(config_from_dict(_fp8_config_data(token_file, tmp_path / "single_fp8")))
-    for name in cases:
+    cases = {name: _config_data(token_file, tmp_path / name, **p) for name, p in schedules.items()}
+    fp8_cases = {
+        f"{name}_fp8": _fp8_config_data(token_file, tmp_path / f"{name}_fp8", **schedules[name])
+        for name in ("gpipe", "interleaved", "1f1b_recompute")
+    }
+    per_rank, gemms_per_rank = zip(
+        *run_distributed(train_cases_with_gemms, world_size=2, args=({**cases, **fp8_cases},)),
+        strict=True,
+    )
+    single_fp8 = train_fp8_single(_fp8_config_data(token_file, tmp_path / "single_fp8"))
+    assert_fp8_ran(gemms_per_rank, list(fp8_cases))
+    for name in [*cases, *fp8_cases]:
         assert per_rank[0][name] == per_rank[1][name], f"{name}: ranks disagree: {per_rank}"
-        if name == "interleaved_fp8":
-            assert_losses_match(name, per_rank[0][name], single_fp8.losses, rtol=FP8_LAYOUT_RTOL)
+        if name in fp8_cases:
+            assert_losses_match(name, per_rank[0][name], single_fp8, rtol=FP8_LAYOUT_RTOL)
         else:
             assert_losses_match(name, per_rank[0][name], single)
 
 
 def test_pipeline_with_expert_and_data_parallel_matches_single_process(token_file, tmp_path):
     """pp2 x ep2 x dp2 in fp32 with each dispatcher and the distributed optimizer, and with
-    rowwise FP8 (experts and linears) against the single process with FP8, in one spawn."""
+    rowwise FP8 (experts and linears) against the single process with FP8, every rank running
+    FP8, in one spawn."""
     single = train(config_from_dict(_config_data(token_file, tmp_path / "single"))).losses
-    single_fp8 = train(config_from_dict(_fp8_config_data(token_file, tmp_path / "single_fp8")))
+    single_fp8 = train_fp8_single(_fp8_config_data(token_file, tmp_path / "single_fp8"))
     ep2 = {"ep": 2, "dispatcher": "all_to_all"}
     cases = {
         "pp2_ep2_dp2": _config_data(token_file, tmp_path / "pp2ep2", pp=2, **ep2),
@@ -108,11 +115,15 @@ def test_pipeline_with_expert_and_data_parallel_matches_single_process(token_fil
     cases["pp2_ep2_dp2_rowwise_shared_memory"]["model"]["moe"]["capacity_factor"] = 4.0
     fp8_layout = {"pp": 2, "distributed_optimizer": True, **ep2}
     cases["fp8"] = _fp8_config_data(token_file, tmp_path / "pp2ep2fp8", **fp8_layout)
-    per_rank = run_distributed(train_cases, world_size=4, args=(cases,), timeout=600)
+    per_rank, gemms_per_rank = zip(
+        *run_distributed(train_cases_with_gemms, world_size=4, args=(cases,), timeout=600),
+        strict=True,
+    )
+    assert_fp8_ran(gemms_per_rank, ["fp8"])
     for losses in per_rank:
         for name in cases:
             if name == "fp8":
-                assert_losses_match(name, losses[name], single_fp8.losses, rtol=FP8_LAYOUT_RTOL)
+                assert_losses_match(name, losses[name], single_fp8, rtol=FP8_LAYOUT_RTOL)
             else:
                 assert_losses_match(name, losses[name], single)
 
