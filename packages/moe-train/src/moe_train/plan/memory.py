@@ -22,7 +22,6 @@ from moe_train.plan.activations import (
 )
 from moe_train.plan.hardware import Device
 from moe_train.plan.stages import (
-    CACHED_ANSWERS,
     cached,
     model_key,
     rank_dense_layers,
@@ -99,11 +98,10 @@ class MemoryPrediction:
         }
 
 
-_MODELS: dict[tuple, int] = {}
-"""A number for each model section seen (by `model_key`), which the cache keys hold: a short
-key hashes faster than the model's values."""
 _PARAMS: dict[tuple, RankParams] = {}
 _HELD: dict[tuple, float] = {}
+"""Pieces of memory by their inputs (shared by the page's threads: an answer is the same
+whichever computes it, so a race loses at most an entry)."""
 
 
 def clear_caches() -> None:
@@ -112,7 +110,6 @@ def clear_caches() -> None:
     _HELD.clear()
     rank_shape.cache_clear()
     rank_groups.cache_clear()
-    _MODELS.clear()
 
 
 @dataclass(frozen=True)
@@ -126,9 +123,7 @@ class _Keys:
 
     @classmethod
     def of(cls, config: Config) -> _Keys:
-        if len(_MODELS) >= CACHED_ANSWERS:
-            clear_caches()  # the numbers are reused after this: no key may keep an old one
-        model, parallel = _MODELS.setdefault(model_key(config.model), len(_MODELS)), config.parallel
+        model, parallel = model_key(config.model), config.parallel
         params = (model, parallel.pp, parallel.virtual_stages, parallel.ep)
         return cls(params, held_inputs(config, model))
 
