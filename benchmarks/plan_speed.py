@@ -5,7 +5,8 @@ For every `configs/*.yaml` two requests are timed: the page's default one (8 H10
 node, a budget of 1e12 tokens) and, for a config whose header names a device count in its
 `# Planner:` or `# Calibration:` line, that count and device. "page" is one call of
 `Planner.plan` (a fresh planner, so no answer is cached: the request's fields turned into
-`moe-train plan` words, parsed, planned, the shown rows made JSON-ready) plus the `json.dumps`
+`moe-train plan` words, parsed, planned, the shown rows made JSON-ready; the planner's caches
+of memory pieces emptied first) plus the `json.dumps`
 the handler sends; "--json" is `plan_json_of` of the same words plus `json.dumps`: every
 layout's full figures, which is what the page received before its answer carried only the rows
 it shows (and what it cost: the rejected layouts' traffic and step time, and their rows). Each
@@ -32,6 +33,7 @@ from typing import Any
 
 from harness.output import print_table, write_json
 from moe_train.cli.plan import plan_json_of, plan_words_of
+from moe_train.plan.memory import clear_caches
 from moe_train.plan.serve import BadRequest, Planner, shipped_configs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -54,6 +56,7 @@ def requests_of(path: Path) -> list[tuple[str, dict[str, Any]]]:
 def answer_once(configs: dict[str, Path], request: dict[str, Any]) -> dict[str, Any]:
     """Wall and CPU seconds of one uncached page answer (planning and the JSON body), its
     status, body and size."""
+    clear_caches()
     start, cpu = time.perf_counter(), time.process_time()
     try:
         body, status = Planner(plan_words_of, configs).plan(request), 200
@@ -65,7 +68,9 @@ def answer_once(configs: dict[str, Path], request: dict[str, Any]) -> dict[str, 
 
 
 def full_once(argv: list[str]) -> dict[str, Any]:
-    """Wall and CPU seconds of `plan --json`'s whole answer for the same words, and its size."""
+    """Wall and CPU seconds of `plan --json`'s whole answer for the same words, and its size
+    (uncached too)."""
+    clear_caches()
     start, cpu = time.perf_counter(), time.process_time()
     size = len(json.dumps(plan_json_of(argv, search=False)))
     return {

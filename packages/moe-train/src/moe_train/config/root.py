@@ -12,6 +12,9 @@ from moe_train.config.runtime import CheckpointConfig, EvalConfig, ParallelConfi
 from moe_train.config.training import OptimConfig, TrainConfig
 from moe_train.errors import ConfigError
 
+LAYOUT_SECTIONS = ("data", "parallel", "precision")
+"""The sections a training layout sets (`moe-train plan`'s candidates differ in these alone)."""
+
 
 @dataclass(kw_only=True)
 class Config:
@@ -33,8 +36,39 @@ class Config:
     """Held-out evaluation: loss and downstream tasks."""
 
     def validate(self) -> None:
+        """Every check: whether this config can start (on some number of ranks)."""
+        self._validate(fixed=True, layout=True)
+
+    def validate_fixed(self) -> None:
+        """The checks that read no section of LAYOUT_SECTIONS: `moe-train plan` runs them once
+        for all the layouts it compares, which differ in those sections alone."""
+        self._validate(fixed=True, layout=False)
+
+    def validate_layout(self) -> None:
+        """The checks that read a section of LAYOUT_SECTIONS: with `validate_fixed` passed,
+        the same answer as `validate`."""
+        self._validate(fixed=False, layout=True)
+
+    def _validate(self, *, fixed: bool, layout: bool) -> None:
+        """The checks of `validate` in its order, those of the fixed or layout part or both."""
         for section in dataclasses.fields(self):
-            getattr(self, section.name).validate(section.name)
+            if layout if section.name in LAYOUT_SECTIONS else fixed:
+                getattr(self, section.name).validate(section.name)
+        if layout:
+            self._validate_layout_across()
+        if not fixed:
+            return
+        optim, max_steps = self.optim, self.train.max_steps
+        wsd_steps = optim.warmup_steps + (optim.decay_steps or 0)
+        if optim.schedule == "wsd" and wsd_steps > max_steps:
+            raise ConfigError(
+                f"optim.warmup_steps={optim.warmup_steps} + optim.decay_steps="
+                f"{optim.decay_steps} must be at most train.max_steps={max_steps} with "
+                f"optim.schedule=wsd (its decay is the run's last decay_steps steps, after warmup)"
+            )
+
+    def _validate_layout_across(self) -> None:
+        """The checks across sections that read a layout section."""
         if self.model.tie_embeddings and self.parallel.pp > 1:
             raise ConfigError(
                 "model.tie_embeddings=true cannot be split over pipeline stages (the embedding is "
@@ -47,14 +81,6 @@ class Config:
                 f"sequence is cut into 2 x cp equal chunks)"
             )
         self._validate_mtp()
-        optim, max_steps = self.optim, self.train.max_steps
-        wsd_steps = optim.warmup_steps + (optim.decay_steps or 0)
-        if optim.schedule == "wsd" and wsd_steps > max_steps:
-            raise ConfigError(
-                f"optim.warmup_steps={optim.warmup_steps} + optim.decay_steps="
-                f"{optim.decay_steps} must be at most train.max_steps={max_steps} with "
-                f"optim.schedule=wsd (its decay is the run's last decay_steps steps, after warmup)"
-            )
 
     def _validate_mtp(self) -> None:
         """What model.mtp_depth needs from the data."""

@@ -190,12 +190,34 @@ def _swiglu_bytes(x: Widths, tokens: int, hidden: int) -> float:
     return kept + weights
 
 
+def held_inputs(config: Config, model: tuple) -> tuple:
+    """What `held_per_micro_batch` reads of `config` (a cache key, with its arguments), given
+    `model`, a key of the model section (its `model_key`, or a number for it): the model
+    whole, and of the sections a layout sets, the fields read here (keep it in step with the
+    functions below)."""
+    data, parallel, precision = config.data, config.parallel, config.precision
+    return (
+        model,
+        data.seq_len,
+        data.micro_batch_size,
+        parallel.ep,
+        parallel.cp,
+        parallel.pp > 1,
+        parallel.recompute,
+        parallel.dispatcher,
+        precision.compute_dtype,
+        precision.param_dtype,
+    )
+
+
 def held_per_micro_batch(
     config: Config, layers: Sequence[int], first: bool, last: bool, mxfp8_kernels: bool = False
 ) -> float:
     """Bytes held for backward after the forward of one micro-batch of the pipeline stage(s)
     that hold `layers` (the final norm, head and MTP modules on the `last` one);
-    `mxfp8_kernels`: the expert GEMMs run torchao's MXFP8 kernels."""
+    `mxfp8_kernels`: the expert GEMMs run torchao's MXFP8 kernels. It reads `layers` only
+    through whether each, in order, is dense, so `moe_train.plan.memory` keeps the answers by
+    that (`rank_shape`) and `held_inputs`."""
     x = Widths.of(config, mxfp8_kernels)
     model = config.model
     batch = config.data.micro_batch_size

@@ -62,11 +62,14 @@ def evaluate(config: Config, world_size: int, device: Device) -> Evaluated:
     return with_figures(screen(config, world_size, device), device)
 
 
-def screen(config: Config, world_size: int, device: Device) -> Evaluated:
+def screen(
+    config: Config, world_size: int, device: Device, *, fixed_valid: bool = False
+) -> Evaluated:
     """The cheap part of `evaluate`: the start checks and the memory, and whether it fits;
-    no traffic, step time or speed (`with_figures` adds them)."""
+    no traffic, step time or speed (`with_figures` adds them). `fixed_valid`: the config's
+    sections that no layout sets passed `Config.validate_fixed` (see `start_error`)."""
     label = layout_label(config, world_size)
-    error = start_error(config, world_size)
+    error = start_error(config, world_size, fixed_valid=fixed_valid)
     if error is not None:
         return Evaluated(config, world_size, label, error)
     config = _resolved(config)
@@ -98,14 +101,29 @@ def with_figures(screened: Evaluated, device: Device) -> Evaluated:
     )
 
 
-def start_error(config: Config, world_size: int) -> str | None:
-    """Why the trainer would refuse to start `config` on `world_size` ranks (None: it starts)."""
+def start_error(config: Config, world_size: int, *, fixed_valid: bool = False) -> str | None:
+    """Why the trainer would refuse to start `config` on `world_size` ranks (None: it starts).
+    `fixed_valid`: its sections that no layout sets passed `Config.validate_fixed` (the
+    layouts of one config share them), so only `Config.validate_layout` runs: the same answer."""
     try:
-        config.validate()
+        if fixed_valid:
+            config.validate_layout()
+        else:
+            config.validate()
         check_topology(config, world_size)
     except ConfigError as e:
         return str(e)
     return None
+
+
+def fixed_sections_valid(config: Config) -> bool:
+    """Whether `config`'s sections that no layout sets pass their checks (then its candidate
+    layouts, which share those sections, can be screened with `fixed_valid=True`)."""
+    try:
+        config.validate_fixed()
+    except ConfigError:
+        return False
+    return True
 
 
 def _resolved(config: Config) -> Config:

@@ -13,9 +13,23 @@ from dataclasses import dataclass
 from moe_parallel import assign_owners
 from moe_train.config import Config
 from moe_train.model.accounting import count_params, qk_norm_params
-from moe_train.plan.activations import DTYPE_BYTES, FP32, capacity, held_per_micro_batch
+from moe_train.plan.activations import (
+    DTYPE_BYTES,
+    FP32,
+    capacity,
+    held_inputs,
+    held_per_micro_batch,
+)
 from moe_train.plan.hardware import Device
-from moe_train.plan.stages import rank_dense_layers, rank_layers, rank_stages
+from moe_train.plan.stages import (
+    cached,
+    model_key,
+    rank_dense_layers,
+    rank_groups,
+    rank_layers,
+    rank_shape,
+    rank_stages,
+)
 from moe_train.train.pipeline import plan_stages
 
 ALLOCATOR_SLACK = 0.10
@@ -84,9 +98,44 @@ class MemoryPrediction:
         }
 
 
-def rank_params(config: Config, pp_rank: int) -> RankParams:
+_PARAMS: dict[tuple, RankParams] = {}
+_HELD: dict[tuple, float] = {}
+"""Pieces of memory by their inputs (shared by the page's threads: an answer is the same
+whichever computes it, so a race loses at most an entry)."""
+
+
+def clear_caches() -> None:
+    """Forget the pieces of memory computed so far (a cold start, as for a benchmark)."""
+    _PARAMS.clear()
+    _HELD.clear()
+    rank_shape.cache_clear()
+    rank_groups.cache_clear()
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """The cache keys of one layout's pieces of memory, shared by its pipeline ranks."""
+
+    params: tuple
+    """What `rank_params` reads but the rank: the model section and three parallel sizes."""
+    held: tuple
+    """What `held_per_micro_batch` reads of the config (`held_inputs`)."""
+
+    @classmethod
+    def of(cls, config: Config) -> _Keys:
+        model, parallel = model_key(config.model), config.parallel
+        params = (model, parallel.pp, parallel.virtual_stages, parallel.ep)
+        return cls(params, held_inputs(config, model))
+
+
+def rank_params(config: Config, pp_rank: int, keys: _Keys | None = None) -> RankParams:
     """Parameters pipeline rank `pp_rank` holds (its layers, and the embedding or head and
-    MTP modules)."""
+    MTP modules), cached by what they depend on (`keys`: the config's, when known)."""
+    key = ((keys or _Keys.of(config)).params, pp_rank)
+    return cached(_PARAMS, key, lambda: _rank_params(config, pp_rank))
+
+
+def _rank_params(config: Config, pp_rank: int) -> RankParams:
     model, moe, parallel = config.model, config.model.moe, config.parallel
     d = model.d_model
     head_dim = d // model.n_heads
@@ -173,11 +222,22 @@ def predict_memory(
     config: Config, world_size: int, device: Device | None = None
 ) -> MemoryPrediction:
     """The busiest pipeline rank's memory (by estimated peak) for `config` on `world_size`
-    devices of kind `device` (None: what runs anywhere, as on a CPU)."""
-    return max(
-        (_rank_memory(config, world_size, r, device) for r in range(config.parallel.pp)),
-        key=lambda m: m.total,
-    )
+    devices of kind `device` (None: what runs anywhere, as on a CPU): the first rank of the
+    largest `MemoryPrediction.total`. Ranks whose stages hold the same kinds of layers share
+    all but their micro-batches in flight (`_StageMemory`), computed once for them."""
+    keys, parallel, model = _Keys.of(config), config.parallel, config.model
+    batch_ranks = world_size // parallel.pp // parallel.cp
+    groups = rank_groups(model.n_layers, parallel.pp, parallel.virtual_stages, model.dense_layers)
+    best = None
+    for _, ranks in groups:
+        stage = _stage_memory(config, world_size, ranks[0], device, keys)
+        for pp_rank in ranks:
+            in_flight = in_flight_micro_batches(config, batch_ranks, pp_rank)
+            total = stage.total(in_flight)
+            if best is None or total > best[0] or (total == best[0] and pp_rank < best[3]):
+                best = (total, stage, in_flight, pp_rank)
+    _, stage, in_flight, pp_rank = best
+    return stage.prediction(in_flight, pp_rank)
 
 
 def runs_torchao_mxfp8(config: Config, device: Device | None) -> bool:
@@ -189,13 +249,61 @@ def runs_torchao_mxfp8(config: Config, device: Device | None) -> bool:
     return precision.expert_gemm in ("mxfp8", "auto")
 
 
+@dataclass(frozen=True)
+class _StageMemory:
+    """A pipeline rank's memory but its micro-batches in flight."""
+
+    weights: float
+    gradients: float
+    before: float
+    optimizer: float
+    activations: float
+    dispatch: float
+
+    def _state(self, in_flight: float) -> float:
+        return (
+            self.weights
+            + self.gradients
+            + self.before
+            + self.optimizer
+            + (self.activations * in_flight)
+        )
+
+    def total(self, in_flight: float) -> float:
+        """`MemoryPrediction.total` of the rank (the same additions in the same order)."""
+        state = self._state(in_flight)
+        return state + self.dispatch + ALLOCATOR_SLACK * (state + self.dispatch)
+
+    def prediction(self, in_flight: float, pp_rank: int) -> MemoryPrediction:
+        return MemoryPrediction(
+            weights=self.weights,
+            gradients=self.gradients,
+            optimizer=self.optimizer,
+            activations=self.activations,
+            in_flight=in_flight,
+            gradients_before_reduction=self.before,
+            dispatch_buffers=self.dispatch,
+            slack=ALLOCATOR_SLACK * (self._state(in_flight) + self.dispatch),
+            pp_rank=pp_rank,
+        )
+
+
 def _rank_memory(
     config: Config, world_size: int, pp_rank: int, device: Device | None = None
 ) -> MemoryPrediction:
+    """One pipeline rank's memory."""
+    stage = _stage_memory(config, world_size, pp_rank, device, _Keys.of(config))
+    batch_ranks = world_size // config.parallel.pp // config.parallel.cp
+    return stage.prediction(in_flight_micro_batches(config, batch_ranks, pp_rank), pp_rank)
+
+
+def _stage_memory(
+    config: Config, world_size: int, pp_rank: int, device: Device | None, keys: _Keys
+) -> _StageMemory:
     parallel, precision = config.parallel, config.precision
     dp = world_size // parallel.pp
     expert_dp = dp // parallel.ep
-    params = rank_params(config, pp_rank)
+    params = rank_params(config, pp_rank, keys)
     w = DTYPE_BYTES[precision.param_dtype]
     low_precision = w < FP32
     if parallel.distributed_optimizer:
@@ -224,27 +332,17 @@ def _rank_memory(
         gradients = FP32 * params.total
         before = 0
     place = (config.model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
-    stages = rank_stages(*place)
-    activations = held_per_micro_batch(
-        config,
-        rank_layers(*place),
-        stages.has_first,
-        stages.has_last,
-        mxfp8_kernels=runs_torchao_mxfp8(config, device),
+    shape = rank_shape(*place, config.model.dense_layers)
+    layers, mxfp8 = rank_layers(*place), runs_torchao_mxfp8(config, device)
+    first, last = shape[1], shape[2]
+    activations = cached(
+        _HELD,
+        (keys.held, shape, mxfp8),
+        lambda: held_per_micro_batch(config, layers, first, last, mxfp8),
     )
-    in_flight = in_flight_micro_batches(config, dp // parallel.cp, pp_rank)
-    dispatch = _dispatch_buffers(config)
-    state = params.total * w + gradients + before + optimizer + activations * in_flight
-    return MemoryPrediction(
-        weights=params.total * w,
-        gradients=gradients,
-        optimizer=optimizer,
-        activations=activations,
-        in_flight=in_flight,
-        gradients_before_reduction=before,
-        dispatch_buffers=dispatch,
-        slack=ALLOCATOR_SLACK * (state + dispatch),
-        pp_rank=pp_rank,
+    weights = params.total * w
+    return _StageMemory(
+        weights, gradients, before, optimizer, activations, _dispatch_buffers(config)
     )
 
 

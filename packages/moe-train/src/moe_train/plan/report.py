@@ -15,6 +15,7 @@ from moe_train.plan.layouts import (
     Evaluated,
     candidate_layouts,
     evaluate,
+    fixed_sections_valid,
     format_bytes,
     layout_overrides,
     screen,
@@ -56,8 +57,9 @@ def make_plan(config: Config, world_size: int, device: Device, *, search: bool =
     own = evaluate(config, world_size, device)
     seen: set[str] = set()
     fitting, rejected = [], []
+    fixed_valid = fixed_sections_valid(config)
     for candidate in candidate_layouts(config, world_size, device):
-        result = screen(candidate, world_size, device)
+        result = screen(candidate, world_size, device, fixed_valid=fixed_valid)
         if result.label in seen:
             continue
         seen.add(result.label)

@@ -12,6 +12,7 @@ from moe_train.plan.layouts import (
     Evaluated,
     candidate_layouts,
     context_sizes,
+    fixed_sections_valid,
     layout_label,
     screen,
     with_figures,
@@ -101,10 +102,11 @@ def _fitting(config: Config, count: int, device: Device) -> Iterator[Evaluated]:
     """The candidate layouts on `count` devices that start and fit, screened (judged by
     memory alone, the cheap part of an evaluation), one per label."""
     seen: set[str] = set()
+    fixed_valid = fixed_sections_valid(config)
     for candidate in candidate_layouts(config, count, device):
         label = layout_label(candidate, count)
         if label in seen:
             continue
         seen.add(label)
-        if (screened := screen(candidate, count, device)).fits:
+        if (screened := screen(candidate, count, device, fixed_valid=fixed_valid)).fits:
             yield screened

@@ -1,11 +1,17 @@
 """Which layers each pipeline rank holds, cached: the planner asks it of every layout it
-compares, for each rank, and the answer depends on four integers alone."""
+compares, for each rank, and the answer depends on four integers alone. Also the planner's
+other caches: a bounded dict and the key of a model section."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
+from moe_train.config import ModelConfig
 from moe_train.train.pipeline import StagePlan, plan_stages
+
+T = TypeVar("T")
 
 CACHED = 4096
 """(layers, pp, rank, virtual stages) combinations kept."""
@@ -29,3 +35,54 @@ def rank_dense_layers(
 ) -> int:
     """How many of the rank's layers are dense (the first `dense_layers` of the model)."""
     return sum(layer < dense_layers for layer in rank_layers(n_layers, pp, pp_rank, virtual_stages))
+
+
+@functools.lru_cache(maxsize=CACHED)
+def rank_shape(
+    n_layers: int, pp: int, pp_rank: int, virtual_stages: int, dense_layers: int
+) -> tuple[tuple[bool, ...], bool, bool]:
+    """What the pipeline rank's memory depends on of its place: whether each of its layers,
+    in order, is dense (one of the first `dense_layers`), and whether it holds the first and
+    the last stage. Ranks of one shape hold the same parameters and activations."""
+    stages = rank_stages(n_layers, pp, pp_rank, virtual_stages)
+    kinds = tuple(layer < dense_layers for layer in stages.layers)
+    return kinds, stages.has_first, stages.has_last
+
+
+@functools.lru_cache(maxsize=CACHED)
+def rank_groups(
+    n_layers: int, pp: int, virtual_stages: int, dense_layers: int
+) -> tuple[tuple[tuple, tuple[int, ...]], ...]:
+    """The pipeline ranks grouped by `rank_shape`: (shape, its ranks ascending), in the order
+    of each group's first rank."""
+    groups: dict[tuple, list[int]] = {}
+    for pp_rank in range(pp):
+        shape = rank_shape(n_layers, pp, pp_rank, virtual_stages, dense_layers)
+        groups.setdefault(shape, []).append(pp_rank)
+    return tuple((shape, tuple(ranks)) for shape, ranks in groups.items())
+
+
+def model_key(model: ModelConfig) -> tuple:
+    """Every value of the model section (its nested sections as tuples of theirs): a cache
+    key for what is computed from the model, which all the layouts of a config share. A
+    field that cannot be hashed (a list) makes it fail loudly rather than match wrongly."""
+    values = vars(model) | {
+        "moe": tuple(vars(model.moe).values()),
+        "rope_scaling": tuple(vars(model.rope_scaling).values()),
+    }
+    return tuple(values.values())
+
+
+def cached(cache: dict[Hashable, T], key: Hashable, compute: Callable[[], T]) -> T:
+    """`cache[key]`, computed on a miss; the cache is emptied when it holds CACHED_ANSWERS
+    (answers are shared: callers must not change them)."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= CACHED_ANSWERS:
+            cache.clear()
+        value = cache[key] = compute()
+    return value
+
+
+CACHED_ANSWERS = 1 << 16
+"""Answers each of the planner's dicts keeps (memory pieces of distinct layouts)."""
