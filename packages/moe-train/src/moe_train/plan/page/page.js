@@ -15,6 +15,7 @@ const COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948"
 const MORE_ROWS = 25, MORE_REJECTED = 200;
 const $ = (id) => document.getElementById(id);
 let answer = null, chosen = null, timer = null, sequence = 0;
+let planned = null;  // the last request planned, as sent: the same inputs again change nothing
 
 function field(name, label, value, placeholder) {
   const wrap = document.createElement("label");
@@ -69,10 +70,12 @@ function showErrors(errors) {
 
 async function plan(extra) {
   const mine = ++sequence;
+  const body = request(extra);
+  planned = JSON.stringify(body);
   document.body.classList.add("busy");
   let data;
   try {
-    const response = await post("/api/plan", request(extra));
+    const response = await post("/api/plan", body);
     data = await response.json();
   } catch (e) {
     data = {errors: {request: "the server did not answer: " + e}};
@@ -287,7 +290,13 @@ async function start() {
     $("configs-note").textContent = listed.note;
   }
   const later = (refill) => { clearTimeout(timer);
-    timer = setTimeout(async () => { if (refill) await fillInputs(); plan(); }, 300); };
+    timer = setTimeout(async () => {
+      if (refill) await fillInputs();
+      // A field that loses focus fires "change" with nothing changed: keep the rows and
+      // the chosen layout the person has.
+      else if (JSON.stringify(request()) === planned) return;
+      plan();
+    }, 300); };
   const source = (e) => ["config", "yaml"].includes(e.target.id) || e.target.name === "source";
   $("inputs").addEventListener("input", (e) => later(source(e)));
   $("inputs").addEventListener("change", (e) => later(source(e)));
