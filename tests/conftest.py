@@ -5,13 +5,21 @@ start and hand-over rather than by arithmetic, and on a machine whose cores are 
 OpenMP thread that waits for a core stalls every op of the other. The environment variable is
 set before torch is imported, so that it also holds in every process a test starts (torchrun
 and its workers, `moe-train` subprocesses, gloo ranks), as they already ran.
+
+Compiled bytecode is cached, even where the environment says not to (PYTHONDONTWRITEBYTECODE,
+as some containers set): the suite starts many Python processes (torchrun and its workers,
+gloo ranks, `moe-train` commands), and each would otherwise compile torch's sources anew,
+seconds of a core each.
 """
 
 import os
+import sys
 
 os.environ["OMP_NUM_THREADS"] = "1"
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
-import torch
+import torch  # noqa: E402  (after the settings above)
 
 torch.set_num_threads(1)
 
