@@ -155,12 +155,18 @@ def test_check_fires_when_the_balancing_loss_hides_a_rank_imbalance(tmp_path):
     )
 
 
+QUIET_STEPS = 12
+"""Steps of the built-in data run, over two streaks of `logged_steps` (5): its layers look
+balanced to the loss and its ranks uneven from the first steps (measured over 30 steps, no
+streak of both was longer than 2, and streaks of 2 come within the first 12)."""
+
+
 @pytest.mark.slow
 def test_check_stays_quiet_on_the_builtin_data(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [
         f"--train.run_dir={run_dir}",
-        "--train.max_steps=30",
+        f"--train.max_steps={QUIET_STEPS}",
         "--train.progress=false",
         "--parallel.ep=2",
         "--data.micro_batch_size=4",
@@ -171,7 +177,7 @@ def test_check_stays_quiet_on_the_builtin_data(tmp_path):
     result = _train(2, str(CONFIGS / "tiny.yaml"), *overrides)
     assert "warning:" not in result.stderr, result.stderr
     rows = _rows(run_dir)
-    assert len(rows) == 30 and all(r["hidden_imbalance"] == [0, 0, 0, 0] for r in rows)
+    assert len(rows) == QUIET_STEPS and all(r["hidden_imbalance"] == [0, 0, 0, 0] for r in rows)
     assert all(r["hidden_imbalance_layers"] == 0 for r in read_metrics(run_dir / "metrics.jsonl"))
     check = RoutingCheckConfig()
     assert not any(any(f) for f in _streak_flags(rows, check))
