@@ -3,6 +3,7 @@ when none fits, the layouts that come closest and the smallest device count that
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,14 +14,15 @@ from moe_train.plan.layouts import (
     GIB,
     LEGEND,
     Evaluated,
+    Shared,
     candidate_layouts,
     evaluate,
-    fixed_sections_valid,
     format_bytes,
     layout_overrides,
     screen,
     with_figures,
 )
+from moe_train.plan.ranking import fastest, rank
 from moe_train.plan.search import Smallest, smallest_fitting
 from moe_train.plan.traffic import across_nodes, expert_nodes, node_limited_bound
 
@@ -48,28 +50,56 @@ class Plan:
     """When none fits: the layouts that start, least memory first."""
     smallest: Smallest | None = None
     """When none fits: the smallest count of the same devices on which one does."""
+    unranked: list[Evaluated] = field(default_factory=list)
+    """Layouts that fit but are not yet in `fitting` (`make_plan`'s `ranked`): slower than
+    all of `fitting`, or as fast and later tried, screened (some with their figures), in the
+    order tried. `ranked_to` ranks more of them."""
+
+    @property
+    def fitting_count(self) -> int:
+        """How many layouts fit, ranked or not."""
+        return len(self.fitting) + len(self.unranked)
 
 
-def make_plan(config: Config, world_size: int, device: Device, *, search: bool = True) -> Plan:
+def ranked_to(plan: Plan, n: int) -> Plan:
+    """`plan` with at least its `n` fastest layouts that fit ranked in `fitting` (the same
+    rows a full ranking puts first)."""
+    if len(plan.fitting) >= n or not plan.unranked:
+        return plan
+    shared = Shared.of(plan.base if plan.base is not None else plan.own.config)
+    more, unranked = fastest(plan.unranked, plan.device, n - len(plan.fitting), shared)
+    return dataclasses.replace(plan, fitting=plan.fitting + more, unranked=unranked)
+
+
+def make_plan(
+    config: Config,
+    world_size: int,
+    device: Device,
+    *,
+    search: bool = True,
+    ranked: int | None = None,
+) -> Plan:
     """Evaluate the config's own layout and every candidate on `world_size` devices (the
     rejected ones as far as their memory); when none fits, find the closest and (with
-    `search`) the smallest device count that fits."""
+    `search`) the smallest device count that fits. With `ranked`, only the fastest `ranked`
+    that fit are ranked, the others left in `Plan.unranked` (`ranked_to` ranks more)."""
     own = evaluate(config, world_size, device)
     seen: set[str] = set()
     fitting, rejected = [], []
-    fixed_valid = fixed_sections_valid(config)
+    shared = Shared.of(config)
     for candidate in candidate_layouts(config, world_size, device):
-        result = screen(candidate, world_size, device, fixed_valid=fixed_valid)
+        result = screen(candidate, world_size, device, shared=shared)
         if result.label in seen:
             continue
         seen.add(result.label)
-        if result.fits:
-            fitting.append(with_figures(result, device))
-        else:
-            rejected.append(result)
-    fitting.sort(key=lambda r: -r.tokens_per_s)
+        (fitting if result.fits else rejected).append(result)
     if fitting:
-        return Plan(world_size, device, own, fitting, rejected, config)
+        unranked: list[Evaluated] = []
+        if ranked is None:
+            fitting = rank(fitting, device, shared)
+        else:
+            fitting, unranked = fastest(fitting, device, ranked, shared)
+        return Plan(world_size, device, own, fitting, rejected, config, unranked=unranked)
     starting = sorted((r for r in rejected if r.error is None), key=lambda r: r.memory.total)
     closest = [with_figures(r, device) for r in starting[:CLOSEST]]
     smallest = smallest_fitting(config, world_size, device) if search else None
@@ -84,6 +114,7 @@ def format_plan(
     codes and the rejection reasons grouped. With `overrides_for` (the command the overrides
     are added to), each shown row's overrides too; with `tokens`, the config's own layout's
     GPU-hours and days to train on that many tokens."""
+    plan = ranked_to(plan, plan.fitting_count)
     device = plan.device
     lines = [
         f"{plan.world_size} x {device.name} ({format_bytes(device.memory_gib * GIB)}, "
@@ -323,6 +354,7 @@ def plan_json(plan: Plan, tokens: int | None = None) -> dict[str, Any]:
     """The plan as JSON-ready data: every evaluated layout with its figures and overrides
     (with `tokens`, the GPU-hours and days each takes to train on that many tokens); when none
     fits, the closest and the smallest device count that fits."""
+    plan = ranked_to(plan, plan.fitting_count)
     return plan_json_with(
         plan,
         tokens,

@@ -26,7 +26,7 @@ import yaml
 
 from moe_train.config import load_config
 from moe_train.errors import MoeTrainError
-from moe_train.plan.answer import LISTS, MOST_ROWS, Answered
+from moe_train.plan.answer import FITTING_SHOWN, LISTS, MOST_ROWS, Answered
 
 FIELDS = {
     "gpu": "--gpu",
@@ -54,7 +54,8 @@ PLAN_KEYS = ("config", "yaml", "search", *FIELDS)
 """The request fields that choose the plan (the others choose what of it is sent)."""
 
 Answer = Callable[..., tuple[Any, int | None]]
-"""`moe-train plan`'s words to the Plan and the token budget (`cli.plan.plan_words_of`)."""
+"""`moe-train plan`'s words to the Plan and the token budget (`cli.plan.plan_words_of`; the
+page asks for its first rows ranked, `ranked=FITTING_SHOWN`, and the rest on request)."""
 
 
 class BadRequest(Exception):
@@ -96,9 +97,8 @@ class Planner:
                     HTTPStatus.BAD_REQUEST, {name: f"{name} must be an integer >= {low}"}
                 )
         answered = self.answered(request)
-        total = len(getattr(answered.plan, which))
         rows = answered.rows(which, start, min(count, MOST_ROWS))
-        return {"rows": rows, "start": start, "total": total}
+        return {"rows": rows, "start": start, "total": answered.count(which)}
 
     def layout(self, request: dict[str, Any]) -> dict[str, Any]:
         """{"layout": the full row, as `--json` lists it} of the layout the request's
@@ -121,7 +121,9 @@ class Planner:
         with self._config_path(request) as (path, source):
             words = self._words(request)
             try:
-                plan, tokens = self.answer([str(path), *words], search=bool(request.get("search")))
+                plan, tokens = self.answer(
+                    [str(path), *words], search=bool(request.get("search")), ranked=FITTING_SHOWN
+                )
             except MoeTrainError as e:
                 raise _refusal(str(e), path, source) from e
         argv = ["moe-train", "plan", self._shown(request), *words, "--json"]
