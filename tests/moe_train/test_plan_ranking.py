@@ -75,8 +75,9 @@ def test_fastest_keeps_ties_in_their_order():
         assert [r.label for r in top] == [r.label for r in expected[:10]]
 
 
-def test_shared_memory_is_each_layouts_own(full):
-    """A plan's layouts screened with what they share have the memory each has alone."""
+def test_shared_memory_and_figures_are_each_layouts_own(full):
+    """A plan's layouts screened and given their figures with what they share have the
+    memory and figures each has alone."""
     config, gpus, device, _ = full
     shared = Shared.of(config)
     checked = 0
@@ -86,9 +87,16 @@ def test_shared_memory_is_each_layouts_own(full):
         assert (together.error, together.memory) == (alone.error, alone.memory), alone.label
         if alone.error is None:
             assert together.memory == predict_memory(alone.config, gpus, device)
+            assert _figures(with_figures(together, device, shared)) == _figures(
+                with_figures(alone, device)
+            )
             checked += 1
     # Where MXFP8 runs, the MXFP8 twin of each auto layout shares its prediction.
     assert checked == (2 if device.mxfp8 else 1) * len(shared.memory)
+
+
+def _figures(r):
+    return r.label, r.traffic, r.time, r.tokens_per_s, r.mfu
 
 
 def test_page_rows_are_the_json_rows():

@@ -16,6 +16,7 @@ from moe_train.plan.roofline import (
     StepTime,
     compute_inputs,
     compute_seconds,
+    expert_gemm_runs_in_fp8,
     mfu,
     step_time,
     tokens_per_second_per_device,
@@ -85,6 +86,8 @@ class Shared:
     """Each memory predicted, by `_memory_key`, with the layout it is of."""
     per_token: dict[tuple, tuple[float, float]] = field(default_factory=dict)
     """`compute_seconds` by `compute_inputs`."""
+    figured: dict[tuple, Evaluated] = field(default_factory=dict)
+    """Each layout given its figures, by `_figures_key`."""
 
     @classmethod
     def of(cls, config: Config) -> Shared:
@@ -115,6 +118,13 @@ def _memory_key(config: Config, world_size: int, device: Device) -> tuple:
     return world_size, id(config.data), id(config.parallel), tuple(precision.values())
 
 
+def _figures_key(config: Config, world_size: int, device: Device) -> tuple:
+    """Layouts of one config alike in this have the same figures: alike in `_memory_key` (the
+    same memory, so the same busiest rank), and their expert GEMMs run at the same rate
+    (`expert_gemm_runs_in_fp8`: all that traffic and step time read of the expert GEMM)."""
+    return *_memory_key(config, world_size, device), expert_gemm_runs_in_fp8(config, device)
+
+
 def screen(
     config: Config, world_size: int, device: Device, *, shared: Shared | None = None
 ) -> Evaluated:
@@ -140,6 +150,19 @@ def with_figures(screened: Evaluated, device: Device, shared: Shared | None = No
     start, or has them already, as it is). `shared`: as for `screen`."""
     if screened.error is not None or screened.time is not None:
         return screened
+    if shared is None:
+        return _figured(screened, device, None)
+    key = _figures_key(screened.config, screened.world_size, device)
+    if (twin := shared.figured.get(key)) is None:
+        shared.figured[key] = _figured(screened, device, shared)
+        return shared.figured[key]
+    return dataclasses.replace(
+        screened, traffic=twin.traffic, time=twin.time, tokens_per_s=twin.tokens_per_s, mfu=twin.mfu
+    )
+
+
+def _figured(screened: Evaluated, device: Device, shared: Shared | None) -> Evaluated:
+    """`with_figures`, computed."""
     config, world_size, memory = screened.config, screened.world_size, screened.memory
     model = shared.model if shared is not None else None
     per_token = shared.compute_seconds_of(config, device) if shared is not None else None

@@ -3,8 +3,11 @@ when none fits, the layouts that come closest and the smallest device count that
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,26 +87,51 @@ def make_plan(
     `search`) the smallest device count that fits. With `ranked`, only the fastest `ranked`
     that fit are ranked, the others left in `Plan.unranked` (`ranked_to` ranks more)."""
     own = evaluate(config, world_size, device)
+    shared = Shared.of(config)
+    with paused_gc():
+        fitting, rejected = _screened(config, world_size, device, shared)
+        unranked: list[Evaluated] = []
+        if fitting and ranked is None:
+            fitting = rank(fitting, device, shared)
+        elif fitting:
+            fitting, unranked = fastest(fitting, device, ranked, shared)
+    if fitting:
+        return Plan(world_size, device, own, fitting, rejected, config, unranked=unranked)
+    starting = sorted((r for r in rejected if r.error is None), key=lambda r: r.memory.total)
+    closest = [with_figures(r, device) for r in starting[:CLOSEST]]
+    smallest = smallest_fitting(config, world_size, device) if search else None
+    return Plan(world_size, device, own, [], rejected, config, closest, smallest)
+
+
+def _screened(
+    config: Config, world_size: int, device: Device, shared: Shared
+) -> tuple[list[Evaluated], list[Evaluated]]:
+    """The candidate layouts screened, one per label: those that fit and the others, each in
+    the order tried."""
     seen: set[str] = set()
     fitting, rejected = [], []
-    shared = Shared.of(config)
     for candidate in candidate_layouts(config, world_size, device):
         result = screen(candidate, world_size, device, shared=shared)
         if result.label in seen:
             continue
         seen.add(result.label)
         (fitting if result.fits else rejected).append(result)
-    if fitting:
-        unranked: list[Evaluated] = []
-        if ranked is None:
-            fitting = rank(fitting, device, shared)
-        else:
-            fitting, unranked = fastest(fitting, device, ranked, shared)
-        return Plan(world_size, device, own, fitting, rejected, config, unranked=unranked)
-    starting = sorted((r for r in rejected if r.error is None), key=lambda r: r.memory.total)
-    closest = [with_figures(r, device) for r in starting[:CLOSEST]]
-    smallest = smallest_fitting(config, world_size, device) if search else None
-    return Plan(world_size, device, own, [], rejected, config, closest, smallest)
+    return fitting, rejected
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector (if on): screening makes tens of thousands of small
+    objects, in no reference cycle (reference counts free them), and the collector's passes
+    over them and the rest of the heap took a fifth of a large plan's time. The first of
+    concurrent plans to pause it turns it back on."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def format_plan(
