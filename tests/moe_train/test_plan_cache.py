@@ -149,6 +149,19 @@ def test_validate_keeps_its_order():
         config.validate_fixed()
 
 
+def test_layout_checks_are_kept_per_section_object():
+    """Configs sharing a memo of their layout sections' checks each get their own answer."""
+    good = _tiny()
+    bad = _set(good, "data.micro_batch_size", 3)
+    checked: dict = {}
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=r"data\.micro_batch_size=3 must divide"):
+            bad.validate_layout(checked)
+        good.validate_layout(checked)
+    # Two data sections; the parallel and precision sections they share, checked once.
+    assert len(checked) == 4
+
+
 @pytest.mark.parametrize(
     "changes",
     [
@@ -167,10 +180,12 @@ def test_candidates_checked_once_for_fixed_sections(changes):
         config = _set(config, key, value)
     fixed_valid = fixed_sections_valid(config)
     assert fixed_valid == ("optim.lr" not in changes)
-    errors = set()
+    errors, checked = set(), {}
     for candidate in candidate_layouts(config, 8, B200):
         error = start_error(candidate, 8)
         assert start_error(candidate, 8, fixed_valid=fixed_valid) == error
+        # Each layout section object's own checks run once for the layouts sharing it.
+        assert start_error(candidate, 8, fixed_valid=fixed_valid, checked=checked) == error
         errors.add(error)
     assert len(errors) > 1 or "optim.lr" in changes  # some start, some do not
 

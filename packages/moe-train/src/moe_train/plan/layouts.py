@@ -88,6 +88,8 @@ class Shared:
     """`compute_seconds` by `compute_inputs`."""
     figured: dict[tuple, Evaluated] = field(default_factory=dict)
     """Each layout given its figures, by `_figures_key`."""
+    checked: dict[int, tuple] = field(default_factory=dict)
+    """The outcome of each layout section object's own checks (`Config.validate_layout`)."""
 
     @classmethod
     def of(cls, config: Config) -> Shared:
@@ -133,7 +135,8 @@ def screen(
     of `config`'s plan share (`Shared.of` the plan's config)."""
     label = layout_label(config, world_size)
     fixed_valid = shared is not None and shared.fixed_valid
-    error = start_error(config, world_size, fixed_valid=fixed_valid)
+    checked = shared.checked if shared is not None else None
+    error = start_error(config, world_size, fixed_valid=fixed_valid, checked=checked)
     if error is not None:
         return Evaluated(config, world_size, label, error)
     config = _resolved(config)
@@ -183,13 +186,16 @@ def _figured(screened: Evaluated, device: Device, shared: Shared | None) -> Eval
     )
 
 
-def start_error(config: Config, world_size: int, *, fixed_valid: bool = False) -> str | None:
+def start_error(
+    config: Config, world_size: int, *, fixed_valid: bool = False, checked: dict | None = None
+) -> str | None:
     """Why the trainer would refuse to start `config` on `world_size` ranks (None: it starts).
     `fixed_valid`: its sections that no layout sets passed `Config.validate_fixed` (the
-    layouts of one config share them), so only `Config.validate_layout` runs: the same answer."""
+    layouts of one config share them), so only `Config.validate_layout` runs: the same answer
+    (`checked`: its memo of the layout sections' own checks)."""
     try:
         if fixed_valid:
-            config.validate_layout()
+            config.validate_layout(checked)
         else:
             config.validate()
         check_topology(config, world_size)

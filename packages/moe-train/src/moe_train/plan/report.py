@@ -43,7 +43,7 @@ class Plan:
     own: Evaluated
     """The config's own layout."""
     fitting: list[Evaluated]
-    """Layouts that start and fit, fastest first."""
+    """Layouts that start and fit, fastest first (the fastest of them, see `unranked`)."""
     rejected: list[Evaluated]
     """Layouts that do not start or do not fit, screened: start error or memory, no traffic
     or time (`with_figures` adds them)."""
@@ -54,9 +54,9 @@ class Plan:
     smallest: Smallest | None = None
     """When none fits: the smallest count of the same devices on which one does."""
     unranked: list[Evaluated] = field(default_factory=list)
-    """Layouts that fit but are not yet in `fitting` (`make_plan`'s `ranked`): slower than
-    all of `fitting`, or as fast and later tried, screened (some with their figures), in the
-    order tried. `ranked_to` ranks more of them."""
+    """Layouts that fit but are not yet in `fitting` (`make_plan`'s `ranked`): each ranks
+    after all of `fitting` (slower, or as fast and tried later); screened (some with their
+    figures), in the order tried. `ranked_to` ranks more of them."""
 
     @property
     def fitting_count(self) -> int:
