@@ -75,8 +75,7 @@ def summary(plan: Plan, r: Evaluated) -> dict[str, Any]:
     row: dict[str, Any] = {"layout": r.label, "starts": r.error is None, "fits": r.fits}
     row["reason"] = r.reason
     if r.error is None:
-        parts = r.memory.categories()
         row["memory_total_bytes"] = r.memory.total
         row["over_bytes"] = r.memory.total - plan.device.memory_gib * GIB
-        row["largest_part"] = max(parts, key=parts.__getitem__)
+        row["largest_part"] = r.memory.largest_part
     return row

@@ -8,6 +8,7 @@ their reduction, dispatch buffers and allocator slack.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from moe_parallel import assign_owners
@@ -87,6 +88,13 @@ class MemoryPrediction:
             + self.dispatch_buffers
             + self.slack
         )
+
+    @functools.cached_property
+    def largest_part(self) -> str:
+        """The category of `categories` with the most bytes (the first of equal ones; kept,
+        as the plan asks it of each rejected layout, and layouts may share a prediction)."""
+        parts = self.categories()
+        return max(parts, key=parts.__getitem__)
 
     def categories(self) -> dict[str, float]:
         return {

@@ -123,8 +123,8 @@ def _screened(
 def paused_gc() -> Iterator[None]:
     """Pause the cyclic garbage collector (if on): screening makes tens of thousands of small
     objects, in no reference cycle (reference counts free them), and the collector's passes
-    over them and the rest of the heap took a fifth of a large plan's time. The first of
-    concurrent plans to pause it turns it back on."""
+    over them while they are made took a fifth of a large plan's time. The first of
+    concurrent plans (or pauses around one) to pause it turns it back on."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -277,10 +277,7 @@ def _grouped(plan: Plan) -> list[tuple[int, str]]:
     alike but for their figures together, memory overruns by their largest category."""
     groups: dict[str, list[Evaluated]] = {}
     for r in plan.rejected:
-        if r.error:
-            key = re.sub(r"\d+", "#", r.error)
-        else:
-            key = "memory " + max(r.memory.categories().items(), key=lambda kv: kv[1])[0]
+        key = re.sub(r"\d+", "#", r.error) if r.error else "memory " + r.memory.largest_part
         groups.setdefault(key, []).append(r)
     ordered = sorted(groups.items(), key=lambda kv: -len(kv[1]))
     lines = [(len(members), _group_text(key, members, plan.device)) for key, members in ordered]

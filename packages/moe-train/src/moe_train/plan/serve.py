@@ -27,6 +27,7 @@ import yaml
 from moe_train.config import load_config
 from moe_train.errors import MoeTrainError
 from moe_train.plan.answer import FITTING_SHOWN, LISTS, MOST_ROWS, Answered
+from moe_train.plan.report import paused_gc
 
 FIELDS = {
     "gpu": "--gpu",
@@ -76,9 +77,11 @@ class Planner:
 
     def plan(self, request: dict[str, Any]) -> dict[str, Any]:
         """{"argv": the equivalent command's words, "plan": what `--json` prints, with the
-        first rows of each list (`Answered.first`)}."""
-        answered = self.answered(request)
-        answer = {"argv": answered.argv, "plan": answered.first()}
+        first rows of each list (`Answered.first`)}. The cyclic garbage collector waits
+        (`paused_gc`): it would pass over the plan's many objects while they are made."""
+        with paused_gc():
+            answered = self.answered(request)
+            answer = {"argv": answered.argv, "plan": answered.first()}
         if not answered.plan.fitting:
             raise BadRequest(
                 HTTPStatus.UNPROCESSABLE_ENTITY, {"gpus": _fits_nowhere(answer["plan"])}, answer
@@ -96,8 +99,9 @@ class Planner:
                 raise BadRequest(
                     HTTPStatus.BAD_REQUEST, {name: f"{name} must be an integer >= {low}"}
                 )
-        answered = self.answered(request)
-        rows = answered.rows(which, start, min(count, MOST_ROWS))
+        with paused_gc():
+            answered = self.answered(request)
+            rows = answered.rows(which, start, min(count, MOST_ROWS))
         return {"rows": rows, "start": start, "total": answered.count(which)}
 
     def layout(self, request: dict[str, Any]) -> dict[str, Any]:
