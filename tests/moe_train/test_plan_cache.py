@@ -114,6 +114,15 @@ def test_cached_pieces_are_keyed_by_all_they_read():
         },
         {"model.n_layers": 6, "parallel.pp": 3, "parallel.pp_schedule": "gpipe"},
         {"model.n_layers": 6, "model.mtp_depth": 1, "parallel.pp": 3},
+        # Ranks 1 and 2 hold MoE layers alike, rank 1 more micro-batches: the busiest (rank
+        # 0's narrow dense layers hold less).
+        {
+            "model.n_layers": 8,
+            "model.dense_layers": 2,
+            "model.dense_hidden": 16,
+            "parallel.pp": 4,
+            "data.global_batch_size": 32,
+        },
         {"model.n_layers": 6, "optim.name": "muon", "parallel.distributed_optimizer": True},
     ],
 )
@@ -125,7 +134,10 @@ def test_busiest_rank_is_the_plain_maximum(changes):
         config = _set(config, key, value)
     world = 4 * config.parallel.pp
     ranks = [_rank_memory(config, world, r, B200) for r in range(config.parallel.pp)]
-    assert predict_memory(config, world, B200) == max(ranks, key=lambda m: m.total)
+    busiest = max(ranks, key=lambda m: m.total)
+    assert predict_memory(config, world, B200) == busiest
+    if "data.global_batch_size" in changes:
+        assert busiest.pp_rank == 1 and ranks[1].in_flight > ranks[2].in_flight
 
 
 def test_validate_keeps_its_order():
@@ -136,6 +148,19 @@ def test_validate_keeps_its_order():
         config.validate()
     with pytest.raises(ConfigError, match=r"optim\.lr"):
         config.validate_fixed()
+
+
+def test_layout_checks_are_kept_per_section_object():
+    """Configs sharing a memo of their layout sections' checks each get their own answer."""
+    good = _tiny()
+    bad = _set(good, "data.micro_batch_size", 3)
+    checked: dict = {}
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=r"data\.micro_batch_size=3 must divide"):
+            bad.validate_layout(checked)
+        good.validate_layout(checked)
+    # Two data sections; the parallel and precision sections they share, checked once.
+    assert len(checked) == 4
 
 
 @pytest.mark.parametrize(
@@ -156,10 +181,12 @@ def test_candidates_checked_once_for_fixed_sections(changes):
         config = _set(config, key, value)
     fixed_valid = fixed_sections_valid(config)
     assert fixed_valid == ("optim.lr" not in changes)
-    errors = set()
+    errors, checked = set(), {}
     for candidate in candidate_layouts(config, 8, B200):
         error = start_error(candidate, 8)
         assert start_error(candidate, 8, fixed_valid=fixed_valid) == error
+        # Each layout section object's own checks run once for the layouts sharing it.
+        assert start_error(candidate, 8, fixed_valid=fixed_valid, checked=checked) == error
         errors.add(error)
     assert len(errors) > 1 or "optim.lr" in changes  # some start, some do not
 

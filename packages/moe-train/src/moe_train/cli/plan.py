@@ -71,9 +71,10 @@ def token_count(text: str) -> int:
     return int(value)
 
 
-def plan_of(args: argparse.Namespace, *, search: bool = True) -> Any:
+def plan_of(args: argparse.Namespace, *, search: bool = True, ranked: int | None = None) -> Any:
     """The Plan the arguments ask for (config, devices, overrides), checked as the CLI checks
-    them; raises ConfigError with the CLI's words."""
+    them; raises ConfigError with the CLI's words. `ranked`: rank only the fastest that many
+    layouts that fit (`make_plan`)."""
     from moe_train.config import load_config
     from moe_train.errors import ConfigError
     from moe_train.plan import device_with, make_plan
@@ -98,7 +99,8 @@ def plan_of(args: argparse.Namespace, *, search: bool = True) -> Any:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    return make_plan(load_config(args.config, args.overrides), args.gpus, device, search=search)
+    config = load_config(args.config, args.overrides)
+    return make_plan(config, args.gpus, device, search=search, ranked=ranked)
 
 
 class _Refusal(Exception):
@@ -118,9 +120,12 @@ def plan_json_of(argv: list[str], *, search: bool = True) -> dict[str, Any]:
     return plan_json(*plan_words_of(argv, search=search))
 
 
-def plan_words_of(argv: list[str], *, search: bool = True) -> tuple[Any, int | None]:
+def plan_words_of(
+    argv: list[str], *, search: bool = True, ranked: int | None = None
+) -> tuple[Any, int | None]:
     """The Plan and the token budget that `moe-train plan ARGV` works from (the page's
-    server calls this). Raises ConfigError with the message the command would print."""
+    server calls this, with the rows it shows first `ranked`). Raises ConfigError with the
+    message the command would print."""
     from moe_train.errors import ConfigError
 
     parser = _RaisingParser(prog="moe-train plan", add_help=False)
@@ -130,7 +135,7 @@ def plan_words_of(argv: list[str], *, search: bool = True) -> tuple[Any, int | N
     except _Refusal as e:
         raise ConfigError(str(e)) from e
     args.overrides = extra
-    return plan_of(args, search=search), args.tokens
+    return plan_of(args, search=search, ranked=ranked), args.tokens
 
 
 def _handle(args: argparse.Namespace) -> int:

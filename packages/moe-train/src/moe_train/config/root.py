@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,16 +45,18 @@ class Config:
         for all the layouts it compares, which differ in those sections alone."""
         self._validate(fixed=True, layout=False)
 
-    def validate_layout(self) -> None:
+    def validate_layout(self, checked: dict[int, tuple] | None = None) -> None:
         """The checks that read a section of LAYOUT_SECTIONS: with `validate_fixed` passed,
-        the same answer as `validate`."""
-        self._validate(fixed=False, layout=True)
+        the same answer as `validate`. `checked`: the outcome of each section's own checks
+        by the section object's id, kept by the caller across configs that share section
+        objects (`moe-train plan`'s layouts), so that each object is checked once."""
+        self._validate(fixed=False, layout=True, checked=checked)
 
-    def _validate(self, *, fixed: bool, layout: bool) -> None:
+    def _validate(self, *, fixed: bool, layout: bool, checked: dict | None = None) -> None:
         """The checks of `validate` in its order, those of the fixed or layout part or both."""
-        for section in dataclasses.fields(self):
-            if layout if section.name in LAYOUT_SECTIONS else fixed:
-                getattr(self, section.name).validate(section.name)
+        for name in _section_names(type(self)):
+            if layout if name in LAYOUT_SECTIONS else fixed:
+                _check_section(getattr(self, name), name, checked)
         if layout:
             self._validate_layout_across()
         if not fixed:
@@ -107,3 +110,27 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@functools.cache
+def _section_names(cls: type) -> tuple[str, ...]:
+    """The names of a config class's sections, in order (`moe-train plan` checks thousands of
+    layouts; `dataclasses.fields` is slow to ask each time)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _check_section(section: Any, name: str, checked: dict[int, tuple] | None) -> None:
+    """`section.validate(name)`, or the outcome kept in `checked` for this object (with the
+    object, so that its id is not reused)."""
+    if checked is None:
+        section.validate(name)
+        return
+    if id(section) not in checked:
+        try:
+            section.validate(name)
+            checked[id(section)] = (section, None)
+        except ConfigError as e:
+            checked[id(section)] = (section, e)
+    error = checked[id(section)][1]
+    if error is not None:
+        raise error.with_traceback(None)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_train.plan.layouts import GIB, Evaluated, with_figures
-from moe_train.plan.report import Plan, layout_row, plan_json_with
+from moe_train.plan.report import Plan, layout_row, plan_json_with, ranked_to
 
 FITTING_SHOWN = 25
 """Rows of layouts that fit in the page's first answer."""
@@ -38,14 +38,19 @@ class Answered:
             fitting=self.rows("fitting", 0, FITTING_SHOWN),
             rejected=self.rows("rejected", 0, REJECTED_SHOWN),
         )
-        out["fitting_count"] = len(self.plan.fitting)
-        out["rejected_count"] = len(self.plan.rejected)
+        out["fitting_count"] = self.count("fitting")
+        out["rejected_count"] = self.count("rejected")
         return out
 
+    def count(self, which: str) -> int:
+        """How many layouts fit, or are rejected."""
+        return self.plan.fitting_count if which == "fitting" else len(self.plan.rejected)
+
     def rows(self, which: str, start: int, count: int) -> list[dict[str, Any]]:
-        """Rows `start` to `start + count` of the layouts that fit (as `--json` lists them)
-        or of the rejected ones (summaries)."""
+        """Rows `start` to `start + count` of the layouts that fit (as `--json` lists them;
+        ranked this far first, see `ranked_to`) or of the rejected ones (summaries)."""
         if which == "fitting":
+            self.plan = ranked_to(self.plan, start + count)
             chosen = self.plan.fitting[start : start + count]
             return [layout_row(self.plan, r, self.tokens) for r in chosen]
         return [summary(self.plan, r) for r in self.plan.rejected[start : start + count]]
@@ -56,7 +61,7 @@ class Answered:
         if not self._by_label:
             plan = self.plan
             best = plan.smallest.best if plan.smallest is not None else None
-            found = [*plan.rejected, *plan.closest, *plan.fitting, plan.own]
+            found = [*plan.rejected, *plan.closest, *plan.unranked, *plan.fitting, plan.own]
             self._by_label = {r.label: r for r in found + ([best] if best else [])}
         result = self._by_label.get(label)
         if result is None:
@@ -70,8 +75,7 @@ def summary(plan: Plan, r: Evaluated) -> dict[str, Any]:
     row: dict[str, Any] = {"layout": r.label, "starts": r.error is None, "fits": r.fits}
     row["reason"] = r.reason
     if r.error is None:
-        parts = r.memory.categories()
         row["memory_total_bytes"] = r.memory.total
         row["over_bytes"] = r.memory.total - plan.device.memory_gib * GIB
-        row["largest_part"] = max(parts, key=parts.__getitem__)
+        row["largest_part"] = r.memory.largest_part
     return row

@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from moe_train.config import Config
+from moe_train.config import Config, DataConfig, ParallelConfig, PrecisionConfig
+from moe_train.config.root import LAYOUT_SECTIONS
 from moe_train.errors import ConfigError
 from moe_train.model.dispatchers import choose_dispatcher
 from moe_train.plan.hardware import Device
-from moe_train.plan.memory import MemoryPrediction, predict_memory
-from moe_train.plan.roofline import StepTime, mfu, step_time, tokens_per_second_per_device
+from moe_train.plan.memory import MemoryPrediction, predict_memory, runs_torchao_mxfp8
+from moe_train.plan.roofline import (
+    StepTime,
+    compute_inputs,
+    compute_seconds,
+    expert_gemm_runs_in_fp8,
+    mfu,
+    step_time,
+    tokens_per_second_per_device,
+)
+from moe_train.plan.stages import model_key
 from moe_train.plan.traffic import Traffic, predict_traffic
 from moe_train.train.runtime import check_topology
 
@@ -62,30 +72,105 @@ def evaluate(config: Config, world_size: int, device: Device) -> Evaluated:
     return with_figures(screen(config, world_size, device), device)
 
 
+@dataclass
+class Shared:
+    """What the candidate layouts of one config on one device have alike, worked out once
+    for all of them (one plan's; the layouts differ in the sections a layout sets alone)."""
+
+    fixed_valid: bool
+    """The config's sections that no layout sets pass `Config.validate_fixed` (see
+    `start_error`)."""
+    model: tuple
+    """`model_key` of the model section (see `predict_memory`)."""
+    memory: dict[tuple, tuple[Config, MemoryPrediction]] = field(default_factory=dict)
+    """Each memory predicted, by `_memory_key`, with the layout it is of."""
+    per_token: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    """`compute_seconds` by `compute_inputs`."""
+    figured: dict[tuple, Evaluated] = field(default_factory=dict)
+    """Each layout given its figures, by `_figures_key`."""
+    checked: dict[int, tuple] = field(default_factory=dict)
+    """The outcome of each layout section object's own checks (`Config.validate_layout`)."""
+
+    @classmethod
+    def of(cls, config: Config) -> Shared:
+        return cls(fixed_sections_valid(config), model_key(config.model))
+
+    def memory_of(self, config: Config, world_size: int, device: Device) -> MemoryPrediction:
+        """`predict_memory`, computed once for layouts alike in `_memory_key`."""
+        key = _memory_key(config, world_size, device)
+        if key not in self.memory:
+            self.memory[key] = config, predict_memory(config, world_size, device, model=self.model)
+        return self.memory[key][1]
+
+    def compute_seconds_of(self, config: Config, device: Device) -> tuple[float, float]:
+        """`compute_seconds`, computed once for layouts alike in `compute_inputs`."""
+        key = compute_inputs(config)
+        if key not in self.per_token:
+            self.per_token[key] = compute_seconds(config, device)
+        return self.per_token[key]
+
+
+def _memory_key(config: Config, world_size: int, device: Device) -> tuple:
+    """Layouts of one config alike in this have the same memory: the same data and parallel
+    section objects (which `candidate_layouts` shares among its layouts, and `Shared.memory`
+    keeps alive with the answer), and the same precision section but for its expert GEMM,
+    which the memory reads only through `runs_torchao_mxfp8` (auto and mxfp8 where both
+    run torchao's kernels)."""
+    precision = vars(config.precision) | {"expert_gemm": runs_torchao_mxfp8(config, device)}
+    return world_size, id(config.data), id(config.parallel), tuple(precision.values())
+
+
+def _figures_key(config: Config, world_size: int, device: Device) -> tuple:
+    """Layouts of one config alike in this have the same figures: alike in `_memory_key` (the
+    same memory, so the same busiest rank), and their expert GEMMs run at the same rate
+    (`expert_gemm_runs_in_fp8`: all that traffic and step time read of the expert GEMM)."""
+    return *_memory_key(config, world_size, device), expert_gemm_runs_in_fp8(config, device)
+
+
 def screen(
-    config: Config, world_size: int, device: Device, *, fixed_valid: bool = False
+    config: Config, world_size: int, device: Device, *, shared: Shared | None = None
 ) -> Evaluated:
     """The cheap part of `evaluate`: the start checks and the memory, and whether it fits;
-    no traffic, step time or speed (`with_figures` adds them). `fixed_valid`: the config's
-    sections that no layout sets passed `Config.validate_fixed` (see `start_error`)."""
+    no traffic, step time or speed (`with_figures` adds them). `shared`: what the layouts
+    of `config`'s plan share (`Shared.of` the plan's config)."""
     label = layout_label(config, world_size)
-    error = start_error(config, world_size, fixed_valid=fixed_valid)
+    fixed_valid = shared is not None and shared.fixed_valid
+    checked = shared.checked if shared is not None else None
+    error = start_error(config, world_size, fixed_valid=fixed_valid, checked=checked)
     if error is not None:
         return Evaluated(config, world_size, label, error)
     config = _resolved(config)
-    memory = predict_memory(config, world_size, device)
+    if shared is None:
+        memory = predict_memory(config, world_size, device)
+    else:
+        memory = shared.memory_of(config, world_size, device)
     fits = memory.total <= device.memory_gib * GIB
     return Evaluated(config, world_size, label, None, memory, fits=fits)
 
 
-def with_figures(screened: Evaluated, device: Device) -> Evaluated:
+def with_figures(screened: Evaluated, device: Device, shared: Shared | None = None) -> Evaluated:
     """A screened layout with its traffic, step time, tokens/s and MFU (one that cannot
-    start, or has them already, as it is)."""
+    start, or has them already, as it is). `shared`: as for `screen`."""
     if screened.error is not None or screened.time is not None:
         return screened
+    if shared is None:
+        return _figured(screened, device, None)
+    key = _figures_key(screened.config, screened.world_size, device)
+    if (twin := shared.figured.get(key)) is None:
+        shared.figured[key] = _figured(screened, device, shared)
+        return shared.figured[key]
+    return dataclasses.replace(
+        screened, traffic=twin.traffic, time=twin.time, tokens_per_s=twin.tokens_per_s, mfu=twin.mfu
+    )
+
+
+def _figured(screened: Evaluated, device: Device, shared: Shared | None) -> Evaluated:
+    """`with_figures`, computed."""
     config, world_size, memory = screened.config, screened.world_size, screened.memory
-    traffic = predict_traffic(config, world_size, memory.pp_rank)
-    time = step_time(config, world_size, device, traffic)
+    model = shared.model if shared is not None else None
+    per_token = shared.compute_seconds_of(config, device) if shared is not None else None
+    traffic = predict_traffic(config, world_size, memory.pp_rank, model_key=model)
+    time = step_time(config, world_size, device, traffic, per_token)
     tokens = tokens_per_second_per_device(config, world_size, time)
     return Evaluated(
         config,
@@ -101,13 +186,16 @@ def with_figures(screened: Evaluated, device: Device) -> Evaluated:
     )
 
 
-def start_error(config: Config, world_size: int, *, fixed_valid: bool = False) -> str | None:
+def start_error(
+    config: Config, world_size: int, *, fixed_valid: bool = False, checked: dict | None = None
+) -> str | None:
     """Why the trainer would refuse to start `config` on `world_size` ranks (None: it starts).
     `fixed_valid`: its sections that no layout sets passed `Config.validate_fixed` (the
-    layouts of one config share them), so only `Config.validate_layout` runs: the same answer."""
+    layouts of one config share them), so only `Config.validate_layout` runs: the same answer
+    (`checked`: its memo of the layout sections' own checks)."""
     try:
         if fixed_valid:
-            config.validate_layout()
+            config.validate_layout(checked)
         else:
             config.validate()
         check_topology(config, world_size)
@@ -208,57 +296,64 @@ def layout_label(config: Config, world_size: int) -> str:
 
 def candidate_layouts(config: Config, world_size: int, device: Device) -> Iterator[Config]:
     """The layouts the planner compares: pipeline, expert- and context-parallel sizes that
-    divide the devices (cp also the sequence into 2 x cp chunks), schedules, micro-batch sizes that divide the batch, recompute modes, the
-    distributed optimizer, bf16 parameters and MXFP8 (where the device runs
-    it)."""
-    model, data, precision = config.model, config.data, config.precision
-    bf16 = precision.compute_dtype == "bfloat16"
+    divide the devices (cp also the sequence into 2 x cp chunks), schedules, micro-batch sizes
+    that divide the batch, recompute modes, the distributed optimizer, bf16 parameters and
+    MXFP8 (where the device runs it). Layouts share the section objects they have alike
+    (callers must not change them)."""
+    model, data, parallel = config.model, config.data, config.parallel
+    precisions = _precisions(config, device)
+    datas: dict[int, DataConfig] = {}
+    # The sections no layout sets: each layout is made as `dataclasses.replace` would, faster.
+    sections = {k: v for k, v in vars(config).items() if k not in LAYOUT_SECTIONS}
     for pp in _divisors(world_size):
         if pp > model.n_layers:
             continue
         dp = world_size // pp
         for ep, cp in _expert_context_sizes(config, dp):
             for schedule, virtual in _schedules(pp, model.n_layers):
+                parallels = _parallel_sections(parallel, pp, ep, cp, schedule, virtual)
                 for micro in _micro_batch_sizes(data.global_batch_size // (dp // cp)):
-                    for recompute in ("none", "selective", "full"):
-                        for dist_opt in (False, True):
-                            for param_dtype in ("float32", "bfloat16") if bf16 else ("float32",):
-                                for gemm in _expert_gemms(precision.expert_gemm, bf16, device):
-                                    yield _with(
-                                        config,
-                                        pp=pp,
-                                        ep=ep,
-                                        cp=cp,
-                                        schedule=schedule,
-                                        virtual=virtual,
-                                        micro=micro,
-                                        recompute=recompute,
-                                        dist_opt=dist_opt,
-                                        param_dtype=param_dtype,
-                                        gemm=gemm,
-                                    )
+                    if micro not in datas:
+                        datas[micro] = dataclasses.replace(data, micro_batch_size=micro)
+                    for layout in parallels:
+                        for precision in precisions:
+                            yield type(config)(
+                                **sections, data=datas[micro], parallel=layout, precision=precision
+                            )
 
 
-def _with(config: Config, **c) -> Config:
-    parallel = config.parallel
-    return dataclasses.replace(
-        config,
-        data=dataclasses.replace(config.data, micro_batch_size=c["micro"]),
-        parallel=dataclasses.replace(
+def _parallel_sections(
+    parallel: ParallelConfig, pp: int, ep: int, cp: int, schedule: str, virtual: int
+) -> list[ParallelConfig]:
+    """The parallel sections of these sizes and schedule the layouts try: each recompute
+    mode, without and with the distributed optimizer."""
+    return [
+        dataclasses.replace(
             parallel,
-            pp=c["pp"],
-            ep=c["ep"],
-            cp=c["cp"],
-            pp_schedule=c["schedule"],
-            virtual_stages=c["virtual"],
-            recompute=c["recompute"],
-            distributed_optimizer=c["dist_opt"],
-            dispatcher=choose_dispatcher(parallel.dispatcher, c["ep"]),
-        ),
-        precision=dataclasses.replace(
-            config.precision, param_dtype=c["param_dtype"], expert_gemm=c["gemm"]
-        ),
-    )
+            pp=pp,
+            ep=ep,
+            cp=cp,
+            pp_schedule=schedule,
+            virtual_stages=virtual,
+            recompute=recompute,
+            distributed_optimizer=dist_opt,
+            dispatcher=choose_dispatcher(parallel.dispatcher, ep),
+        )
+        for recompute in ("none", "selective", "full")
+        for dist_opt in (False, True)
+    ]
+
+
+def _precisions(config: Config, device: Device) -> list[PrecisionConfig]:
+    """The precision sections the layouts try: FP32 and (with bf16 compute) bf16 parameters,
+    each with the expert GEMMs of `_expert_gemms`."""
+    precision = config.precision
+    bf16 = precision.compute_dtype == "bfloat16"
+    return [
+        dataclasses.replace(precision, param_dtype=param_dtype, expert_gemm=gemm)
+        for param_dtype in (("float32", "bfloat16") if bf16 else ("float32",))
+        for gemm in _expert_gemms(precision.expert_gemm, bf16, device)
+    ]
 
 
 MIN_CHUNK = 1024

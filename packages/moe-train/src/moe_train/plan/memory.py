@@ -8,6 +8,7 @@ their reduction, dispatch buffers and allocator slack.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from moe_parallel import assign_owners
@@ -22,6 +23,7 @@ from moe_train.plan.activations import (
 )
 from moe_train.plan.hardware import Device
 from moe_train.plan.stages import (
+    HashedKey,
     cached,
     model_key,
     rank_dense_layers,
@@ -87,6 +89,13 @@ class MemoryPrediction:
             + self.slack
         )
 
+    @functools.cached_property
+    def largest_part(self) -> str:
+        """The category of `categories` with the most bytes (the first of equal ones; kept,
+        as the plan asks it of each rejected layout, and layouts may share a prediction)."""
+        parts = self.categories()
+        return max(parts, key=parts.__getitem__)
+
     def categories(self) -> dict[str, float]:
         return {
             "weights": self.weights,
@@ -100,6 +109,7 @@ class MemoryPrediction:
 
 _PARAMS: dict[tuple, RankParams] = {}
 _HELD: dict[tuple, float] = {}
+_PLACES: dict[tuple, tuple[_RankPlace, ...]] = {}
 """Pieces of memory by their inputs (shared by the page's threads: an answer is the same
 whichever computes it, so a race loses at most an entry)."""
 
@@ -108,6 +118,7 @@ def clear_caches() -> None:
     """Forget the pieces of memory computed so far (a cold start, as for a benchmark)."""
     _PARAMS.clear()
     _HELD.clear()
+    _PLACES.clear()
     rank_shape.cache_clear()
     rank_groups.cache_clear()
 
@@ -122,16 +133,20 @@ class _Keys:
     """What `held_per_micro_batch` reads of the config (`held_inputs`)."""
 
     @classmethod
-    def of(cls, config: Config) -> _Keys:
-        model, parallel = model_key(config.model), config.parallel
-        params = (model, parallel.pp, parallel.virtual_stages, parallel.ep)
-        return cls(params, held_inputs(config, model))
+    def of(cls, config: Config, model: tuple | None = None) -> _Keys:
+        """The keys of `config`'s pieces; `model`: its `model_key`, when the caller has it."""
+        model, parallel = model or model_key(config.model), config.parallel
+        params = HashedKey((model, parallel.pp, parallel.virtual_stages, parallel.ep))
+        return cls(params, HashedKey(held_inputs(config, model)))
 
 
-def rank_params(config: Config, pp_rank: int, keys: _Keys | None = None) -> RankParams:
+def rank_params(
+    config: Config, pp_rank: int, keys: _Keys | None = None, *, model: tuple | None = None
+) -> RankParams:
     """Parameters pipeline rank `pp_rank` holds (its layers, and the embedding or head and
-    MTP modules), cached by what they depend on (`keys`: the config's, when known)."""
-    key = ((keys or _Keys.of(config)).params, pp_rank)
+    MTP modules), cached by what they depend on (`keys`: the config's, when known; `model`:
+    `model_key(config.model)`, when known)."""
+    key = ((keys or _Keys.of(config, model)).params, pp_rank)
     return cached(_PARAMS, key, lambda: _rank_params(config, pp_rank))
 
 
@@ -202,7 +217,8 @@ def most_owned(sizes: list[int], group_size: int) -> int:
 
 def in_flight_micro_batches(config: Config, batch_ranks: int, pp_rank: int) -> float:
     """Micro-batches' worth of this rank's activations held at once by the schedule, with
-    `batch_ranks` ranks per stage taking different sequences (dp / cp)."""
+    `batch_ranks` ranks per stage taking different sequences (dp / cp). Never more on a later
+    rank (`predict_memory` relies on it)."""
     parallel = config.parallel
     pp, virtual = parallel.pp, parallel.virtual_stages
     num_micro = config.data.global_batch_size // config.data.micro_batch_size // batch_ranks
@@ -219,25 +235,59 @@ def in_flight_micro_batches(config: Config, batch_ranks: int, pp_rank: int) -> f
 
 
 def predict_memory(
-    config: Config, world_size: int, device: Device | None = None
+    config: Config, world_size: int, device: Device | None = None, *, model: tuple | None = None
 ) -> MemoryPrediction:
     """The busiest pipeline rank's memory (by estimated peak) for `config` on `world_size`
     devices of kind `device` (None: what runs anywhere, as on a CPU): the first rank of the
     largest `MemoryPrediction.total`. Ranks whose stages hold the same kinds of layers share
-    all but their micro-batches in flight (`_StageMemory`), computed once for them."""
-    keys, parallel, model = _Keys.of(config), config.parallel, config.model
+    all but their micro-batches in flight (`_StageMemory`), and the first of them holds the
+    most in flight (`in_flight_micro_batches` never grows with the rank, and the total grows
+    with it), so it is the only one of them computed. `model`: `model_key(config.model)`,
+    when the caller has it (the layouts of one config share it)."""
+    keys, parallel = _Keys.of(config, model), config.parallel
     batch_ranks = world_size // parallel.pp // parallel.cp
-    groups = rank_groups(model.n_layers, parallel.pp, parallel.virtual_stages, model.dense_layers)
     best = None
-    for _, ranks in groups:
-        stage = _stage_memory(config, world_size, ranks[0], device, keys)
-        for pp_rank in ranks:
-            in_flight = in_flight_micro_batches(config, batch_ranks, pp_rank)
-            total = stage.total(in_flight)
-            if best is None or total > best[0] or (total == best[0] and pp_rank < best[3]):
-                best = (total, stage, in_flight, pp_rank)
+    mxfp8, dispatch = runs_torchao_mxfp8(config, device), _dispatch_buffers(config)
+    for place in _first_ranks(config, keys):
+        stage = _stage_memory(config, world_size, place, keys, mxfp8=mxfp8, dispatch=dispatch)
+        in_flight = in_flight_micro_batches(config, batch_ranks, place.pp_rank)
+        total = stage.total(in_flight)
+        if best is None or total > best[0]:  # the groups come in the order of their ranks
+            best = (total, stage, in_flight, place.pp_rank)
     _, stage, in_flight, pp_rank = best
     return stage.prediction(in_flight, pp_rank)
+
+
+@dataclass(frozen=True)
+class _RankPlace:
+    """What a pipeline rank's memory reads of where it lies: its parameters, the kinds of its
+    layers and its ends (`rank_shape`), its layers."""
+
+    pp_rank: int
+    params: RankParams
+    shape: tuple
+    layers: tuple[int, ...]
+
+    @classmethod
+    def of(cls, config: Config, pp_rank: int, keys: _Keys) -> _RankPlace:
+        model, parallel = config.model, config.parallel
+        place = (model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
+        params = rank_params(config, pp_rank, keys)
+        return cls(pp_rank, params, rank_shape(*place, model.dense_layers), rank_layers(*place))
+
+
+def _first_ranks(config: Config, keys: _Keys) -> tuple[_RankPlace, ...]:
+    """The first rank of each group of ranks alike (`rank_groups`), in order, cached by
+    `keys.params` (the model, pp, virtual stages and ep: all that they read)."""
+
+    def places() -> tuple[_RankPlace, ...]:
+        model, parallel = config.model, config.parallel
+        groups = rank_groups(
+            model.n_layers, parallel.pp, parallel.virtual_stages, model.dense_layers
+        )
+        return tuple(_RankPlace.of(config, ranks[0], keys) for _, ranks in groups)
+
+    return cached(_PLACES, keys.params, places)
 
 
 def runs_torchao_mxfp8(config: Config, device: Device | None) -> bool:
@@ -249,7 +299,7 @@ def runs_torchao_mxfp8(config: Config, device: Device | None) -> bool:
     return precision.expert_gemm in ("mxfp8", "auto")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _StageMemory:
     """A pipeline rank's memory but its micro-batches in flight."""
 
@@ -292,18 +342,30 @@ def _rank_memory(
     config: Config, world_size: int, pp_rank: int, device: Device | None = None
 ) -> MemoryPrediction:
     """One pipeline rank's memory."""
-    stage = _stage_memory(config, world_size, pp_rank, device, _Keys.of(config))
+    keys = _Keys.of(config)
+    place = _RankPlace.of(config, pp_rank, keys)
+    mxfp8, dispatch = runs_torchao_mxfp8(config, device), _dispatch_buffers(config)
+    stage = _stage_memory(config, world_size, place, keys, mxfp8=mxfp8, dispatch=dispatch)
     batch_ranks = world_size // config.parallel.pp // config.parallel.cp
     return stage.prediction(in_flight_micro_batches(config, batch_ranks, pp_rank), pp_rank)
 
 
 def _stage_memory(
-    config: Config, world_size: int, pp_rank: int, device: Device | None, keys: _Keys
+    config: Config,
+    world_size: int,
+    place: _RankPlace,
+    keys: _Keys,
+    *,
+    mxfp8: bool,
+    dispatch: float,
 ) -> _StageMemory:
+    """The rank's memory but its micro-batches in flight. `mxfp8`: the expert GEMMs run
+    torchao's MXFP8 kernels (`runs_torchao_mxfp8`); `dispatch`: `_dispatch_buffers(config)`,
+    the same on every rank."""
     parallel, precision = config.parallel, config.precision
     dp = world_size // parallel.pp
     expert_dp = dp // parallel.ep
-    params = rank_params(config, pp_rank, keys)
+    params, pp_rank = place.params, place.pp_rank
     w = DTYPE_BYTES[precision.param_dtype]
     low_precision = w < FP32
     if parallel.distributed_optimizer:
@@ -331,19 +393,14 @@ def _stage_memory(
         optimizer = FP32 * moments + (FP32 * params.total if low_precision else 0)
         gradients = FP32 * params.total
         before = 0
-    place = (config.model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
-    shape = rank_shape(*place, config.model.dense_layers)
-    layers, mxfp8 = rank_layers(*place), runs_torchao_mxfp8(config, device)
-    first, last = shape[1], shape[2]
+    shape = place.shape
     activations = cached(
         _HELD,
         (keys.held, shape, mxfp8),
-        lambda: held_per_micro_batch(config, layers, first, last, mxfp8),
+        lambda: held_per_micro_batch(config, place.layers, shape[1], shape[2], mxfp8),
     )
     weights = params.total * w
-    return _StageMemory(
-        weights, gradients, before, optimizer, activations, _dispatch_buffers(config)
-    )
+    return _StageMemory(weights, gradients, before, optimizer, activations, dispatch)
 
 
 def _dispatch_buffers(config: Config) -> float:

@@ -3,7 +3,11 @@ when none fits, the layouts that come closest and the smallest device count that
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,14 +17,15 @@ from moe_train.plan.layouts import (
     GIB,
     LEGEND,
     Evaluated,
+    Shared,
     candidate_layouts,
     evaluate,
-    fixed_sections_valid,
     format_bytes,
     layout_overrides,
     screen,
     with_figures,
 )
+from moe_train.plan.ranking import fastest, rank
 from moe_train.plan.search import Smallest, smallest_fitting
 from moe_train.plan.traffic import across_nodes, expert_nodes, node_limited_bound
 
@@ -38,7 +43,7 @@ class Plan:
     own: Evaluated
     """The config's own layout."""
     fitting: list[Evaluated]
-    """Layouts that start and fit, fastest first."""
+    """Layouts that start and fit, fastest first (the fastest of them, see `unranked`)."""
     rejected: list[Evaluated]
     """Layouts that do not start or do not fit, screened: start error or memory, no traffic
     or time (`with_figures` adds them)."""
@@ -48,32 +53,85 @@ class Plan:
     """When none fits: the layouts that start, least memory first."""
     smallest: Smallest | None = None
     """When none fits: the smallest count of the same devices on which one does."""
+    unranked: list[Evaluated] = field(default_factory=list)
+    """Layouts that fit but are not yet in `fitting` (`make_plan`'s `ranked`): each ranks
+    after all of `fitting` (slower, or as fast and tried later); screened (some with their
+    figures), in the order tried. `ranked_to` ranks more of them."""
+
+    @property
+    def fitting_count(self) -> int:
+        """How many layouts fit, ranked or not."""
+        return len(self.fitting) + len(self.unranked)
 
 
-def make_plan(config: Config, world_size: int, device: Device, *, search: bool = True) -> Plan:
+def ranked_to(plan: Plan, n: int) -> Plan:
+    """`plan` with at least its `n` fastest layouts that fit ranked in `fitting` (the same
+    rows a full ranking puts first)."""
+    if len(plan.fitting) >= n or not plan.unranked:
+        return plan
+    shared = Shared.of(plan.base if plan.base is not None else plan.own.config)
+    more, unranked = fastest(plan.unranked, plan.device, n - len(plan.fitting), shared)
+    return dataclasses.replace(plan, fitting=plan.fitting + more, unranked=unranked)
+
+
+def make_plan(
+    config: Config,
+    world_size: int,
+    device: Device,
+    *,
+    search: bool = True,
+    ranked: int | None = None,
+) -> Plan:
     """Evaluate the config's own layout and every candidate on `world_size` devices (the
     rejected ones as far as their memory); when none fits, find the closest and (with
-    `search`) the smallest device count that fits."""
+    `search`) the smallest device count that fits. With `ranked`, only the fastest `ranked`
+    that fit are ranked, the others left in `Plan.unranked` (`ranked_to` ranks more)."""
     own = evaluate(config, world_size, device)
-    seen: set[str] = set()
-    fitting, rejected = [], []
-    fixed_valid = fixed_sections_valid(config)
-    for candidate in candidate_layouts(config, world_size, device):
-        result = screen(candidate, world_size, device, fixed_valid=fixed_valid)
-        if result.label in seen:
-            continue
-        seen.add(result.label)
-        if result.fits:
-            fitting.append(with_figures(result, device))
-        else:
-            rejected.append(result)
-    fitting.sort(key=lambda r: -r.tokens_per_s)
+    shared = Shared.of(config)
+    with paused_gc():
+        fitting, rejected = _screened(config, world_size, device, shared)
+        unranked: list[Evaluated] = []
+        if fitting and ranked is None:
+            fitting = rank(fitting, device, shared)
+        elif fitting:
+            fitting, unranked = fastest(fitting, device, ranked, shared)
     if fitting:
-        return Plan(world_size, device, own, fitting, rejected, config)
+        return Plan(world_size, device, own, fitting, rejected, config, unranked=unranked)
     starting = sorted((r for r in rejected if r.error is None), key=lambda r: r.memory.total)
     closest = [with_figures(r, device) for r in starting[:CLOSEST]]
     smallest = smallest_fitting(config, world_size, device) if search else None
     return Plan(world_size, device, own, [], rejected, config, closest, smallest)
+
+
+def _screened(
+    config: Config, world_size: int, device: Device, shared: Shared
+) -> tuple[list[Evaluated], list[Evaluated]]:
+    """The candidate layouts screened, one per label: those that fit and the others, each in
+    the order tried."""
+    seen: set[str] = set()
+    fitting, rejected = [], []
+    for candidate in candidate_layouts(config, world_size, device):
+        result = screen(candidate, world_size, device, shared=shared)
+        if result.label in seen:
+            continue
+        seen.add(result.label)
+        (fitting if result.fits else rejected).append(result)
+    return fitting, rejected
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector (if on): screening makes tens of thousands of small
+    objects, in no reference cycle (reference counts free them), and the collector's passes
+    over them while they are made took a fifth of a large plan's time. The first of
+    concurrent plans (or pauses around one) to pause it turns it back on."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def format_plan(
@@ -84,6 +142,7 @@ def format_plan(
     codes and the rejection reasons grouped. With `overrides_for` (the command the overrides
     are added to), each shown row's overrides too; with `tokens`, the config's own layout's
     GPU-hours and days to train on that many tokens."""
+    plan = ranked_to(plan, plan.fitting_count)
     device = plan.device
     lines = [
         f"{plan.world_size} x {device.name} ({format_bytes(device.memory_gib * GIB)}, "
@@ -218,10 +277,7 @@ def _grouped(plan: Plan) -> list[tuple[int, str]]:
     alike but for their figures together, memory overruns by their largest category."""
     groups: dict[str, list[Evaluated]] = {}
     for r in plan.rejected:
-        if r.error:
-            key = re.sub(r"\d+", "#", r.error)
-        else:
-            key = "memory " + max(r.memory.categories().items(), key=lambda kv: kv[1])[0]
+        key = re.sub(r"\d+", "#", r.error) if r.error else "memory " + r.memory.largest_part
         groups.setdefault(key, []).append(r)
     ordered = sorted(groups.items(), key=lambda kv: -len(kv[1]))
     lines = [(len(members), _group_text(key, members, plan.device)) for key, members in ordered]
@@ -323,6 +379,7 @@ def plan_json(plan: Plan, tokens: int | None = None) -> dict[str, Any]:
     """The plan as JSON-ready data: every evaluated layout with its figures and overrides
     (with `tokens`, the GPU-hours and days each takes to train on that many tokens); when none
     fits, the closest and the smallest device count that fits."""
+    plan = ranked_to(plan, plan.fitting_count)
     return plan_json_with(
         plan,
         tokens,

@@ -150,16 +150,21 @@ class StepTime:
         )
 
 
-def step_time(config: Config, world_size: int, device: Device, traffic: Traffic) -> StepTime:
+def step_time(
+    config: Config,
+    world_size: int,
+    device: Device,
+    traffic: Traffic,
+    per_token: tuple[float, float] | None = None,
+) -> StepTime:
     """The roofline's step time of the busiest rank (data-parallel ranks alike; of the
     pipeline ranks, the last, which holds the head). `dp` counts the context-parallel ranks
     too: a rank computes global batch x S / dp tokens a step, in micro-batches of S / cp
-    positions per sequence."""
-    parallel, data = config.parallel, config.data
+    positions per sequence. `per_token`: `compute_seconds(config, device)`, when the caller
+    has it."""
+    parallel = config.parallel
     dp = world_size // parallel.pp
-    tokens_per_rank = data.global_batch_size * data.seq_len / dp
-    compute_s = busiest_rank_seconds(config, device) * tokens_per_rank * _recompute_factor(config)
-    compute_s = max(compute_s, operator_floor_s(config, dp))
+    compute_s = compute_time(config, world_size, device, per_token)
     exchange_s = reduction_s = pipeline_s = context_s = 0.0
     for kind, wire in traffic.wire.items():
         seconds = _seconds(config, world_size, device, kind, wire)
@@ -174,11 +179,7 @@ def step_time(config: Config, world_size: int, device: Device, traffic: Traffic)
             reduction_s += seconds
         else:
             reduction_s += max(0.0, seconds - BACKWARD_SHARE * compute_s)
-    num_micro = micro_batches_per_rank(config, dp)
-    bubble = 0.0
-    if parallel.pp > 1:
-        chunks = parallel.virtual_stages if parallel.pp_schedule == "interleaved_1f1b" else 1
-        bubble = (parallel.pp - 1) / (chunks * num_micro)
+    bubble = bubble_share(config, dp)
     if parallel.dispatcher in SYNC_FREE_DISPATCHERS:
         exchange_s -= min(EXCHANGE_OVERLAP * exchange_s, compute_s)
     busy = compute_s + exchange_s + context_s
@@ -188,6 +189,58 @@ def step_time(config: Config, world_size: int, device: Device, traffic: Traffic)
     optimizer_s /= MATMUL_EFFICIENCY
     return StepTime(
         compute_s, exchange_s, reduction_s, bubble * busy, pipeline_s, optimizer_s, context_s
+    )
+
+
+def compute_time(
+    config: Config,
+    world_size: int,
+    device: Device,
+    per_token: tuple[float, float] | None = None,
+) -> float:
+    """`StepTime.compute_s`: the busiest rank's compute of a step, recompute included, and
+    no less than its operators take to be issued. `per_token`: `compute_seconds(config,
+    device)`, when the caller has it."""
+    parallel, data = config.parallel, config.data
+    dp = world_size // parallel.pp
+    tokens_per_rank = data.global_batch_size * data.seq_len / dp
+    per_token_s = busiest_rank_seconds(config, device, per_token)
+    return max(
+        per_token_s * tokens_per_rank * _recompute_factor(config), operator_floor_s(config, dp)
+    )
+
+
+def bubble_share(config: Config, dp: int) -> float:
+    """The pipeline bubble as a share of the busy time of a step (`StepTime.bubble_s` is
+    this share of compute, exchange and context time): (pp - 1) / (chunks x micro-batches)."""
+    parallel = config.parallel
+    if parallel.pp == 1:
+        return 0.0
+    chunks = parallel.virtual_stages if parallel.pp_schedule == "interleaved_1f1b" else 1
+    return (parallel.pp - 1) / (chunks * micro_batches_per_rank(config, dp))
+
+
+def least_step_time(config: Config, world_size: int, compute_s: float) -> float:
+    """A time the layout's step takes at least (`StepTime.total_s` >= it, in floating point
+    too): its compute `compute_s` (`compute_time`) and the bubble over that compute; every
+    other part of the step is zero or more, and adding it cannot round the sum below this."""
+    bubble = bubble_share(config, world_size // config.parallel.pp)
+    return compute_s + bubble * compute_s
+
+
+def compute_inputs(config: Config) -> tuple:
+    """What `compute_seconds` reads of the sections a layout sets (with the model section and
+    the device, all it reads): a cache key among the layouts of one config and device. Keep
+    it in step with `compute_seconds` and the functions it calls."""
+    data, parallel, precision = config.data, config.parallel, config.precision
+    return (
+        data.micro_batch_size,
+        data.seq_len,
+        parallel.cp,
+        parallel.ep,
+        precision.expert_gemm,
+        precision.compute_dtype,
+        precision.linear,
     )
 
 
@@ -248,11 +301,14 @@ def _recompute_factor(config: Config) -> float:
     return 4 / 3 if mode == "full" else 1.0 + (0.02 if mode == "selective" else 0.0)
 
 
-def busiest_rank_seconds(config: Config, device: Device) -> float:
+def busiest_rank_seconds(
+    config: Config, device: Device, per_token: tuple[float, float] | None = None
+) -> float:
     """Compute seconds per token of the busiest pipeline rank, forward and backward without
     recompute: its share of the blocks and, on the last rank, the head and the loss (stages
-    hold equal numbers of blocks, so the head's rank is the slowest and sets the pace)."""
-    blocks, head = compute_seconds(config, device)
+    hold equal numbers of blocks, so the head's rank is the slowest and sets the pace).
+    `per_token`: `compute_seconds(config, device)`, when the caller has it."""
+    blocks, head = per_token or compute_seconds(config, device)
     return blocks / config.parallel.pp + head
 
 
@@ -360,7 +416,12 @@ def _seconds(config: Config, world_size: int, device: Device, kind: str, wire: f
 
 
 def tokens_per_second_per_device(config: Config, world_size: int, time: StepTime) -> float:
-    return config.data.global_batch_size * config.data.seq_len / time.total_s / world_size
+    return speed_at(config, world_size, time.total_s)
+
+
+def speed_at(config: Config, world_size: int, step_s: float) -> float:
+    """Tokens/s per device at `step_s` seconds a step (never less at a shorter time)."""
+    return config.data.global_batch_size * config.data.seq_len / step_s / world_size
 
 
 def mfu(config: Config, tokens_per_s_per_device: float, device: Device) -> float:

@@ -10,13 +10,13 @@ from moe_train.config import Config
 from moe_train.plan.hardware import Device
 from moe_train.plan.layouts import (
     Evaluated,
+    Shared,
     candidate_layouts,
     context_sizes,
-    fixed_sections_valid,
     layout_label,
     screen,
-    with_figures,
 )
+from moe_train.plan.ranking import fastest
 
 EVERY_COUNT = 16
 """Allowed device counts above the asked one that the search tries one by one; beyond them it
@@ -90,23 +90,24 @@ def smallest_fitting(config: Config, world_size: int, device: Device) -> Smalles
 
 
 def _fits(config: Config, count: int, device: Device) -> bool:
-    return next(_fitting(config, count, device), None) is not None
+    return next(_fitting(config, count, device, Shared.of(config)), None) is not None
 
 
 def _fastest(config: Config, count: int, device: Device) -> Evaluated | None:
-    fitting = [with_figures(r, device) for r in _fitting(config, count, device)]
-    return max(fitting, key=lambda r: r.tokens_per_s, default=None)
+    """The fastest layout on `count` devices that fits (the first of equal speed tried)."""
+    shared = Shared.of(config)
+    best, _ = fastest(list(_fitting(config, count, device, shared)), device, 1, shared)
+    return best[0] if best else None
 
 
-def _fitting(config: Config, count: int, device: Device) -> Iterator[Evaluated]:
+def _fitting(config: Config, count: int, device: Device, shared: Shared) -> Iterator[Evaluated]:
     """The candidate layouts on `count` devices that start and fit, screened (judged by
     memory alone, the cheap part of an evaluation), one per label."""
     seen: set[str] = set()
-    fixed_valid = fixed_sections_valid(config)
     for candidate in candidate_layouts(config, count, device):
         label = layout_label(candidate, count)
         if label in seen:
             continue
         seen.add(label)
-        if (screened := screen(candidate, count, device, fixed_valid=fixed_valid)).fits:
+        if (screened := screen(candidate, count, device, shared=shared)).fits:
             yield screened

@@ -26,7 +26,8 @@ import yaml
 
 from moe_train.config import load_config
 from moe_train.errors import MoeTrainError
-from moe_train.plan.answer import LISTS, MOST_ROWS, Answered
+from moe_train.plan.answer import FITTING_SHOWN, LISTS, MOST_ROWS, Answered
+from moe_train.plan.report import paused_gc
 
 FIELDS = {
     "gpu": "--gpu",
@@ -54,7 +55,8 @@ PLAN_KEYS = ("config", "yaml", "search", *FIELDS)
 """The request fields that choose the plan (the others choose what of it is sent)."""
 
 Answer = Callable[..., tuple[Any, int | None]]
-"""`moe-train plan`'s words to the Plan and the token budget (`cli.plan.plan_words_of`)."""
+"""`moe-train plan`'s words to the Plan and the token budget (`cli.plan.plan_words_of`; the
+page asks for its first rows ranked, `ranked=FITTING_SHOWN`, and the rest on request)."""
 
 
 class BadRequest(Exception):
@@ -75,9 +77,11 @@ class Planner:
 
     def plan(self, request: dict[str, Any]) -> dict[str, Any]:
         """{"argv": the equivalent command's words, "plan": what `--json` prints, with the
-        first rows of each list (`Answered.first`)}."""
-        answered = self.answered(request)
-        answer = {"argv": answered.argv, "plan": answered.first()}
+        first rows of each list (`Answered.first`)}. The cyclic garbage collector waits
+        (`paused_gc`): it would pass over the plan's many objects while they are made."""
+        with paused_gc():
+            answered = self.answered(request)
+            answer = {"argv": answered.argv, "plan": answered.first()}
         if not answered.plan.fitting:
             raise BadRequest(
                 HTTPStatus.UNPROCESSABLE_ENTITY, {"gpus": _fits_nowhere(answer["plan"])}, answer
@@ -95,10 +99,10 @@ class Planner:
                 raise BadRequest(
                     HTTPStatus.BAD_REQUEST, {name: f"{name} must be an integer >= {low}"}
                 )
-        answered = self.answered(request)
-        total = len(getattr(answered.plan, which))
-        rows = answered.rows(which, start, min(count, MOST_ROWS))
-        return {"rows": rows, "start": start, "total": total}
+        with paused_gc():
+            answered = self.answered(request)
+            rows = answered.rows(which, start, min(count, MOST_ROWS))
+        return {"rows": rows, "start": start, "total": answered.count(which)}
 
     def layout(self, request: dict[str, Any]) -> dict[str, Any]:
         """{"layout": the full row, as `--json` lists it} of the layout the request's
@@ -121,7 +125,9 @@ class Planner:
         with self._config_path(request) as (path, source):
             words = self._words(request)
             try:
-                plan, tokens = self.answer([str(path), *words], search=bool(request.get("search")))
+                plan, tokens = self.answer(
+                    [str(path), *words], search=bool(request.get("search")), ranked=FITTING_SHOWN
+                )
             except MoeTrainError as e:
                 raise _refusal(str(e), path, source) from e
         argv = ["moe-train", "plan", self._shown(request), *words, "--json"]

@@ -5,7 +5,7 @@ other caches: a bounded dict and the key of a model section."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TypeVar
 
 from moe_train.config import ModelConfig
@@ -46,7 +46,7 @@ def rank_shape(
     the last stage. Ranks of one shape hold the same parameters and activations."""
     stages = rank_stages(n_layers, pp, pp_rank, virtual_stages)
     kinds = tuple(layer < dense_layers for layer in stages.layers)
-    return kinds, stages.has_first, stages.has_last
+    return HashedKey((kinds, stages.has_first, stages.has_last))
 
 
 @functools.lru_cache(maxsize=CACHED)
@@ -62,7 +62,20 @@ def rank_groups(
     return tuple((shape, tuple(ranks)) for shape, ranks in groups.items())
 
 
-def model_key(model: ModelConfig) -> tuple:
+class HashedKey(tuple):
+    """A tuple that computes its hash once: the planner's cache keys hold it, and are hashed
+    for every layout it compares (a long tuple is hashed anew each time)."""
+
+    def __new__(cls, values: Iterable[Hashable]) -> HashedKey:
+        key = super().__new__(cls, values)
+        key._hash = tuple.__hash__(key)
+        return key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+def model_key(model: ModelConfig) -> HashedKey:
     """Every value of the model section (its nested sections as tuples of theirs): a cache
     key for what is computed from the model, which all the layouts of a config share. A
     field that cannot be hashed (a list) makes it fail loudly rather than match wrongly."""
@@ -70,7 +83,7 @@ def model_key(model: ModelConfig) -> tuple:
         "moe": tuple(vars(model.moe).values()),
         "rope_scaling": tuple(vars(model.rope_scaling).values()),
     }
-    return tuple(values.values())
+    return HashedKey(values.values())
 
 
 def cached(cache: dict[Hashable, T], key: Hashable, compute: Callable[[], T]) -> T:

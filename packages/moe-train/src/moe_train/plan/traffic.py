@@ -49,8 +49,11 @@ class Traffic:
         self.calls[kind] = self.calls.get(kind, 0) + calls
 
 
-def predict_traffic(config: Config, world_size: int, pp_rank: int = 0) -> Traffic:
-    """Bytes per step of pipeline rank `pp_rank`'s collectives for `config` on `world_size`."""
+def predict_traffic(
+    config: Config, world_size: int, pp_rank: int = 0, *, model_key: tuple | None = None
+) -> Traffic:
+    """Bytes per step of pipeline rank `pp_rank`'s collectives for `config` on `world_size`
+    (`model_key`: `stages.model_key(config.model)`, when the caller has it)."""
     parallel, data, model = config.parallel, config.data, config.model
     dp = world_size // parallel.pp
     ep, expert_dp = parallel.ep, dp // parallel.ep
@@ -72,7 +75,7 @@ def predict_traffic(config: Config, world_size: int, pp_rank: int = 0) -> Traffi
             traffic.add(kind, calls * exchange, calls * per_layer, ep, calls)
         if parallel.dispatcher == "all_to_all_dedup":
             _add_dedup_routing(traffic, config, moe_layers * num_micro, rounds - 1)
-    params = rank_params(config, pp_rank)
+    params = rank_params(config, pp_rank, model=model_key)
     w = DTYPE_BYTES[config.precision.param_dtype]
     grad_bytes = FP32 if w < FP32 else w  # low-precision gradients are reduced in FP32
     for kind, count, group in (("dp", params.dense, dp), ("expert dp", params.expert, expert_dp)):
