@@ -10,7 +10,7 @@ a percent either way from seed to seed, so the target (`TARGET_GAPS`) is judged 
 gap over the seeds, and the table shows each seed's gap beside it. The rows fp32 and
 bf16-init, without a target, show how large such gaps are when nothing is quantized: a
 variant's mean gap means something only where it stands out of theirs (docs/training.md
-reads them for rowwise FP8, which ends about 2% below bf16 at every seed). Off SM100 GPUs
+reads them for rowwise FP8, which ends 2-2.6% below bf16 at three seeds of four). Off SM100 GPUs
 the MXFP8 run (off SM90+ GPUs the rowwise FP8 runs) uses the exact emulation, so its
 throughput shows the cost of the emulation, not FP8 hardware's speed-up. The runs go one
 after the other: on a shared machine compare the tokens/s ratios with care.
