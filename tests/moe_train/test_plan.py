@@ -166,8 +166,7 @@ def test_mxfp8_on_torchao_kernels_keeps_what_bf16_keeps(monkeypatch):
     for params in ("bfloat16", "float32"):
         overrides = ["--precision.compute_dtype=bfloat16", f"--precision.param_dtype={params}"]
         config = load_config(None, [*SMALL, *overrides, "--precision.expert_gemm=mxfp8"])
-        predicted = held_per_micro_batch(config, layers, True, True, mxfp8_kernels=True)
-        assert predicted == held_per_micro_batch(config, layers, first=True, last=True)
+        predicted = held_per_micro_batch(config, layers, first=True, last=True)
         used.clear()
         saved = _saved_bytes(config)
         assert len(used) == 2 * len(layers), "the torchao glue ran for every expert GEMM"

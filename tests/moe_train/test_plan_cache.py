@@ -88,10 +88,10 @@ def test_cached_pieces_are_keyed_by_all_they_read():
             config = _set(config, "parallel.dispatcher", "rowwise")
             config = _set(config, "parallel.rowwise_transport", "symmetric_memory")
         clear_caches()
-        cold = predict_memory(config, 8, B200)
+        cold = predict_memory(config, 8)
         clear_caches()
-        base_memory = predict_memory(base, 8, B200)
-        warm = predict_memory(config, 8, B200)
+        base_memory = predict_memory(base, 8)
+        warm = predict_memory(config, 8)
         assert warm == cold, key
         if cold == base_memory:
             same.append(key)
@@ -133,9 +133,9 @@ def test_busiest_rank_is_the_plain_maximum(changes):
     for key, value in changes.items():
         config = _set(config, key, value)
     world = 4 * config.parallel.pp
-    ranks = [_rank_memory(config, world, r, B200) for r in range(config.parallel.pp)]
+    ranks = [_rank_memory(config, world, r) for r in range(config.parallel.pp)]
     busiest = max(ranks, key=lambda m: m.total)
-    assert predict_memory(config, world, B200) == busiest
+    assert predict_memory(config, world) == busiest
     if "data.global_batch_size" in changes:
         assert busiest.pp_rank == 1 and ranks[1].in_flight > ranks[2].in_flight
 

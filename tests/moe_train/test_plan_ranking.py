@@ -86,7 +86,7 @@ def test_shared_memory_and_figures_are_each_layouts_own(full):
         together = screen(candidate, gpus, device, shared=shared)
         assert (together.error, together.memory) == (alone.error, alone.memory), alone.label
         if alone.error is None:
-            assert together.memory == predict_memory(alone.config, gpus, device)
+            assert together.memory == predict_memory(alone.config, gpus)
             assert _figures(with_figures(together, device, shared)) == _figures(
                 with_figures(alone, device)
             )

@@ -10,7 +10,9 @@ FP8 saves nothing here: moe-kernels' rowwise FP8 and emulated MXFP8 expert GEMMs
 Float8Linear (precision.linear) keep their bf16 inputs for backward and quantize transient
 copies in each product (forward, input and weight gradient), so an FP8 layout holds what its
 bf16 twin holds (`test_fp8_keeps_what_bf16_keeps_for_backward`). On SM100 GPUs MXFP8 experts
-run torchao's kernels, through glue that keeps the same (`mxfp8_kernel_bytes`). Transformer
+run torchao's kernels through moe-kernels' glue, which keeps the same: the input, the weights
+and the group ends, rebuilding torchao's column-major and padded copies in backward
+(`test_mxfp8_on_torchao_kernels_keeps_what_bf16_keeps`). Transformer
 Engine, which the published FP8 runs use, keeps FP8 copies of its inputs instead; this trainer
 does not.
 """
@@ -55,11 +57,9 @@ class Widths:
     casts: bool
     """Whether the forward keeps compute-dtype copies of the weights (FP32 parameters with
     bf16 compute), as autocast and the experts' casts do."""
-    mxfp8_kernels: bool = False
-    """Whether the expert GEMMs run torchao's MXFP8 kernels (SM100 GPUs)."""
 
     @classmethod
-    def of(cls, config: Config, mxfp8_kernels: bool = False) -> Widths:
+    def of(cls, config: Config) -> Widths:
         model, moe = config.model, config.model.moe
         head_dim = model.d_model // model.n_heads
         c = DTYPE_BYTES[config.precision.compute_dtype]
@@ -79,7 +79,6 @@ class Widths:
             cp=config.parallel.cp,
             qk_norm=bool(model.qk_norm),
             casts=c != w,
-            mxfp8_kernels=mxfp8_kernels,
         )
 
 
@@ -158,23 +157,10 @@ def moe_block_bytes(config: Config, x: Widths, tokens: int) -> float:
         + x.local * 4  # int32 group ends
     )
     weights = x.local * 3 * x.d * x.f * x.c if x.casts else 0
-    if x.mxfp8_kernels:
-        experts += mxfp8_kernel_bytes(x, r)
     shared = _swiglu_bytes(x, t, config.model.moe.shared_experts * x.f)
     if shared and x.c == FP32:
         shared -= t * x.d * x.c  # its input is the router's (FP32) input
     return norm + router + dispatch + experts + weights + shared
-
-
-def mxfp8_kernel_bytes(x: Widths, rows: float) -> float:
-    """What torchao's MXFP8 grouped GEMMs (moe-kernels' SM100 path) hold beyond the bf16
-    recipe, per MoE layer of `rows` expert rows: nothing. torchao's own autograd function
-    keeps a column-major copy of the local experts' weights and a copy of its input padded to
-    whole blocks per expert; moe-kernels' glue keeps instead what the bf16 recipe keeps (the
-    input, the weights and the group ends) and rebuilds both copies in backward, one layer at
-    a time (`test_mxfp8_on_torchao_kernels_keeps_what_bf16_keeps`)."""
-    del x, rows
-    return 0.0
 
 
 def dense_block_bytes(model: ModelConfig, x: Widths, tokens: int) -> float:
@@ -210,15 +196,13 @@ def held_inputs(config: Config, model: tuple) -> tuple:
     )
 
 
-def held_per_micro_batch(
-    config: Config, layers: Sequence[int], first: bool, last: bool, mxfp8_kernels: bool = False
-) -> float:
+def held_per_micro_batch(config: Config, layers: Sequence[int], first: bool, last: bool) -> float:
     """Bytes held for backward after the forward of one micro-batch of the pipeline stage(s)
     that hold `layers` (the final norm, head and MTP modules on the `last` one);
-    `mxfp8_kernels`: the expert GEMMs run torchao's MXFP8 kernels. It reads `layers` only
+    It reads `layers` only
     through whether each, in order, is dense, so `moe_train.plan.memory` keeps the answers by
     that (`rank_shape`) and `held_inputs`."""
-    x = Widths.of(config, mxfp8_kernels)
+    x = Widths.of(config)
     model = config.model
     batch = config.data.micro_batch_size
     t = batch * x.seq_len

@@ -11,7 +11,7 @@ from moe_train.config.root import LAYOUT_SECTIONS
 from moe_train.errors import ConfigError
 from moe_train.model.dispatchers import choose_dispatcher
 from moe_train.plan.hardware import Device
-from moe_train.plan.memory import MemoryPrediction, predict_memory, runs_torchao_mxfp8
+from moe_train.plan.memory import MemoryPrediction, predict_memory
 from moe_train.plan.roofline import (
     StepTime,
     compute_inputs,
@@ -95,11 +95,11 @@ class Shared:
     def of(cls, config: Config) -> Shared:
         return cls(fixed_sections_valid(config), model_key(config.model))
 
-    def memory_of(self, config: Config, world_size: int, device: Device) -> MemoryPrediction:
+    def memory_of(self, config: Config, world_size: int) -> MemoryPrediction:
         """`predict_memory`, computed once for layouts alike in `_memory_key`."""
-        key = _memory_key(config, world_size, device)
+        key = _memory_key(config, world_size)
         if key not in self.memory:
-            self.memory[key] = config, predict_memory(config, world_size, device, model=self.model)
+            self.memory[key] = config, predict_memory(config, world_size, model=self.model)
         return self.memory[key][1]
 
     def compute_seconds_of(self, config: Config, device: Device) -> tuple[float, float]:
@@ -110,13 +110,12 @@ class Shared:
         return self.per_token[key]
 
 
-def _memory_key(config: Config, world_size: int, device: Device) -> tuple:
+def _memory_key(config: Config, world_size: int) -> tuple:
     """Layouts of one config alike in this have the same memory: the same data and parallel
     section objects (which `candidate_layouts` shares among its layouts, and `Shared.memory`
     keeps alive with the answer), and the same precision section but for its expert GEMM,
-    which the memory reads only through `runs_torchao_mxfp8` (auto and mxfp8 where both
-    run torchao's kernels)."""
-    precision = vars(config.precision) | {"expert_gemm": runs_torchao_mxfp8(config, device)}
+    which the memory does not read (FP8 and MXFP8 keep what bf16 keeps)."""
+    precision = vars(config.precision) | {"expert_gemm": None}
     return world_size, id(config.data), id(config.parallel), tuple(precision.values())
 
 
@@ -124,7 +123,7 @@ def _figures_key(config: Config, world_size: int, device: Device) -> tuple:
     """Layouts of one config alike in this have the same figures: alike in `_memory_key` (the
     same memory, so the same busiest rank), and their expert GEMMs run at the same rate
     (`expert_gemm_runs_in_fp8`: all that traffic and step time read of the expert GEMM)."""
-    return *_memory_key(config, world_size, device), expert_gemm_runs_in_fp8(config, device)
+    return *_memory_key(config, world_size), expert_gemm_runs_in_fp8(config, device)
 
 
 def screen(
@@ -141,9 +140,9 @@ def screen(
         return Evaluated(config, world_size, label, error)
     config = _resolved(config)
     if shared is None:
-        memory = predict_memory(config, world_size, device)
+        memory = predict_memory(config, world_size)
     else:
-        memory = shared.memory_of(config, world_size, device)
+        memory = shared.memory_of(config, world_size)
     fits = memory.total <= device.memory_gib * GIB
     return Evaluated(config, world_size, label, None, memory, fits=fits)
 

@@ -21,7 +21,6 @@ from moe_train.plan.activations import (
     held_inputs,
     held_per_micro_batch,
 )
-from moe_train.plan.hardware import Device
 from moe_train.plan.stages import (
     HashedKey,
     cached,
@@ -235,10 +234,11 @@ def in_flight_micro_batches(config: Config, batch_ranks: int, pp_rank: int) -> f
 
 
 def predict_memory(
-    config: Config, world_size: int, device: Device | None = None, *, model: tuple | None = None
+    config: Config, world_size: int, *, model: tuple | None = None
 ) -> MemoryPrediction:
     """The busiest pipeline rank's memory (by estimated peak) for `config` on `world_size`
-    devices of kind `device` (None: what runs anywhere, as on a CPU): the first rank of the
+    devices (the same on every device kind: FP8 and MXFP8 keep what bf16 keeps, see
+    `moe_train.plan.activations`): the first rank of the
     largest `MemoryPrediction.total`. Ranks whose stages hold the same kinds of layers share
     all but their micro-batches in flight (`_StageMemory`), and the first of them holds the
     most in flight (`in_flight_micro_batches` never grows with the rank, and the total grows
@@ -247,9 +247,9 @@ def predict_memory(
     keys, parallel = _Keys.of(config, model), config.parallel
     batch_ranks = world_size // parallel.pp // parallel.cp
     best = None
-    mxfp8, dispatch = runs_torchao_mxfp8(config, device), _dispatch_buffers(config)
+    dispatch = _dispatch_buffers(config)
     for place in _first_ranks(config, keys):
-        stage = _stage_memory(config, world_size, place, keys, mxfp8=mxfp8, dispatch=dispatch)
+        stage = _stage_memory(config, world_size, place, keys, dispatch=dispatch)
         in_flight = in_flight_micro_batches(config, batch_ranks, place.pp_rank)
         total = stage.total(in_flight)
         if best is None or total > best[0]:  # the groups come in the order of their ranks
@@ -288,15 +288,6 @@ def _first_ranks(config: Config, keys: _Keys) -> tuple[_RankPlace, ...]:
         return tuple(_RankPlace.of(config, ranks[0], keys) for _, ranks in groups)
 
     return cached(_PLACES, keys.params, places)
-
-
-def runs_torchao_mxfp8(config: Config, device: Device | None) -> bool:
-    """Whether the expert GEMMs run torchao's MXFP8 kernels on `device`: mxfp8 (or auto with
-    bf16 compute, which resolves to it) where MXFP8 is native (SM100)."""
-    precision = config.precision
-    if device is None or not device.mxfp8 or precision.compute_dtype != "bfloat16":
-        return False
-    return precision.expert_gemm in ("mxfp8", "auto")
 
 
 @dataclass(slots=True)
@@ -338,14 +329,11 @@ class _StageMemory:
         )
 
 
-def _rank_memory(
-    config: Config, world_size: int, pp_rank: int, device: Device | None = None
-) -> MemoryPrediction:
+def _rank_memory(config: Config, world_size: int, pp_rank: int) -> MemoryPrediction:
     """One pipeline rank's memory."""
     keys = _Keys.of(config)
     place = _RankPlace.of(config, pp_rank, keys)
-    mxfp8, dispatch = runs_torchao_mxfp8(config, device), _dispatch_buffers(config)
-    stage = _stage_memory(config, world_size, place, keys, mxfp8=mxfp8, dispatch=dispatch)
+    stage = _stage_memory(config, world_size, place, keys, dispatch=_dispatch_buffers(config))
     batch_ranks = world_size // config.parallel.pp // config.parallel.cp
     return stage.prediction(in_flight_micro_batches(config, batch_ranks, pp_rank), pp_rank)
 
@@ -356,12 +344,10 @@ def _stage_memory(
     place: _RankPlace,
     keys: _Keys,
     *,
-    mxfp8: bool,
     dispatch: float,
 ) -> _StageMemory:
-    """The rank's memory but its micro-batches in flight. `mxfp8`: the expert GEMMs run
-    torchao's MXFP8 kernels (`runs_torchao_mxfp8`); `dispatch`: `_dispatch_buffers(config)`,
-    the same on every rank."""
+    """The rank's memory but its micro-batches in flight. `dispatch`:
+    `_dispatch_buffers(config)`, the same on every rank."""
     parallel, precision = config.parallel, config.precision
     dp = world_size // parallel.pp
     expert_dp = dp // parallel.ep
@@ -396,8 +382,8 @@ def _stage_memory(
     shape = place.shape
     activations = cached(
         _HELD,
-        (keys.held, shape, mxfp8),
-        lambda: held_per_micro_batch(config, place.layers, shape[1], shape[2], mxfp8),
+        (keys.held, shape),
+        lambda: held_per_micro_batch(config, place.layers, shape[1], shape[2]),
     )
     weights = params.total * w
     return _StageMemory(weights, gradients, before, optimizer, activations, dispatch)
