@@ -9,15 +9,16 @@ start from the same weights, yet their trajectories part: one seed's gap moves b
 a percent either way from seed to seed, so the target (`TARGET_GAPS`) is judged on the mean
 gap over the seeds, and the table shows each seed's gap beside it. The rows fp32 and
 bf16-init, without a target, show how large such gaps are when nothing is quantized: a
-variant's mean gap means something only where it stands out of theirs (docs/training.md
-reads them for rowwise FP8, which ends 2-2.6% below bf16 at three seeds of four). Off SM100 GPUs
-the MXFP8 run (off SM90+ GPUs the rowwise FP8 runs) uses the exact emulation, so its
-throughput shows the cost of the emulation, not FP8 hardware's speed-up. The runs go one
-after the other: on a shared machine compare the tokens/s ratios with care.
+variant's mean gap means something only where it stands out of theirs; one seed's gap
+spreads by about 2% (sample deviation), so the default is eight seeds. Off SM100 GPUs the
+MXFP8 run (off SM90+ GPUs the rowwise FP8 runs) uses the exact emulation, so its throughput
+shows the cost of the emulation, not FP8 hardware's speed-up. Each run trains in a process
+of its own, --jobs at once (the losses do not depend on it; the tokens/s of runs that share
+a machine do, so compare their ratios with care).
 
     uv run python benchmarks/precision_training.py [--variants mxfp8 bf16-params fp8-rowwise
         fp8-rowwise-linears fp32 bf16-init]
-        [--steps 300] [--seeds 0 1 2] [--threads 1]
+        [--steps 300] [--seeds 0 1 2 3 4 5 6 7] [--jobs 2] [--threads 1]
 """
 
 import argparse
@@ -32,6 +33,7 @@ from harness.seeds import (
     gap_cells,
     median_ratio,
     run_seeds,
+    run_threads,
     seed_comparison,
     train_seeded,
 )
@@ -67,19 +69,18 @@ TARGET_GAPS = {
 
 def run_one(name: str, seed: int, args: argparse.Namespace, peak: float, root: Path) -> dict:
     """Train one variant at one seed; its final loss and speed."""
-    result, records, wall_s = train_seeded(
-        args, VARIANTS[name], seed, root / f"{name}-{seed}", peak
-    )
+    records, wall_s = train_seeded(args, VARIANTS[name], seed, root / f"{name}-{seed}", peak)
+    losses = [r["loss"] for r in records]
     timed = records[args.warmup :]
     return {
         "run": name,
         "seed": seed,
-        "steps": len(result.losses),
-        "final_loss": statistics.fmean(result.losses[-args.loss_window :]),
+        "steps": len(losses),
+        "final_loss": statistics.fmean(losses[-args.loss_window :]),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "mfu": statistics.median(r["mfu"] for r in timed),
         "wall_s": wall_s,
-        "losses": result.losses,
+        "losses": losses,
         "grad_norms": [r["grad_norm"] for r in records],
     }
 
@@ -102,20 +103,18 @@ def summarise(runs: list[dict], names: list[str]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_seed_arguments(parser, config=CONFIGS / "tiny.yaml", steps=300)
+    add_seed_arguments(parser, config=CONFIGS / "tiny.yaml", steps=300, seeds=range(8))
     parser.add_argument(
         "--variants",
         nargs="+",
         choices=[name for name in VARIANTS if name != "bf16"],
         default=list(TARGET_GAPS),
     )
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: torch's, as training)"
-    )
     parser.add_argument("--out", type=Path, default=Path("bench_results/precision_training.json"))
     args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    threads = run_threads(args)
+    if threads is not None:  # the peak at the runs' thread count
+        torch.set_num_threads(threads)
 
     peak = measure_matmul_peak(torch.bfloat16, torch.device("cpu"))
     names = ["bf16", *args.variants]
@@ -127,6 +126,7 @@ def main() -> None:
             f"{run['run']:>11} seed {run['seed']}: loss {run['final_loss']:.4f}  "
             f"{run['tokens_per_s']:,.0f} tok/s  ({run['wall_s']:.0f} s)"
         ),
+        args.jobs,
     )
     rows = summarise(runs, names)
     print_summary(rows, args)
@@ -135,6 +135,7 @@ def main() -> None:
         "steps": args.steps,
         "seeds": args.seeds,
         "threads": torch.get_num_threads(),
+        "jobs": args.jobs,
         "loss_window": args.loss_window,
         "peak_flops": peak,
         "variants": rows,

@@ -11,7 +11,7 @@ same batches and start from the same main-model weights; judge a variant on the 
 over the seeds, beside the per-seed gaps.
 
     uv run python benchmarks/recipe_training.py [--variants global_batch mtp1]
-        [--steps 200] [--seeds 0 1 2] [--micro-batch-size 2]
+        [--steps 200] [--seeds 0 1 2] [--micro-batch-size 2] [--jobs 2] [--threads 1]
 """
 
 import argparse
@@ -26,6 +26,7 @@ from harness.seeds import (
     gap_cells,
     median_ratio,
     run_seeds,
+    run_threads,
     seed_comparison,
     train_seeded,
 )
@@ -45,13 +46,14 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 def run_one(name: str, seed: int, args: argparse.Namespace, peak: float, root: Path) -> dict:
     """Train one variant at one seed; its final losses, load and speed."""
     overrides = (f"--data.micro_batch_size={args.micro_batch_size}", *VARIANTS[name])
-    result, records, wall_s = train_seeded(args, overrides, seed, root / f"{name}-{seed}", peak)
+    records, wall_s = train_seeded(args, overrides, seed, root / f"{name}-{seed}", peak)
+    losses = [r["loss"] for r in records]
     window = records[-args.loss_window :]
     return {
         "run": name,
         "seed": seed,
-        "steps": len(result.losses),
-        "final_loss": statistics.fmean(result.losses[-args.loss_window :]),
+        "steps": len(losses),
+        "final_loss": statistics.fmean(losses[-args.loss_window :]),
         "final_mtp_loss": (
             statistics.fmean(r["mtp_loss"] for r in window) if "mtp_loss" in window[0] else None
         ),
@@ -60,7 +62,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace, peak: float, root: P
         ),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records[args.warmup :]),
         "wall_s": wall_s,
-        "losses": result.losses,
+        "losses": losses,
     }
 
 
@@ -91,6 +93,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_results/recipe_training.json"))
     args = parser.parse_args()
 
+    threads = run_threads(args)
+    if threads is not None:  # the peak at the runs' thread count
+        torch.set_num_threads(threads)
     peak = measure_matmul_peak(torch.bfloat16, torch.device("cpu"))
     names = [BASELINE, *args.variants]
     runs = run_seeds(
@@ -101,6 +106,7 @@ def main() -> None:
             f"{run['run']:>12} seed {run['seed']}: loss {run['final_loss']:.4f}  "
             f"({run['wall_s']:.0f} s)"
         ),
+        args.jobs,
     )
     rows = summarise(runs, names)
     print(

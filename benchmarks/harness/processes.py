@@ -8,6 +8,7 @@ whichever variant runs second; so each training run of a benchmark gets a proces
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,10 +36,12 @@ def benchmark_run_overrides(steps: int, run_dir: Path, peak_flops: float) -> tup
     )
 
 
-def run_python(*args: str) -> None:
+def run_python(*args: str, threads: int | None = None) -> None:
     """``python ARGS...`` with this interpreter in a new process, its standard output
-    discarded; raises ``CalledProcessError`` if it fails."""
-    subprocess.run([sys.executable, *args], check=True, stdout=subprocess.DEVNULL)
+    discarded; raises ``CalledProcessError`` if it fails. ``threads``: the process's torch
+    threads (``OMP_NUM_THREADS``, which torch reads at start-up), else torch's default."""
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    subprocess.run([sys.executable, *args], check=True, stdout=subprocess.DEVNULL, env=env)
 
 
 def json_from_fresh_process(script: Path | str, *args: str) -> Any:
@@ -50,13 +53,18 @@ def json_from_fresh_process(script: Path | str, *args: str) -> Any:
 
 
 def train_in_fresh_process(
-    config: Path, steps: int, run_dir: Path, peak_flops: float, extra: Sequence[str] = ()
+    config: Path,
+    steps: int,
+    run_dir: Path,
+    peak_flops: float,
+    extra: Sequence[str] = (),
+    threads: int | None = None,
 ) -> list[dict]:
     """Train ``config`` for ``steps`` steps in ``run_dir`` (``benchmark_run_overrides``, then
-    the ``extra`` overrides) through ``moe-train train`` in a new process; the run's metrics
-    rows."""
+    the ``extra`` overrides) through ``moe-train train`` in a new process with ``threads``
+    torch threads (``run_python``); the run's metrics rows."""
     from moe_train.train import read_metrics
 
     overrides = [*benchmark_run_overrides(steps, run_dir, peak_flops), *extra]
-    run_python("-m", "moe_train.cli", "train", str(config), *overrides)
+    run_python("-m", "moe_train.cli", "train", str(config), *overrides, threads=threads)
     return read_metrics(run_dir / "metrics.jsonl")

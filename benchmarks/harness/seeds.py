@@ -3,75 +3,112 @@ the runs of one seed compared with the baseline's run of the same seed.
 
 Runs of one seed see the same batches and start from the same weights, yet their
 trajectories part, so one seed's gap from the baseline says little; a variant is judged on
-the mean of its per-seed gaps, shown beside them.
+the mean of its per-seed gaps, shown beside them. Each run trains in a process of its own
+(``harness.processes``), ``--jobs`` of them at once with ``--threads`` torch threads each.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any
 
 RunOne = Callable[[str, int, Path], dict]
 """Train variant ``name`` at ``seed`` under the folder ``root``; its run record: a dict with
 at least ``run``, ``seed``, ``final_loss`` and ``wall_s``."""
 
 
-def add_seed_arguments(parser: argparse.ArgumentParser, *, config: Path, steps: int) -> None:
+def add_seed_arguments(
+    parser: argparse.ArgumentParser, *, config: Path, steps: int, seeds: Sequence[int] = (0, 1, 2)
+) -> None:
     """The options every seeded comparison takes: ``--config``, ``--steps``, ``--seeds``,
-    ``--loss-window`` and ``--warmup`` (``--out`` and the variants stay the benchmark's)."""
+    ``--loss-window``, ``--warmup``, ``--jobs`` and ``--threads`` (``--out`` and the variants
+    stay the benchmark's)."""
     parser.add_argument("--config", type=Path, default=config)
     parser.add_argument("--steps", type=int, default=steps, help=f"steps per run (default {steps})")
     parser.add_argument(
-        "--seeds", type=int, nargs="+", default=[0, 1, 2], help="one run per seed and variant"
+        "--seeds", type=int, nargs="+", default=list(seeds), help="one run per seed and variant"
     )
     parser.add_argument(
         "--loss-window", type=int, default=10, help="final loss: mean of the last this many steps"
     )
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at once, each in its own process (default 1)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of each run (default: torch's with one job, else cores / jobs)",
+    )
+
+
+def run_threads(args: argparse.Namespace) -> int | None:
+    """Torch threads of each run: ``--threads``, else the cores shared among ``--jobs``, else
+    (one job) None, torch's default."""
+    if args.threads is not None:
+        return args.threads
+    if args.jobs > 1:
+        return max(1, (os.cpu_count() or 1) // args.jobs)
+    return None
 
 
 def train_seeded(
     args: argparse.Namespace, overrides: Sequence[str], seed: int, run_dir: Path, peak: float
-) -> tuple[Any, list[dict], float]:
+) -> tuple[list[dict], float]:
     """Train ``args.config`` in bf16 compute with ``overrides`` for ``args.steps`` steps at
-    ``seed`` in ``run_dir`` (``benchmark_run_overrides``); the training result, its metrics
-    rows and its wall seconds."""
-    from harness.processes import benchmark_run_overrides
-    from moe_train.config import load_config
-    from moe_train.train import read_metrics, train
+    ``seed`` in ``run_dir`` (``benchmark_run_overrides``) in a fresh process with
+    ``run_threads(args)`` threads; its metrics rows (one per step, ``loss`` the LM loss) and
+    its wall seconds."""
+    from harness.processes import train_in_fresh_process
 
-    config = load_config(
-        args.config,
-        [
-            "--precision.compute_dtype=bfloat16",
-            *overrides,
-            *benchmark_run_overrides(args.steps, run_dir, peak),
-            f"--train.seed={seed}",
-        ],
-    )
     start = time.perf_counter()
-    result = train(config)
-    wall_s = time.perf_counter() - start
-    return result, read_metrics(result.run_dir / "metrics.jsonl"), wall_s
+    records = train_in_fresh_process(
+        args.config,
+        args.steps,
+        run_dir,
+        peak,
+        ["--precision.compute_dtype=bfloat16", *overrides, f"--train.seed={seed}"],
+        threads=run_threads(args),
+    )
+    return records, time.perf_counter() - start
 
 
 def run_seeds(
-    names: Sequence[str], seeds: Sequence[int], run_one: RunOne, line: Callable[[dict], str]
+    names: Sequence[str],
+    seeds: Sequence[int],
+    run_one: RunOne,
+    line: Callable[[dict], str],
+    jobs: int = 1,
 ) -> list[dict]:
-    """Every variant at every seed (seed by seed), in a temporary folder; each run's ``line``
-    printed as it ends, so a cut-short comparison still says what it measured."""
-    runs = []
+    """Every variant at every seed, seed by seed, ``jobs`` at a time, in a temporary folder;
+    each run's ``line`` printed as it ends, so a cut-short comparison still says what it
+    measured. The records come back in seed-by-seed order."""
+    order = [(name, seed) for seed in seeds for name in names]
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in seeds:
-            for name in names:
+        if jobs == 1:
+            runs = []
+            for name, seed in order:
                 runs.append(run_one(name, seed, Path(tmp)))
                 print(line(runs[-1]), flush=True)
-    return runs
+            return runs
+        # Threads suffice: each run_one waits on a training process of its own.
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = {
+                pool.submit(run_one, name, seed, Path(tmp)): i
+                for i, (name, seed) in enumerate(order)
+            }
+            done: dict[int, dict] = {}
+            for future in as_completed(futures):
+                done[futures[future]] = future.result()
+                print(line(done[futures[future]]), flush=True)
+        return [done[i] for i in range(len(order))]
 
 
 def seed_comparison(

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
+import time
 
 import pytest
 
 from harness.output import print_table, write_json, write_whole
-from harness.processes import json_from_fresh_process
+from harness.processes import json_from_fresh_process, run_python
 from harness.seeds import gap_cells, median_ratio, run_seeds, seed_comparison
 from harness.timing import interleaved_medians, interleaved_samples, median_seconds
 
@@ -154,3 +156,37 @@ def test_seeded_runs_go_seed_by_seed_and_print_each_line_as_the_run_ends(capsys)
     assert [run["seed"] for run in runs] == [3, 3, 5, 5]
     lines = capsys.readouterr().out.splitlines()
     assert lines[:4] == ["training base 3", "base@3", "training new 3", "new@3"]
+
+
+def test_seeded_runs_with_jobs_overlap_and_come_back_seed_by_seed(capsys):
+    both_started = threading.Barrier(2, timeout=30)  # run one after the other: it breaks
+
+    def run_one(name: str, seed: int, root) -> dict:
+        assert root.is_dir()
+        if seed == 3:
+            both_started.wait()
+            if name == "base":  # the first submitted ends last
+                time.sleep(0.2)
+        return _run(name, seed, float(seed))
+
+    runs = run_seeds(
+        ["base", "new"], [3, 5], run_one, lambda run: f"{run['run']}@{run['seed']}", jobs=2
+    )
+    assert [(run["run"], run["seed"]) for run in runs] == [
+        ("base", 3),
+        ("new", 3),
+        ("base", 5),
+        ("new", 5),
+    ]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "new@3" and sorted(lines) == ["base@3", "base@5", "new@3", "new@5"]
+
+
+def test_a_fresh_process_runs_with_the_torch_threads_asked_for(tmp_path):
+    # The suite runs with one thread per process (conftest) and torch caps at the cores.
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two cores to tell two threads from the suite's one")
+    out = tmp_path / "threads.txt"
+    script = "import sys, torch; open(sys.argv[1], 'w').write(str(torch.get_num_threads()))"
+    run_python("-c", script, str(out), threads=2)
+    assert out.read_text() == "2"
