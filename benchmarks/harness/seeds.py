@@ -39,14 +39,24 @@ def add_seed_arguments(
     )
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
     parser.add_argument(
-        "--jobs", type=int, default=1, help="runs at once, each in its own process (default 1)"
+        "--jobs",
+        type=_positive,
+        default=1,
+        help="runs at once, each in its own process (default 1)",
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=_positive,
         default=None,
         help="torch threads of each run (default: torch's with one job, else cores / jobs)",
     )
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
 
 
 def run_threads(args: argparse.Namespace) -> int | None:
@@ -92,22 +102,22 @@ def run_seeds(
     measured. The records come back in seed-by-seed order."""
     order = [(name, seed) for seed in seeds for name in names]
     with tempfile.TemporaryDirectory() as tmp:
-        if jobs == 1:
+        if jobs == 1:  # in this thread: each line right after its run's own output
             runs = []
             for name, seed in order:
                 runs.append(run_one(name, seed, Path(tmp)))
                 print(line(runs[-1]), flush=True)
             return runs
         # Threads suffice: each run_one waits on a training process of its own.
+        done: dict[int, dict] = {}
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             futures = {
                 pool.submit(run_one, name, seed, Path(tmp)): i
                 for i, (name, seed) in enumerate(order)
             }
-            done: dict[int, dict] = {}
             for future in as_completed(futures):
-                done[futures[future]] = future.result()
-                print(line(done[futures[future]]), flush=True)
+                run = done[futures[future]] = future.result()
+                print(line(run), flush=True)
         return [done[i] for i in range(len(order))]
 
 
