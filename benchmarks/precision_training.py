@@ -33,11 +33,10 @@ from harness.seeds import (
     gap_cells,
     median_ratio,
     run_seeds,
-    run_threads,
+    runs_peak_flops,
     seed_comparison,
     train_seeded,
 )
-from moe_train.train import measure_matmul_peak
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -112,11 +111,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("bench_results/precision_training.json"))
     args = parser.parse_args()
-    threads = run_threads(args)
-    if threads is not None:  # the peak at the runs' thread count
-        torch.set_num_threads(threads)
-
-    peak = measure_matmul_peak(torch.bfloat16, torch.device("cpu"))
+    peak = runs_peak_flops(args)
     names = ["bf16", *args.variants]
     runs = run_seeds(
         names,

@@ -18,19 +18,16 @@ import argparse
 import statistics
 from pathlib import Path
 
-import torch
-
 from harness.output import print_table, write_json
 from harness.seeds import (
     add_seed_arguments,
     gap_cells,
     median_ratio,
     run_seeds,
-    run_threads,
+    runs_peak_flops,
     seed_comparison,
     train_seeded,
 )
-from moe_train.train import measure_matmul_peak
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 BASELINE = "micro_batch"
@@ -93,10 +90,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_results/recipe_training.json"))
     args = parser.parse_args()
 
-    threads = run_threads(args)
-    if threads is not None:  # the peak at the runs' thread count
-        torch.set_num_threads(threads)
-    peak = measure_matmul_peak(torch.bfloat16, torch.device("cpu"))
+    peak = runs_peak_flops(args)
     names = [BASELINE, *args.variants]
     runs = run_seeds(
         names,

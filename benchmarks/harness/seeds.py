@@ -59,6 +59,19 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def runs_peak_flops(args: argparse.Namespace) -> float:
+    """The CPU's bf16 matmul peak at the runs' thread count (``run_threads``; this process
+    keeps that count): the MFU denominator every run of the comparison shares."""
+    import torch
+
+    from moe_train.train import measure_matmul_peak
+
+    threads = run_threads(args)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return measure_matmul_peak(torch.bfloat16, torch.device("cpu"))
+
+
 def run_threads(args: argparse.Namespace) -> int | None:
     """Torch threads of each run: ``--threads``, else the cores shared among ``--jobs``, else
     (one job) None, torch's default."""
