@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ import yaml
 from moe_train.cli import main
 from moe_train.cli.plan import plan_json_of, plan_words_of
 from moe_train.config import load_config
+from moe_train.errors import MoeTrainError
 from moe_train.plan.answer import FITTING_SHOWN, REJECTED_SHOWN
 from moe_train.plan.layouts import layout_label
 from moe_train.plan.serve import FIELDS, config_folders, make_server, shipped_configs
@@ -128,6 +130,35 @@ def test_the_shipped_configs_are_listed_from_any_working_directory(tmp_path, mon
     shipped = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
     assert listed == {"configs": shipped}
     assert status == 200 and json.loads(body)["plan"]["fitting"]
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "-1", "abc", "8o37"])
+def test_a_port_that_is_no_port_is_one_line(port, capsys):
+    code, out, err = _cli(["plan", "configs/tiny.yaml", "--serve", "--port", port], capsys)
+    assert code == 2 and not out and "Traceback" not in err, err
+    assert err.splitlines() == [
+        f"error: --port {port} must be a whole number from 0 to 65535 (0: any free port)"
+    ]
+
+
+def test_a_port_the_server_cannot_listen_on_is_one_line(monkeypatch, capsys):
+    import moe_train.plan.serve as serve
+
+    def serve_forever(self, *args):
+        raise AssertionError("the server listened")
+
+    monkeypatch.setattr(serve._Server, "serve_forever", serve_forever)
+    with pytest.raises(MoeTrainError, match=r"^--port 70000: cannot listen there \(.+\)$"):
+        serve.serve(70000, plan_words_of, None)  # past the parser's check
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = _cli(["plan", "--serve", "--port", str(port)], capsys)
+    assert code == 2 and not out and "Traceback" not in err, err
+    assert err.splitlines() == [
+        f"error: --port {port}: cannot listen there (Address already in use)"
+    ]
 
 
 def test_the_page_says_when_no_config_is_found(tmp_path):

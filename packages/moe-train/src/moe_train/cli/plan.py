@@ -9,6 +9,7 @@ from typing import Any
 from moe_train.cli.command import Command
 
 DEFAULT_PORT = 8037
+MAX_PORT = 65535
 MAX_GPUS = 1 << 20
 """The most devices planned for (the layouts of a count are found by trying its divisors)."""
 
@@ -55,7 +56,24 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve the planner as a page on http://127.0.0.1:PORT (the repository's and the "
         "working directory's configs/*.yaml listed)",
     )
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="the page's port")
+    parser.add_argument(
+        "--port",
+        type=port_number,
+        default=DEFAULT_PORT,
+        help=f"the page's port, 0 to {MAX_PORT} (0: any free port)",
+    )
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 to MAX_PORT (0: any free one). Raises ConfigError, which argparse lets
+    through, so that the CLI prints one line rather than its usage."""
+    from moe_train.errors import ConfigError
+
+    if not text.isdecimal() or int(text) > MAX_PORT:
+        raise ConfigError(
+            f"--port {text} must be a whole number from 0 to {MAX_PORT} (0: any free port)"
+        )
+    return int(text)
 
 
 def token_count(text: str) -> int:

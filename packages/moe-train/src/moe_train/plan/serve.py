@@ -384,11 +384,13 @@ def serve(port: int, answer: Answer, preselected: Path | None) -> None:
         raise MoeTrainError(f"config file {preselected} does not exist")
     import moe_train.plan  # noqa: F401  (now, so that the first answer does not wait for it)
 
+    folders = config_folders()
+    configs = shipped_configs(preselected, folders)
     try:
-        folders = config_folders()
-        server = make_server(answer, shipped_configs(preselected, folders), port, folders)
-    except OSError as e:
-        raise MoeTrainError(f"--port {port}: cannot listen there ({e.strerror})") from e
+        server = make_server(answer, configs, port, folders)
+    except (OSError, OverflowError) as e:  # in use, not allowed, or no port at all
+        reason = getattr(e, "strerror", None) or str(e)
+        raise MoeTrainError(f"--port {port}: cannot listen there ({reason})") from e
     print(f"the planner's page: http://127.0.0.1:{server.server_address[1]}/", flush=True)
     try:
         server.serve_forever()
