@@ -37,7 +37,7 @@ from moe_train.plan import (
     predict_traffic,
 )
 from moe_train.plan.activations import HOST_GRAPH_BYTES_PER_BLOCK, loss_bytes
-from moe_train.plan.layouts import format_bytes
+from moe_train.plan.layouts import format_bytes, start_error
 from moe_train.plan.memory import _rank_memory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -417,6 +417,31 @@ SHIPPED = {  # config: its world size and device, as its header says
 CALIBRATION_ONLY = {path for path in SHIPPED if "qwen3" in path}
 """Published layouts the planner finds over memory (or too costly to rank here): their own
 layout is evaluated by test_plan_calibration.py."""
+
+
+HEADER_RANKS = re.compile(r"\((\d+) ranks?\b")
+"""How a shipped config's `# Hardware:` line names the ranks it runs on: `(8 ranks: ...)`."""
+
+
+def header_ranks(path: Path) -> tuple[int, str]:
+    """The rank count a shipped config's `# Hardware:` line names, and its header comment."""
+    header = re.match(r"(?:#.*\n)*", path.read_text()).group(0)
+    lines = [line for line in header.splitlines() if line.startswith("# Hardware:")]
+    assert len(lines) == 1, f"{path.name}: one '# Hardware:' line in its header, not {lines}"
+    counts = HEADER_RANKS.findall(lines[0])
+    assert len(counts) == 1, f"{path.name}: its Hardware line names '(N ranks)' once: {lines[0]}"
+    return int(counts[0]), header
+
+
+def test_every_shipped_configs_own_layout_starts_on_the_ranks_its_header_names():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        ranks, header = header_ranks(path)
+        # The rest of the header, and the table the slow test plans from, say the same count.
+        assert set(re.findall(r"--gpus (\d+)", header)) <= {str(ranks)}, path.name
+        assert set(re.findall(r"^# Calibration: (\d+) x", header, re.M)) <= {str(ranks)}
+        assert SHIPPED[f"configs/{path.name}"][0] == str(ranks), path.name
+        error = start_error(load_config(path), ranks)  # the trainer's and planner's check
+        assert error is None, f"{path.name} on {ranks} ranks: {error}"
 
 
 @pytest.mark.slow
