@@ -34,10 +34,10 @@ from typing import Any
 from harness.output import print_table, write_json
 from moe_train.cli.plan import plan_json_of, plan_words_of
 from moe_train.plan.memory import clear_caches
-from moe_train.plan.serve import BadRequest, Planner, shipped_configs
+from moe_train.plan.serve import DEVICE_DEFAULTS, BadRequest, Planner, shipped_configs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-PAGE_DEFAULT = {"gpu": "h100", "gpus": "8", "gpus_per_node": "8", "tokens": "1e12"}
+PAGE_DEFAULT = DEVICE_DEFAULTS
 """The device fields the page starts with."""
 HEADER = re.compile(r"^# (?:Planner|Calibration):.*?(\d+) x (\w+)|--gpus (\d+) --gpu (\w+)", re.M)
 

@@ -23,8 +23,16 @@ from moe_train.cli.plan import plan_json_of, plan_words_of
 from moe_train.config import load_config
 from moe_train.errors import MoeTrainError
 from moe_train.plan.answer import FITTING_SHOWN, REJECTED_SHOWN
-from moe_train.plan.layouts import layout_label
-from moe_train.plan.serve import FIELDS, config_folders, make_server, shipped_configs
+from moe_train.plan.layouts import layout_label, start_error
+from moe_train.plan.serve import (
+    DEVICE_DEFAULTS,
+    FIELDS,
+    OPENING_CONFIG,
+    config_folders,
+    make_server,
+    opening_config,
+    shipped_configs,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -128,8 +136,21 @@ def test_the_shipped_configs_are_listed_from_any_working_directory(tmp_path, mon
             listed = json.loads(response.read())
         status, body = _post(address, "/api/plan", {"config": "tiny.yaml", "gpus": "2"})
     shipped = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
-    assert listed == {"configs": shipped}
+    assert listed == {"configs": shipped, "opening": OPENING_CONFIG, "devices": DEVICE_DEFAULTS}
     assert status == 200 and json.loads(body)["plan"]["fitting"]
+
+
+def test_the_page_opens_on_a_config_whose_own_layout_starts_and_fits_on_its_devices(url):
+    configs = shipped_configs(None, ROOT / "configs")
+    opening = opening_config(configs)
+    gpus = int(DEVICE_DEFAULTS["gpus"])
+    assert start_error(load_config(configs[opening]), gpus) is None, opening
+    status, body = _post(url, "/api/plan", {"config": opening, **DEVICE_DEFAULTS})
+    own = json.loads(body)["plan"]["own"]
+    assert status == 200 and own["starts"] and own["fits"], own
+    # A preselected config is the one the page opens on, whatever it is.
+    assert opening_config(configs, ROOT / "configs/tiny.yaml") == "tiny.yaml"
+    assert opening_config(shipped_configs(None, [])) is None
 
 
 @pytest.mark.parametrize("port", ["99999", "65536", "-1", "abc", "8o37"])
@@ -369,7 +390,6 @@ def test_the_page_in_chromium_shows_the_clis_figures_and_its_config_trains(tmp_p
             "-m",
             "moe_train.cli",
             "plan",
-            "configs/olmoe-1b-7b.yaml",
             "--serve",
             "--port",
             "0",
@@ -385,8 +405,13 @@ def test_the_page_in_chromium_shows_the_clis_figures_and_its_config_trains(tmp_p
             page = browser.new_page(accept_downloads=True, viewport={"width": 1280, "height": 900})
             page.goto(address)
             page.wait_for_selector("body[data-planned]", timeout=120_000)
+            # It opens on the config and devices the server names, the config's own layout
+            # chosen: it starts there.
+            assert OPENING_CONFIG == "olmoe-1b-7b.yaml"
+            assert page.input_value("#config") == OPENING_CONFIG
             assert "--gpus=8" in page.text_content("#command")
             olmoe = load_config(ROOT / "configs/olmoe-1b-7b.yaml")
+            assert page.text_content("#chosen") == layout_label(olmoe, 8)
             assert page.input_value("#num_experts") == str(olmoe.model.moe.num_experts)
             assert page.input_value("#d_model") == str(olmoe.model.d_model)
             assert "--model." not in page.text_content("#command")  # the config's own values

@@ -44,6 +44,12 @@ FIELDS = {
 }
 """Each input of the page and the word of `moe-train plan` it becomes."""
 
+DEVICE_DEFAULTS = {"gpu": "h100", "gpus": "8", "gpus_per_node": "8", "tokens": "1e12"}
+"""The device inputs the page opens with."""
+OPENING_CONFIG = "olmoe-1b-7b.yaml"
+"""The shipped config the page opens on unless one is preselected: its own layout starts, and
+fits, on the DEVICE_DEFAULTS."""
+
 ASSETS = {"/": "index.html", "/page.js": "page.js", "/page.css": "page.css"}
 TYPES = {"html": "text/html", "js": "text/javascript", "css": "text/css"}
 PASTED = "pasted.yaml"
@@ -291,7 +297,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(HTTPStatus.INTERNAL_SERVER_ERROR, {"errors": {"request": message}})
 
     def _configs(self) -> dict[str, Any]:
-        listed: dict[str, Any] = {"configs": list(self.server.planner.configs)}
+        listed: dict[str, Any] = {
+            "configs": list(self.server.planner.configs),
+            "opening": self.server.opening,
+            "devices": DEVICE_DEFAULTS,
+        }
         if not listed["configs"]:
             places = " or ".join(str(p.resolve()) + "/*.yaml" for p in self.server.looked_in)
             listed["note"] = (
@@ -335,6 +345,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     planner: Planner
     looked_in: list[Path]
+    opening: str | None
 
 
 def config_folders() -> list[Path]:
@@ -367,14 +378,30 @@ def shipped_configs(
     return configs
 
 
+def opening_config(configs: dict[str, Path], preselected: Path | None = None) -> str | None:
+    """The listed config the page opens on: `preselected`, else OPENING_CONFIG when listed,
+    else the first listed (None: none is)."""
+    if preselected is not None and preselected.name in configs:
+        return preselected.name
+    if OPENING_CONFIG in configs:
+        return OPENING_CONFIG
+    return next(iter(configs), None)
+
+
 def make_server(
-    answer: Answer, configs: dict[str, Path], port: int, looked_in: list[Path] | None = None
+    answer: Answer,
+    configs: dict[str, Path],
+    port: int,
+    looked_in: list[Path] | None = None,
+    opening: str | None = None,
 ) -> _Server:
     """A server on 127.0.0.1:`port` (0: any free port), not yet serving; `looked_in` names
-    the folders searched for configs, for the page to say where none was found."""
+    the folders searched for configs, for the page to say where none was found; `opening`:
+    the config the page opens on (default `opening_config(configs)`)."""
     server = _Server(("127.0.0.1", port), _Handler)
     server.planner = Planner(answer, configs)
     server.looked_in = looked_in or []
+    server.opening = opening if opening is not None else opening_config(configs)
     return server
 
 
@@ -387,7 +414,7 @@ def serve(port: int, answer: Answer, preselected: Path | None) -> None:
     folders = config_folders()
     configs = shipped_configs(preselected, folders)
     try:
-        server = make_server(answer, configs, port, folders)
+        server = make_server(answer, configs, port, folders, opening_config(configs, preselected))
     except (OSError, OverflowError) as e:  # in use, not allowed, or no port at all
         reason = getattr(e, "strerror", None) or str(e)
         raise MoeTrainError(f"--port {port}: cannot listen there ({reason})") from e

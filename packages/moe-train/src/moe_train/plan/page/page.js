@@ -7,8 +7,8 @@
 const KNOBS = [["n_layers", "layers"], ["d_model", "width (d_model)"], ["num_experts", "experts"],
   ["top_k", "top-k"], ["expert_hidden", "expert width"], ["seq_len", "sequence length"],
   ["vocab_size", "vocabulary"]];
-const DEVICE_FIELDS = [["gpus", "GPUs", "8"], ["gpus_per_node", "GPUs per node", "8"],
-  ["tokens", "token budget", "1e12"]];
+// Their first values, and the config the page opens on, come from the server (/api/configs).
+const DEVICE_FIELDS = [["gpus", "GPUs"], ["gpus_per_node", "GPUs per node"], ["tokens", "token budget"]];
 const GPUS = ["h100", "h200", "b200", "b300"];
 const COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
   "#ff9da7", "#9c755f", "#bab0ac"];
@@ -39,7 +39,7 @@ function buildInputs() {
   error.className = "error"; error.id = "err-gpu";
   gpu.append(select, error);
   $("devices").append(gpu);
-  for (const [name, label, value] of DEVICE_FIELDS) $("devices").append(field(name, label, value));
+  for (const [name, label] of DEVICE_FIELDS) $("devices").append(field(name, label));
 }
 
 function request(extra) {
@@ -285,6 +285,8 @@ async function start() {
   buildInputs();
   const listed = await (await fetch("/api/configs")).json();
   for (const name of listed.configs) $("config").append(new Option(name, name));
+  if (listed.opening) $("config").value = listed.opening;
+  for (const [name, value] of Object.entries(listed.devices)) $(name).value = value;
   if (!listed.configs.length) {
     document.querySelector("input[value=yaml]").checked = true;
     $("configs-note").textContent = listed.note;
