@@ -288,6 +288,37 @@ def test_bad_rows_name_file_and_row_and_write_nothing(tmp_path, families, case):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"], "nothing written"
 
 
+def test_a_file_without_rows_is_refused_in_one_line_and_an_empty_out_is_kept(
+    tmp_path, families, capsys
+):
+    from moe_train.cli import main
+
+    directory, _ = families["qwen"]
+    good = {"chat": tmp_path / "chat.jsonl", "prompt-completion": tmp_path / "pc.jsonl"}
+    good["chat"].write_text(json.dumps({"messages": CONVERSATIONS[1]}) + "\n")
+    good["prompt-completion"].write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()  # an empty --out is allowed: it stays as it was
+    for name, text, data_format, fields in [
+        ("empty.jsonl", "", "chat", "messages"),
+        ("blank.jsonl", "\n \n\n", "chat", "messages"),
+        ("blank-pc.jsonl", "\n", "prompt-completion", "prompt and completion"),
+    ]:
+        rows = tmp_path / name
+        rows.write_text(text)
+        expected = (
+            f"error: {rows} holds no rows, so nothing in it would be trained on; give rows "
+            f"with {fields}"
+        )
+        for inputs in ([rows], [good[data_format], rows]):
+            args = ["prepare-data", *map(str, inputs), "--out", str(out), "--format", data_format]
+            assert main([*args, "--tokenizer", str(directory)]) == 2
+            err = capsys.readouterr().err
+            assert err.splitlines()[-1] == expected, err
+            assert len(err.splitlines()) == len(inputs), "a line per file read before it"
+            assert list(out.iterdir()) == [] and not (tmp_path / ".out.partial").exists()
+
+
 def test_parquet_rows_and_a_model_without_a_template(tmp_path, families):
     directory, _ = families["llama"]
     rows = _parquet(tmp_path / "chat.parquet", [{"messages": c} for c in CONVERSATIONS])

@@ -130,6 +130,42 @@ def test_mask_file_that_does_not_match_its_tokens_is_named(tmp_path):
     assert "mask-000000.bin holds 497 bytes" in message and "500 tokens" in message, message
 
 
+def test_a_mask_with_nothing_to_train_on_is_refused_before_any_step(tmp_path, capsys):
+    """A data.paths or eval.paths directory whose label mask marks no token (all zeros, or
+    no tokens at all: a chat file without rows, as earlier releases prepared it) stops
+    `train` with one line naming it and exit 2; the run directory stays as it was."""
+    from moe_train.cli import main
+    from training import save_config
+
+    ids, mask = conversation_like(1000)
+    good = save_masked_tokens(tmp_path / "chat", ids, mask)
+    zeros = save_masked_tokens(tmp_path / "zeros", ids, np.zeros_like(mask))
+    empty = save_masked_tokens(tmp_path / "empty", ids[:0], mask[:0])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = '{"step": 3, "loss": 1.5}\n'
+    (run_dir / "metrics.jsonl").write_text(metrics)
+    for data_dir, eval_dir, bad, why in [
+        (zeros, good, zeros, "its label mask marks none of its 1,000 tokens"),
+        (good, zeros, zeros, "its label mask marks none of its 1,000 tokens"),
+        (empty, good, empty, "it holds no tokens"),
+    ]:
+        sections = {
+            "data": {"label_mask": True},
+            "eval": {"paths": [str(eval_dir)], "interval": 1, "batches": 1},
+        }
+        config = save_config(
+            tmp_path / "run.yaml", small_config_data(run_dir, data_dir, **sections)
+        )
+        assert main(["train", str(config)]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: data.label_mask=true but {bad} has no token to train on ({why}); prepare "
+            "it again from rows with assistant replies (or with --train-on all)"
+        ]
+        assert [p.name for p in run_dir.iterdir()] == ["metrics.jsonl"]
+        assert (run_dir / "metrics.jsonl").read_text() == metrics
+
+
 def test_windows_pack_whole_documents_with_their_mask(tmp_path):
     ids, mask = conversation_like(3000, long_every=7)
     data_dir = save_masked_tokens(tmp_path / "chat", ids, mask)

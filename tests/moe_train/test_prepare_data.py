@@ -426,6 +426,35 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.txt", "in"]
 
 
+def test_a_corpus_without_text_is_refused_and_an_empty_out_is_kept(tmp_path, capsys):
+    """Inputs that tokenize to nothing but end-of-document ids are refused in one line naming
+    them, exit 2; an empty --out given beforehand stays as it was, and no .partial is left."""
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
+    out = tmp_path / "out"
+    out.mkdir()
+    no_text = "to tokenize, so nothing would be trained on; give inputs with text"
+    for names, expected in [
+        (["empty.jsonl"], f"error: {tmp_path / 'empty.jsonl'} holds no text {no_text}"),
+        (["empty.txt"], f"error: {tmp_path / 'empty.txt'} holds no text {no_text}"),
+        (
+            ["empty.txt", "blank.jsonl"],
+            f"error: none of the 2 inputs ({tmp_path / 'empty.txt'}, {tmp_path / 'blank.jsonl'})"
+            f" holds any text {no_text}",
+        ),
+    ]:
+        args = [str(tmp_path / name) for name in names]
+        assert main(["prepare-data", *args, "--workers", "1", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert [line for line in err.splitlines() if line.startswith("error")] == [expected], err
+        assert "Traceback" not in err
+        assert list(out.iterdir()) == [] and not (tmp_path / ".out.partial").exists()
+    (tmp_path / "some.txt").write_text("x")
+    meta = prepare_data([tmp_path / "empty.txt", tmp_path / "some.txt"], out)
+    assert (meta["num_tokens"], meta["num_documents"]) == (3, 2), "an empty file among others"
+
+
 def test_the_start_line_counts_in_words_and_says_why_fewer_workers_run(tmp_path, capsys):
     with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"text": f"document {i}"}) + "\n" for i in range(100))

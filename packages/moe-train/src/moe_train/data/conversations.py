@@ -12,8 +12,8 @@ Each conversation is followed by the end-of-document id (not trained on after a 
 each conversation's ids are exactly the template's), so `data.document_masking` keeps
 attention inside it. The output is a prepared directory (`moe_train.data.token_files`) with
 one token shard and one mask shard (`moe_train.data.labels`) per input file and
-`label_mask: true` in its meta.json. Any bad row stops the preparation with a DataError
-naming its file and row, and nothing is written.
+`label_mask: true` in its meta.json. Any bad row, or a file without rows, stops the
+preparation with a DataError naming its file (and row), and nothing is written.
 """
 
 from __future__ import annotations
@@ -300,6 +300,13 @@ def _write_source(
         mask.write(row_mask, source.path)
         documents += 1
         trained += int(row_mask.sum())
+    if not documents:
+        tokens.discard()
+        mask.discard()
+        raise DataError(
+            f"{source.path} holds no rows, so nothing in it would be trained on; give rows "
+            f"with {' and '.join(fields)}"
+        )
     return {
         "file": tokens.path.name,
         "num_tokens": tokens.num_tokens,

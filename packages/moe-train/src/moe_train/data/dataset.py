@@ -301,12 +301,20 @@ def check_batch_args(step: int, global_batch_size: int, seed: int) -> None:
 
 
 def _check_masks(sources: Sequence[TokenSource]) -> None:
+    """Every source has a label mask, and it marks a token to train on."""
     for source in sources:
         if source.mask is None:
             raise DataError(
                 f"data.label_mask=true but data.paths entry {source.path} has no label mask; "
                 "prepare it with `moe-train prepare-data --format chat` (or prompt-completion), "
                 "or set data.label_mask=false"
+            )
+        if not source.mask.any_nonzero():
+            held = f"its label mask marks none of its {source.num_tokens:,} tokens"
+            raise DataError(
+                f"data.label_mask=true but {source.path} has no token to train on "
+                f"({held if source.num_tokens else 'it holds no tokens'}); prepare it again "
+                "from rows with assistant replies (or with --train-on all)"
             )
 
 

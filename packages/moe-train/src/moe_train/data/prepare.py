@@ -120,8 +120,22 @@ def _prepare_in(
             shutil.rmtree(work_dir, ignore_errors=True)
         raise
     meta = manifest(plan, records)
+    if meta["num_tokens"] <= meta["num_documents"]:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        raise DataError(_no_text(plan))
     _finish(work_dir, meta)
     return meta
+
+
+def _no_text(plan: Plan) -> str:
+    """Why a corpus whose documents are all empty (only end-of-document ids) is refused."""
+    paths = [str(source.path) for source in plan.sources]
+    if len(paths) == 1:
+        what = f"{paths[0]} holds no text"
+    else:
+        listed = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+        what = f"none of the {len(paths)} inputs ({listed}) holds any text"
+    return f"{what} to tokenize, so nothing would be trained on; give inputs with text"
 
 
 def write_dataset(files: Sequence[Path], dest_dir: Path, tokenizer: Tokenizer) -> dict[str, Any]:

@@ -124,6 +124,15 @@ class TokenStream:
                 highest = max(highest, high)
         return lowest, highest
 
+    def any_nonzero(self) -> bool:
+        """Whether any token is not 0, read in chunks up to the first that holds one."""
+        for index in range(len(self._parts)):
+            part = self._array(index)
+            for begin in range(0, part.size, _SCAN_CHUNK):
+                if np.asarray(part[begin : begin + _SCAN_CHUNK]).any():
+                    return True
+        return False
+
     def _array(self, index: int) -> np.ndarray:
         part = self._parts[index]
         if isinstance(part, np.ndarray):
