@@ -6,6 +6,7 @@
 - A config header's `moe-train plan ...` figure (`: 103.8 MiB`, `predicts 73.9 GiB`) is the
   memory per device that command prints for the config's own layout.
 - docs/interop.md names the keys `generate --json` prints and the stop reasons it can give.
+- The quickstart's model, steps and shipped-config sizes are those of the configs.
 """
 
 import functools
@@ -192,3 +193,30 @@ def test_interop_names_what_generate_json_prints(monkeypatch, capsys):
     assert reasons == list(typing.get_args(hints["stop_reason"])), (
         "docs/interop.md: the stop reasons of `generate --json`"
     )
+
+
+def test_the_quickstart_pages_describe_the_tiny_config():
+    from moe_train.config import load_config
+
+    model = load_config(ROOT / "configs" / "tiny.yaml", []).model
+    steps = load_config(ROOT / "configs" / "tiny.yaml", []).train.max_steps
+    for page in (ROOT / "README.md", ROOT / "docs" / "quickstart.md"):
+        text = " ".join(page.read_text().split())
+        found = re.search(r"trains a (\d+)-layer, (\d+)-expert MoE for (\d+) steps", text)
+        assert found, f"{page.name}: the sentence on the first command's model"
+        said = tuple(int(n) for n in found.groups())
+        assert said == (model.n_layers, model.moe.num_experts, steps), page.name
+
+
+def test_the_quickstart_gives_the_shipped_configs_sizes():
+    from moe_train.config import load_config
+    from moe_train.model.accounting import count_params
+
+    text = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
+    sizes = re.findall(r"`([\w-]+)` \([^()]*?([\d.]+)B total, ([\d.]+)B active", text)
+    assert len(sizes) >= 2, "docs/quickstart.md: the shipped configs' sizes"
+    for name, total, active in sizes:
+        counts = count_params(load_config(ROOT / "configs" / f"{name}.yaml", []).model)
+        for said, count in ((total, counts.total), (active, counts.active)):
+            decimals = len(said.partition(".")[2])
+            assert float(said) == round(count / 1e9, decimals), f"{name}: {said}B, not {count:,}"
