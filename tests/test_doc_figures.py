@@ -5,6 +5,7 @@
   written and in order.
 - A config header's `moe-train plan ...` figure (`: 103.8 MiB`, `predicts 73.9 GiB`) is the
   memory per device that command prints for the config's own layout.
+- docs/planner.md's *Over memory here* figures are the memory the planner predicts.
 - docs/interop.md names the keys `generate --json` prints and the stop reasons it can give.
 - The quickstart's model, steps and shipped-config sizes are those of the configs.
 """
@@ -220,3 +221,41 @@ def test_the_quickstart_gives_the_shipped_configs_sizes():
         for said, count in ((total, counts.total), (active, counts.active)):
             decimals = len(said.partition(".")[2])
             assert float(said) == round(count / 1e9, decimals), f"{name}: {said}B, not {count:,}"
+
+
+def test_the_over_memory_figures_are_the_planners():
+    """docs/planner.md, *Over memory here*: each published layout's memory by category, and
+    the totals its prose gives, from `predict_memory` at the config's published point."""
+    from moe_train.config import load_config
+    from moe_train.plan.calibration import published_points
+    from moe_train.plan.hardware import DEVICES
+    from moe_train.plan.memory import predict_memory
+
+    gib = 2**30
+    points = {point.config.name: point for point in published_points(ROOT / "configs")}
+
+    def memory(name: str):
+        point = points[name]
+        return predict_memory(load_config(point.config, []), point.gpus), DEVICES[point.gpu]
+
+    section = (ROOT / "docs" / "planner.md").read_text().split("\n### Over memory here\n")[1]
+    rows = re.findall(r"^\| `(published-[\w-]+\.yaml)` \|(.*)\|$", section, re.MULTILINE)
+    assert len(rows) == 2, "docs/planner.md: the table of Over memory here"
+    without_slack = []
+    for name, cells in rows:
+        m, device = memory(name)
+        expected = [
+            f"{m.weights / gib:.2f}",
+            f"{m.gradients / gib:.2f}",
+            f"{m.optimizer / gib:.2f}",
+            f"{m.activations * m.in_flight / gib:.2f} (x {m.in_flight:g})",
+            f"{m.slack / gib:.2f}",
+            f"{m.total / gib:.1f}",
+            f"{device.memory_gib:.1f}",
+        ]
+        assert [cell.strip() for cell in cells.split("|")] == expected, name
+        without_slack.append(f"{(m.total - m.slack) / gib:.1f}")
+    prose = " ".join(section.split())
+    assert f"still over ({' and '.join(without_slack)} GiB)" in prose
+    fits, _ = memory("published-qwen3-235b-a22b-b200.yaml")
+    assert f"on 256 B200 ({fits.total / gib:.1f} GiB) fits" in prose
