@@ -7,7 +7,8 @@
   memory per device that command prints for the config's own layout.
 - docs/planner.md's *Over memory here* figures are the memory the planner predicts.
 - docs/interop.md names the keys `generate --json` prints and the stop reasons it can give.
-- The quickstart's model, steps and shipped-config sizes are those of the configs.
+- The quickstart's model, steps and shipped-config sizes are those of the configs, and its
+  example error line (and the README's) is what the config loader says.
 """
 
 import functools
@@ -259,3 +260,14 @@ def test_the_over_memory_figures_are_the_planners():
     assert f"still over ({' and '.join(without_slack)} GiB)" in prose
     fits, _ = memory("published-qwen3-235b-a22b-b200.yaml")
     assert f"on 256 B200 ({fits.total / gib:.1f} GiB) fits" in prose
+
+
+def test_the_error_line_of_readme_and_quickstart_is_the_configs():
+    from moe_train.config import load_config
+    from moe_train.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        load_config(ROOT / "configs" / "tiny.yaml", ["--model.moe.top_k=999"])
+    line = f"error: {error.value}"
+    for page in (ROOT / "README.md", ROOT / "docs" / "quickstart.md"):
+        assert f"`{line}`" in " ".join(page.read_text().split()), page.name
