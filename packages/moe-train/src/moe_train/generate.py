@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -34,6 +35,8 @@ from moe_train.errors import MoeTrainError
 from moe_train.model import Transformer
 
 Tokenizer = ByteTokenizer | HFTokenizer
+StopReason = Literal["eos", "end_of_turn", "length"]
+"""Why generation stopped: `Generated.stop_reason`, `stop_reason` of `generate --json`."""
 
 
 @dataclass
@@ -46,7 +49,7 @@ class Generated:
     stopped at it."""
     text: str | None
     """The continuation decoded (end-of-text skipped); None when no tokenizer is known."""
-    stop_reason: str
+    stop_reason: StopReason
     """``eos`` (the end-of-text token was drawn), ``end_of_turn`` (with `chat`: the chat
     template's end-of-turn token was drawn) or ``length`` (max_new_tokens reached)."""
 
@@ -267,7 +270,7 @@ def generate(
     )
     new_ids = [int(i) for i in new_BN[0]]
     last = new_ids[-1] if new_ids else None
-    stop_reason = "length"
+    stop_reason: StopReason = "length"
     if last is not None and last == end_of_turn:
         stop_reason = "end_of_turn"
     elif last is not None and last == eos_id:
