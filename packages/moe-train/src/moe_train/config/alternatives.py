@@ -13,14 +13,18 @@ resume, verify, eval, export) holds every key and is not checked by them. Which 
   `moe-train train muon.yaml --optim.name=adamw`), or the file holds every key: then it is a
   resolved config as a run writes it (`dump_config`, RUN_DIR/config.yaml), whose values
   record the run rather than choices. A resolved config of an older version (without the
-  keys added since) is checked, but keeps the unused keys at their defaults.
+  keys added since) is checked as a hand-written file is (unused keys pass at their defaults).
 
 Not listed: keys a layout size makes unused (parallel.pp_schedule at pp=1, parallel.dispatcher
 at ep=1): the planner writes them with the sizes of each layout it prints, and plans one config
 at many sizes. Pairings that the sections' own checks already refuse for any value but the
 default are not repeated here: model.rope_scaling.* with type=none, optim.decay_steps with
 schedule=constant, data.split_long_examples without data.label_mask, model.moe.shared_expert_gate
-without shared experts, parallel.virtual_stages without the interleaved schedule.
+without shared experts, parallel.virtual_stages without the interleaved schedule. Nor are
+keys that look unused but are read: model.dense_hidden without dense layers (the MTP blocks and
+Hugging Face exports' intermediate_size), model.moe.lb_scope at lb_loss_weight=0 (the logged
+lb_loss), data.cache_dir without built-in data (checksums of token files), optim.betas and
+optim.eps with Muon (its AdamW part).
 """
 
 from __future__ import annotations
