@@ -132,7 +132,10 @@ def config_page() -> str:
         "A config file is YAML with the sections below; every key may be left out (its "
         "default applies) and set on the command line as `--section.key=value`, for example "
         "`--model.moe.top_k=1`. Values are YAML: `null`, `true`, `[a, b]`. A run writes its "
-        "resolved config, every key of these tables, to `RUN_DIR/config.yaml`.",
+        "resolved config, every key of these tables, to `RUN_DIR/config.yaml`. A key you "
+        "set that only another choice uses (`optim.muon_momentum` with `optim.name=adamw`, "
+        "`parallel.rowwise_transport` with a dispatcher other than rowwise) is refused, "
+        "naming the option that would use it; a resolved config.yaml loads as it is.",
     ]
     for section in config_sections():
         lines += ["", f"## {section.name}", "", section.doc, ""]

@@ -1,6 +1,7 @@
 """Config loading, overrides and validation errors that name the key and the constraint."""
 
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -17,21 +18,7 @@ from moe_train.errors import ConfigError, DataError
 from training import CONFIGS
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "tiny",
-        "medium",
-        "olmoe-1b-7b",
-        "moe-47b-a3b",
-        "published-47b-a3b",
-        "published-1t-a58b",
-        "published-qwen3-30b-a3b-b200",
-        "published-qwen3-30b-a3b-h100",
-        "published-qwen3-235b-a22b-b200",
-        "published-qwen3-235b-a22b-h100",
-    ],
-)
+@pytest.mark.parametrize("name", sorted(path.stem for path in CONFIGS.glob("*.yaml")))
 def test_shipped_configs_load(name):
     """Every key the file sets holds the file's value; every other key its default."""
     path = CONFIGS / f"{name}.yaml"
@@ -191,3 +178,168 @@ def test_config_changes_compare_the_keys_both_configs_have():
         "train.seed": 1,
         "data": {},
     }
+
+
+# ---- keys of an alternative not chosen ----------------------------------------------------
+
+OPTION_SETTINGS = {
+    ("optim.name",): (["--optim.name=adamw"], ["--optim.name=muon"]),
+    ("optim.schedule",): (["--optim.schedule=constant"], ["--optim.schedule=linear"]),
+    ("parallel.dispatcher",): (
+        ["--parallel.dispatcher=all_to_all"],
+        ["--parallel.dispatcher=rowwise"],
+    ),
+    ("model.mtp_depth",): (["--model.mtp_depth=0"], ["--model.mtp_depth=1"]),
+    ("train.routing_check.max_rank_imbalance",): (
+        ["--train.routing_check.max_rank_imbalance=null"],
+        ["--train.routing_check.max_rank_imbalance=1.5"],
+    ),
+    ("checkpoint.interval", "checkpoint.interval_minutes"): (
+        ["--checkpoint.interval=0", "--checkpoint.interval_minutes=0"],
+        ["--checkpoint.interval=0", "--checkpoint.interval_minutes=5"],
+    ),
+    ("checkpoint.resume", "checkpoint.init_from"): (
+        ["--checkpoint.resume=never", "--checkpoint.init_from=null"],
+        ["--checkpoint.resume=never", "--checkpoint.init_from=ckpt"],
+    ),
+    ("eval.paths",): (["--eval.paths=[]"], ["--eval.paths=[held_out.npy]"]),
+}
+"""For each entry's options of ALTERNATIVES: overrides under which its keys are unused, and
+overrides under which they are used."""
+
+UNUSED_VALUES = {
+    "optim.muon_momentum": 0.9,
+    "optim.muon_ns_dtype": "float32",
+    "optim.adamw_lr_ratio": 0.5,
+    "optim.min_lr_ratio": 0.05,
+    "parallel.rowwise_transport": "symmetric_memory",
+    "model.mtp_loss_weight": 0.5,
+    "train.routing_check.balanced_lb_loss": 1.2,
+    "train.routing_check.logged_steps": 3,
+    "checkpoint.keep_last": 7,
+    "checkpoint.async_save": True,
+    "checkpoint.allow_config_change": True,
+    "eval.batches": 4,
+}
+"""A value other than its default for every key of ALTERNATIVES."""
+
+
+def _alternative_cases():
+    from moe_train.config.alternatives import ALTERNATIVES
+
+    return [pytest.param(entry, key, id=key) for entry in ALTERNATIVES for key in entry.keys]
+
+
+def test_the_alternatives_table_is_covered():
+    """Every entry and key of the table has settings here, so the cases below test it."""
+    from moe_train.config.alternatives import ALTERNATIVES
+
+    assert {entry.options for entry in ALTERNATIVES} == set(OPTION_SETTINGS)
+    assert {key for entry in ALTERNATIVES for key in entry.keys} == set(UNUSED_VALUES)
+
+
+def _write_overrides(path, overrides: list[str]):
+    """A config file that sets what `overrides` set."""
+    path.write_text(yaml.safe_dump(parse_overrides(overrides)))
+    return path
+
+
+@pytest.mark.parametrize(("entry", "key"), _alternative_cases())
+def test_a_key_of_an_unchosen_alternative_is_refused(entry, key, tmp_path):
+    """Set on the command line or in the file under the other choice: one error naming the
+    key, where it was set, the options' values and the choice that would use it."""
+    unchosen, _ = OPTION_SETTINGS[entry.options]
+    flag = f"--{key}={str(UNUSED_VALUES[key]).lower()}"
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [*unchosen, flag])
+    message = str(info.value)
+    assert message.startswith(f"{key} is set on the command line but {entry.options[0]}=")
+    assert message.endswith(f"; it is used only with {entry.used_with}") and "\n" not in message
+    path = _write_overrides(tmp_path / "unchosen.yaml", [*unchosen, flag])
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{key} is set in {path} but ")):
+        load_config(path)
+    # The file's choice left as it is, the key given on the command line: refused too.
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{key} is set on the command line")):
+        load_config(_write_overrides(tmp_path / "option.yaml", unchosen), [flag])
+
+
+@pytest.mark.parametrize(("entry", "key"), _alternative_cases())
+def test_a_key_of_the_chosen_alternative_is_accepted(entry, key, tmp_path):
+    """Under the choice that uses it, from either place; and a file's setting for a choice
+    that the command line switches away from is unused, not wrong."""
+    unchosen, chosen = OPTION_SETTINGS[entry.options]
+    flag = f"--{key}={str(UNUSED_VALUES[key]).lower()}"
+    expected = UNUSED_VALUES[key]
+    assert _value(load_config(None, [*chosen, flag]), key) == expected
+    path = _write_overrides(tmp_path / "chosen.yaml", [*chosen, flag])
+    assert _value(load_config(path), key) == expected
+    assert _value(load_config(path, unchosen), key) == expected
+
+
+def _value(config, key: str):
+    from moe_train.config.alternatives import config_value
+
+    return config_value(config, key)
+
+
+def test_a_muon_key_under_adamw_is_one_line_from_the_cli(capsys, tmp_path):
+    from moe_train.cli import main
+
+    args = ["train", str(CONFIGS / "tiny.yaml"), f"--train.run_dir={tmp_path / 'r'}"]
+    args += ["--train.max_steps=1", "--eval.interval=0"]  # short, were it to start
+    assert main([*args, "--optim.muon_momentum=0.95"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: optim.muon_momentum is set on the command line but optim.name=adamw; it is "
+        "used only with optim.name=muon\n"
+    )
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_rowwise_key_in_a_file_under_another_dispatcher_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("parallel:\n  dispatcher: auto\n  rowwise_transport: nvshmem\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (
+        f"parallel.rowwise_transport is set in {path} but parallel.dispatcher=auto; it is used "
+        "only with parallel.dispatcher=rowwise"
+    )
+    # At its default in the file: nothing to refuse (a hand-written file may list defaults).
+    path.write_text("parallel:\n  dispatcher: auto\n  rowwise_transport: all_to_all\n")
+    assert load_config(path).parallel.rowwise_transport == "all_to_all"
+
+
+def test_saved_configs_with_unused_values_still_load(tmp_path):
+    """A run's resolved config.yaml (every key) and a checkpoint's config dictionary hold
+    their values as the run had them: resume, verify and a relaunch from the file load them,
+    unused keys and all."""
+    data = parse_overrides(
+        [f"--{key}={str(value).lower()}" for key, value in UNUSED_VALUES.items()]
+    )
+    data["eval"]["interval"] = 50  # with nothing to evaluate: off
+    saved = config_from_dict(data)
+    assert config_from_dict(saved.to_dict()) == saved
+    dump_config(saved, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == saved
+    resumed = load_config(tmp_path / "config.yaml", ["--checkpoint.resume=auto"])
+    assert resumed.optim.muon_momentum == 0.9
+    with pytest.raises(ConfigError, match=r"^optim\.muon_momentum is set on the command line"):
+        load_config(tmp_path / "config.yaml", ["--optim.muon_momentum=0.8"])
+
+
+def test_an_empty_task_list_turns_evaluation_off():
+    """tiny.yaml evaluates a task every 50 steps; --eval.tasks=[] leaves nothing to evaluate:
+    accepted, no step evaluates and the banner says off. An interval given with neither
+    eval.paths nor eval.tasks at all is still a mistake."""
+    from moe_train.train.banner import eval_banner
+    from moe_train.train.cadence import Cadence
+
+    config = load_config(CONFIGS / "tiny.yaml", ["--eval.tasks=[]"])
+    assert config.eval.interval == 50 and not config.eval.enabled
+    cadence = Cadence.of(config)
+    assert not any(cadence.evaluates(step) for step in range(1, config.train.max_steps + 1))
+    assert eval_banner(config, None) == "off"
+    assert Cadence.of(load_config(CONFIGS / "tiny.yaml")).evaluates(50)
+    with pytest.raises(ConfigError, match=r"^eval\.interval=5 needs eval\.paths .* or eval\.tasks"):
+        load_config(None, ["--eval.interval=5"])

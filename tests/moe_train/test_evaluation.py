@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from harness.ranks import run_distributed
-from moe_train.config import config_from_dict
+from moe_train.config import config_from_dict, load_config
 from moe_train.data import TokenDataset
 from moe_train.errors import ConfigError
 from moe_train.train import read_metrics, train
@@ -116,6 +117,11 @@ def test_eval_loss_is_the_same_on_every_layout(tmp_path, token_file, eval_file):
 
 
 def test_eval_interval_needs_paths(tmp_path, token_file):
+    """An interval given with neither eval.paths nor eval.tasks (a saved config with nothing
+    to evaluate loads: its evaluation is off)."""
     data = small_config_data(tmp_path / "run", token_file, eval={"interval": 10})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match=r"eval\.interval=10 needs eval\.paths"):
-        config_from_dict(data)
+        load_config(path)
+    assert not config_from_dict(data).eval.enabled

@@ -3,7 +3,8 @@
 Each section lives in its own module: `model` (model.*, model.moe.*), `data` (data.*,
 data.mixture), `training` (optim.*, train.*, train.routing_check.*), `runtime` (parallel.*,
 precision.*, checkpoint.*, eval.*) and `root` (Config, the whole). `loading` builds a Config
-from YAML and overrides and writes it back; `checks` holds the field checks they share;
+from YAML and overrides and writes it back, refusing with `alternatives` a key the user set
+that only an unchosen alternative uses; `checks` holds the field checks they share;
 `changes` compares two saved configs key by key.
 """
 

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import yaml
 
+from moe_train.config.alternatives import check_user_keys
+from moe_train.config.changes import flatten_config
 from moe_train.config.root import Config
 from moe_train.errors import ConfigError
 
@@ -236,7 +238,8 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config (or start from defaults when `path` is None), apply overrides."""
+    """Read a YAML config (or start from defaults when `path` is None), apply overrides, and
+    refuse a key the user set that the config would not use (`alternatives.check_user_keys`)."""
     data: Any = {}
     if path is not None:
         path = Path(path)
@@ -255,8 +258,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: {unknown}")
     for flag, keys, _ in _split_overrides(overrides or []):
         _check_override_key(flag, keys)
-    data = _merge(data, parse_overrides(overrides or []))
-    return config_from_dict(data)
+    given = parse_overrides(overrides or [])
+    config = config_from_dict(_merge(data, given))
+    source = str(path) if path is not None else "the config file"
+    check_user_keys(config, flatten_config(data), flatten_config(given).keys(), source)
+    return config
 
 
 def dump_config(config: Config, path: Path) -> None:

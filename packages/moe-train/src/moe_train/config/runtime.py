@@ -166,7 +166,8 @@ class EvalConfig:
     """Held-out data, in the forms of data.paths (prepared directories, .npy token arrays or
     builtin:stdlib), tokenized like the training data."""
     interval: int = 0
-    """Evaluate every this many steps, and after the last step; 0 turns evaluation off."""
+    """Evaluate every this many steps, and after the last step; 0 turns evaluation off, and
+    so do empty paths and tasks."""
     batches: int = 1
     """Global batches (data.global_batch_size sequences each) per evaluation: the same ones,
     in the same order, every time."""
@@ -177,15 +178,16 @@ class EvalConfig:
     builtin:code_order (which of four orderings of a span of held-out Python source is the
     real one). Needs the tokenizer of data.paths (prepared directories or builtin:stdlib)."""
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the run evaluates: an interval, and held-out data or tasks to evaluate
+        (with neither, the interval is unused: `load_config` refuses one that a user gave
+        without either list)."""
+        return bool(self.interval and (self.paths or self.tasks))
+
     def validate(self, path: str) -> None:
         _non_negative(self, path, "interval")
         _positive(self, path, "batches")
-        if self.interval and not (self.paths or self.tasks):
-            raise ConfigError(
-                f"{path}.interval={self.interval} needs {path}.paths (held-out data, e.g. a "
-                f"directory written by moe-train prepare-data) or {path}.tasks (task files); "
-                f"or set {path}.interval=0"
-            )
         names: dict[str, str] = {}
         for task in self.tasks:
             if task.startswith("builtin:"):

@@ -85,7 +85,7 @@ def banner_rows(config: Config, runtime: Runtime, facts: RunFacts) -> list[tuple
 def eval_banner(config: Config, task_scorer: TaskScorer | None) -> str:
     """What an evaluation holds and how often it runs."""
     evaluation, size = config.eval, config.data.global_batch_size
-    if not evaluation.interval:
+    if not evaluation.enabled:
         return "off"
     parts = []
     if evaluation.paths:

@@ -31,7 +31,7 @@ class Cadence:
         return cls(
             max_steps=config.train.max_steps,
             log_interval=config.train.log_interval,
-            eval_interval=config.eval.interval,
+            eval_interval=config.eval.interval if config.eval.enabled else 0,
             checkpoint_interval=config.checkpoint.interval,
         )
 

@@ -167,12 +167,12 @@ class Trainer:
         evaluation = config.eval
         self.evaluator = (
             Evaluator(config, self.runner, runtime)
-            if evaluation.interval and evaluation.paths
+            if evaluation.enabled and evaluation.paths
             else None
         )
         self.task_scorer = (
             open_task_scorer(config, self.runner)
-            if evaluation.interval and evaluation.tasks
+            if evaluation.enabled and evaluation.tasks
             else None
         )
         self.feed = BatchFeed(
