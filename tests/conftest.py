@@ -10,6 +10,9 @@ Compiled bytecode is cached, even where the environment says not to (PYTHONDONTW
 as some containers set): the suite starts many Python processes (torchrun and its workers,
 gloo ranks, `moe-train` commands), and each would otherwise compile torch's sources anew,
 seconds of a core each.
+
+`COLUMNS` is unset, so the console prints whole lines as it does into a file (tests that check
+wrapping set it themselves).
 """
 
 import os
@@ -17,6 +20,7 @@ import sys
 
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+os.environ.pop("COLUMNS", None)  # console lines whole, as in a log file, unless a test sets it
 sys.dont_write_bytecode = False
 
 import torch  # noqa: E402  (after the settings above)

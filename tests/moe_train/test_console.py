@@ -3,10 +3,20 @@
 import io
 import math
 import re
+import warnings
+from pathlib import Path
 
 from moe_train.train import train
-from moe_train.train.console import Console, progress_line
+from moe_train.train.console import Console, progress_line, wrap_words
 from moe_train.train.step_record import StepRecord
+
+PACKAGES = Path(__file__).parents[2] / "packages"
+
+
+def _deprecation(caught: warnings.WarningMessage) -> bool:
+    return issubclass(
+        caught.category, (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+    )
 
 
 def _record(step: int, **extra) -> StepRecord:
@@ -22,6 +32,7 @@ def _record(step: int, **extra) -> StepRecord:
         "mfu": 0.125,
         "expert_load_max_over_mean": 1.5,
         "hidden_imbalance_layers": 0,
+        "collapsed_layers": 0,
         "dropped_token_frac": 0.0,
         "peak_mem_bytes": 3 * 2**29,
         "step_time_s": 0.5,
@@ -84,25 +95,38 @@ def test_a_real_run_prints_a_readable_banner_lines_and_a_summary(tmp_path, make_
         train={"max_steps": 6, "log_interval": 2, "progress": True},
         optim={"warmup_steps": 6},
     )
-    train(config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(config)
+    ours = [w for w in caught if _deprecation(w) and PACKAGES in Path(w.filename).parents]
+    assert not ours, [f"{w.filename}:{w.lineno}: {w.message}" for w in ours]
     err = capsys.readouterr().err.splitlines()
     # The ceiling of `load` (4 experts, top-2), and a run that is all warmup says so.
     assert "4 experts top-2 (load from 1.00 (even) to at most 2.00)" in err[1], err[1]
-    assert err[4].endswith(
+    assert err[5].endswith(
         "float32 params, float32 compute; expert GEMMs torch (as configured); linears in the "
         "compute dtype"
-    ), err[4]
-    assert err[5].endswith(
+    ), err[5]
+    assert err[7].endswith(
         "(cosine schedule, peak lr 0.003; all 6 steps are warmup, optim.warmup_steps=6: "
         "the lr rises to 0.003 and never decays)"
-    ), err[5]
+    ), err[7]
+    assert err[3] == (
+        "masking      label mask off (every token is a target); document masking off "
+        "(attention crosses document ends)"
+    ), err[3]
+    assert (
+        err[6] == "optimizer    adamw (betas 0.9, 0.95, eps 1e-08); weight decay 0.1, grad clip 1"
+    )
     banner = [line for line in err if not line.startswith(("step ", "summary: "))]
     assert [line.split()[0] for line in banner] == [
         "run",
         "model",
         "data",
+        "masking",
         "layout",
         "precision",
+        "optimizer",
         "steps",
         "checkpoints",
         "eval",
@@ -140,3 +164,93 @@ def test_eta_counts_only_the_steps_this_process_ran(monkeypatch):
         clock["now"] += 10.0
         console.step(_record(step, step_time_s=10.0), logged=True)
     assert stream.getvalue().splitlines()[-1].endswith("ETA 0:08:00")
+
+
+BANNER = [
+    ("run", "runs/tiny (a new run)"),
+    (
+        "model",
+        "3.4M params, 1.0M active: 4 layers, d_model 128, 8 experts top-2 "
+        "(load from 1.00 (even) to at most 4.00)",
+    ),
+    ("data", "builtin:stdlib: 16 x 128 = 2,048 tokens per step"),
+    (
+        "precision",
+        "float32 params, bfloat16 compute; expert GEMMs torch (as configured); linears in the "
+        "compute dtype",
+    ),
+    ("checkpoints", "every 500 steps or every 30 min into runs/tiny/checkpoints"),
+]
+BUSY = {
+    "eval_loss": 3.8617,
+    "task_metrics": {"eval/code_order/acc": 0.13, "eval/code_order/acc_norm": 0.13},
+    "skipped_steps": 2,
+    "hidden_imbalance_layers": 1,
+    "collapsed_layers": 3,
+    "tokens_per_s": 1.25e6,
+}
+"""A step line with every optional figure."""
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_every_line_fits_80_columns_and_no_figure_is_cut(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    stream = io.StringIO()
+    console = Console(200, enabled=True, progress=True, world_size=1, stream=stream)
+    console.banner(BANNER)
+    record = _record(120, **BUSY)
+    console.step(record, logged=True)
+    console.message(
+        "warning: MoE layer 2 routes nearly every token to one expert: its busiest expert "
+        "received 97.0% of the step's tokens (load max/mean 3.88 of at most num_experts/top_k "
+        "= 4.00; above train.routing_check.max_expert_share=0.9) for 5 logged steps in a row"
+    )
+    console.totals.first_step = 101  # a resumed run's summary is the longest
+    console.summary(3725.0, "runs/tiny/checkpoints/step_00000120")
+    lines = stream.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    assert all(line.startswith(" ") for line in lines if line.split()[0] not in _STARTS), lines
+    # Every figure of the step stands whole on one line, and the step starts one line only.
+    figures = progress_line(record, 200, 1, eta=0).split(" | ")[:-1]
+    for figure in figures:
+        assert any(figure in line for line in lines), (figure, lines)
+    assert sum(line.startswith("step ") for line in lines) == 1
+    assert any(line.startswith("             (load from 1.00") for line in lines), lines  # hanging
+
+    # A live line leaves out the least needed figures (the task scores, MFU, memory first).
+    for extra, want in [
+        ({}, "step 120/200 | loss 2.5000 | 4,000 tok/s/dev | load 1.50 | ETA "),
+        (
+            BUSY | {"skipped_steps": 0, "hidden_imbalance_layers": 0},
+            "step 120/200 | loss 2.5000 | eval 3.8617 | collapsed 3 layers | ETA ",
+        ),
+    ]:
+        live = _Terminal()
+        console = Console(200, enabled=True, progress=True, world_size=1, stream=live)
+        console.step(_record(120, **extra), logged=False)
+        (line,) = live.getvalue().split("\r\033[K")[1:]
+        assert len(line) < 80 and line.startswith(want), line
+
+
+_STARTS = {"run", "model", "data", "precision", "checkpoints", "step", "warning:", "summary:"}
+
+
+def test_a_wide_terminal_gets_one_line_per_step_and_a_word_wider_than_a_line_stays_whole(
+    monkeypatch,
+):
+    monkeypatch.setenv("COLUMNS", "250")
+    stream = io.StringIO()
+    console = Console(200, enabled=True, progress=True, world_size=1, stream=stream)
+    record = _record(120, **BUSY)
+    console.step(record, logged=True)
+    (line,) = stream.getvalue().splitlines()
+    assert line.rsplit(" | ETA ", 1)[0] == progress_line(record, 200, 1, eta=0).rsplit(" | ETA ")[0]
+    path = "runs/" + "a-very-long-run-directory-name-" * 3 + "/checkpoints/step_00000120"
+    assert wrap_words(f"done: 3 steps, metrics in {path}", 40) == [
+        "done: 3 steps, metrics in",
+        f"  {path}",
+    ]

@@ -33,6 +33,7 @@ from moe_kernels.permute import (
     permute,
     unpermute,
 )
+from moe_kernels.torchao_import import quiet_torchao_import
 
 try:
     __version__ = importlib.metadata.version("moestack-kernels")
@@ -60,6 +61,7 @@ __all__ = [
     "grouped_mm",
     "mxfp8_grouped_mm",
     "permute",
+    "quiet_torchao_import",
     "to_fp8_rowwise",
     "to_fp8_rowwise_token_groups",
     "to_mxfp8",

@@ -38,6 +38,7 @@ from moe_kernels.mxfp8_torchao import (
     _torchao_moe_training,
     _torchao_unsupported_reason,
 )
+from moe_kernels.torchao_import import quiet_torchao_import
 from moe_kernels.triton_support import import_kernels
 
 __all__ = [
@@ -362,7 +363,8 @@ def _use_torchao(kernel: Mxfp8Kernel, x_TK: Tensor) -> bool:
         return False
     if importlib.util.find_spec("torchao") is None:
         return False
-    from torchao.prototype.moe_training import mxfp8_grouped_mm as torchao_mxfp8
+    with quiet_torchao_import():
+        from torchao.prototype.moe_training import mxfp8_grouped_mm as torchao_mxfp8
 
     return bool(getattr(torchao_mxfp8, "_SM100_KERNELS_AVAILABLE", False))
 

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from moe_kernels.grouped_mm import _padding_rows_mask
+from moe_kernels.torchao_import import quiet_torchao_import
 
 TORCHAO_MXFP8_BLOCK = 32
 """torchao's MXFP8 block size, and the row alignment of its token groups."""
@@ -25,7 +26,8 @@ _TORCHAO_INSTALL_HINT = "pip install 'moestack-kernels[mxfp8]'"
 def _torchao_moe_training() -> ModuleType:
     """``torchao.prototype.moe_training``, imported on first use (the ``mxfp8`` extra)."""
     try:
-        from torchao.prototype import moe_training
+        with quiet_torchao_import():
+            from torchao.prototype import moe_training
     except ImportError as e:
         raise ImportError(
             "mxfp8_grouped_mm kernel='torchao' needs torchao: "
@@ -93,9 +95,10 @@ class _TorchaoMxfp8GroupedMm(torch.autograd.Function):
         scale_mode: str,
         kernel_preference: str,
     ) -> Tensor:
-        from torchao.prototype.moe_training.mxfp8_grouped_mm import _MXFP8GroupedMM
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
-        from torchao.quantization.quantize_.common import KernelPreference
+        with quiet_torchao_import():
+            from torchao.prototype.moe_training.mxfp8_grouped_mm import _MXFP8GroupedMM
+            from torchao.prototype.mx_formats.config import ScaleCalculationMode
+            from torchao.quantization.quantize_.common import KernelPreference
 
         padding_T1, x_rows, w_columns, offsets_all_rows_E = _torchao_operands(
             x_TK, w_EKN, offsets_E
@@ -128,8 +131,9 @@ class _TorchaoMxfp8GroupedMm(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx, grad_out_TN: Tensor
     ) -> tuple[Tensor, Tensor, None, None, None]:
-        from torchao.prototype.moe_training.mxfp8_grouped_mm import _MXFP8GroupedMM
-        from torchao.prototype.moe_training.utils import pad_token_groups
+        with quiet_torchao_import():
+            from torchao.prototype.moe_training.mxfp8_grouped_mm import _MXFP8GroupedMM
+            from torchao.prototype.moe_training.utils import pad_token_groups
 
         x_TK, w_EKN, offsets_E = ctx.saved_tensors
         padding_T1, x_rows, w_columns, offsets_all_rows_E = _torchao_operands(

@@ -1,6 +1,7 @@
 """`moe-train train CONFIG.yaml [--section.key=value ...]`."""
 
 import argparse
+import sys
 from pathlib import Path
 
 from moe_train.cli.command import Command
@@ -38,7 +39,7 @@ def _handle(args: argparse.Namespace) -> int:
         return PREEMPTED_EXIT if result.stopped_by else 0
     steps = config.train.max_steps
     if result.already_finished:
-        print(
+        _say(
             f"{result.run_dir} already finished: {result.checkpoint} is at step "
             f"{result.start_step} (train.max_steps={steps}); nothing to do"
         )
@@ -49,7 +50,7 @@ def _handle(args: argparse.Namespace) -> int:
             if result.checkpoint
             else "nothing saved (checkpointing is off)"
         )
-        print(
+        _say(
             f"stopped by {result.stopped_by} after step {result.end_step} of {steps}; {saved}; "
             f"relaunch with --checkpoint.resume=auto to continue"
         )
@@ -61,8 +62,15 @@ def _handle(args: argparse.Namespace) -> int:
         if result.start_step
         else f"{ran} steps"
     )
-    print(f"done: {launch}{final}, metrics in {result.run_dir / 'metrics.jsonl'}")
+    _say(f"done: {launch}{final}, metrics in {result.run_dir / 'metrics.jsonl'}")
     return 0
+
+
+def _say(text: str) -> None:
+    """A line on stdout, wrapped between words to the terminal's width."""
+    from moe_train.train.console import line_width, wrap_words
+
+    print("\n".join(wrap_words(text, line_width(sys.stdout))))
 
 
 TRAIN = Command(

@@ -105,7 +105,8 @@ def _one_of(config: OptimConfig, path: str, key: str) -> None:
 
 @dataclass(kw_only=True)
 class RoutingCheckConfig:
-    """When to warn that the balancing loss hides an uneven load (RUN_DIR/expert_load.jsonl)."""
+    """When to warn that the balancing loss hides an uneven load, and that a layer's routing
+    has collapsed onto one expert (RUN_DIR/expert_load.jsonl)."""
 
     max_rank_imbalance: float | None = 1.3
     """Copies processed by a layer's busiest expert-parallel rank over the mean per rank, over
@@ -114,10 +115,17 @@ class RoutingCheckConfig:
     balanced_lb_loss: float = 1.1
     """A layer's load-balancing loss (unweighted, mean over micro-batches; 1.0 when even) at
     or below which the loss counts its routing as balanced."""
+    max_expert_share: float | None = 0.9
+    """Share of a step's tokens (over its global batch) that a layer's busiest expert
+    receives, above which the layer counts as collapsed onto it: its load max/mean over the
+    largest possible, num_experts / top_k (a token's top_k experts are distinct, so 1.0 means
+    every token). null turns the check off; a layer whose even share, top_k / num_experts,
+    is already at or above it is never flagged."""
     logged_steps: int = 5
     """Logged steps (every train.log_interval) in a row that a layer must look balanced to
-    the loss while its rank imbalance exceeds max_rank_imbalance before the console warns,
-    once per layer, and the metrics rows count the layer in hidden_imbalance_layers."""
+    the loss while its rank imbalance exceeds max_rank_imbalance, or have its busiest expert
+    above max_expert_share, before the console warns, once per layer and check, and the
+    metrics rows count the layer in hidden_imbalance_layers or collapsed_layers."""
 
     def validate(self, path: str) -> None:
         if self.max_rank_imbalance is not None and not self.max_rank_imbalance > 1:
@@ -129,6 +137,13 @@ class RoutingCheckConfig:
             raise ConfigError(
                 f"{path}.balanced_lb_loss={self.balanced_lb_loss} must be at least 1 (the "
                 f"load-balancing loss of an even routing)"
+            )
+        share = self.max_expert_share
+        if share is not None and not 0 < share < 1:
+            raise ConfigError(
+                f"{path}.max_expert_share={share} must be above 0 and below 1 (the share of a "
+                f"step's tokens at the busiest expert is 1.0 at most), or null to turn the "
+                f"collapse check off"
             )
         _positive(self, path, "logged_steps")
 

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from moe_kernels import quiet_torchao_import
 from moe_train.model.attention import Attention, RMSNorm
 from moe_train.model.fused import norm_rotate_formula, rms_norm_formula, swiglu_formula
 from moe_train.model.moe import ExpertGemm, Experts, SwiGLU
@@ -81,7 +82,8 @@ def resolve_expert_gemm(
 def _torchao_float8() -> ModuleType:
     """`torchao.float8`, imported on first use."""
     try:
-        import torchao.float8 as float8
+        with quiet_torchao_import():
+            import torchao.float8 as float8
     except ImportError as e:
         raise ImportError(
             f"FP8 linear layers need torchao's float8 training: {_TORCHAO_INSTALL_HINT}"

@@ -1,5 +1,6 @@
-"""The rows of the start banner: what the run resumes from, the model, data, layout,
-precision, schedule, checkpoints and evaluation, one line each (the console prints them)."""
+"""The rows of the start banner: what the run resumes from, the model, data, masking, layout,
+precision, optimizer, schedule, checkpoints and evaluation, one row each (the console prints
+them)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def banner_rows(config: Config, runtime: Runtime, facts: RunFacts) -> list[tuple
             f"{describe_sources(data)}: {data.global_batch_size} x {data.seq_len} = "
             f"{tokens_per_step:,} tokens per step" + packing_note(config, facts.dataset),
         ),
+        ("masking", masking_banner(config)),
         (
             "layout",
             f"{layout.world_size} process{'es' if layout.world_size > 1 else ''}: pp "
@@ -73,6 +75,7 @@ def banner_rows(config: Config, runtime: Runtime, facts: RunFacts) -> list[tuple
             f"compute; expert GEMMs {facts.expert_gemm}; linears "
             f"{'in the compute dtype' if linear == 'bf16' else linear}",
         ),
+        ("optimizer", optimizer_banner(config)),
         (
             "steps",
             f"{config.train.max_steps} ({describe_schedule(config.optim, config.train.max_steps)})",
@@ -80,6 +83,41 @@ def banner_rows(config: Config, runtime: Runtime, facts: RunFacts) -> list[tuple
         ("checkpoints", saving),
         ("eval", eval_banner(config, facts.task_scorer)),
     ]
+
+
+def masking_banner(config: Config) -> str:
+    """Whether the loss is masked to labels and attention to documents."""
+    data = config.data
+    labels = (
+        "on (the loss counts the marked target tokens only)"
+        if data.label_mask
+        else "off (every token is a target)"
+    )
+    documents = (
+        "on (a token attends only to its own document)"
+        if data.document_masking
+        else "off (attention crosses document ends)"
+    )
+    return f"label mask {labels}; document masking {documents}"
+
+
+def optimizer_banner(config: Config) -> str:
+    """The optimizer and its settings."""
+    optim, parallel = config.optim, config.parallel
+    adamw = f"betas {optim.betas[0]:g}, {optim.betas[1]:g}, eps {optim.eps:g}"
+    if optim.name == "muon":
+        text = (
+            f"muon (momentum {optim.muon_momentum:g}, Newton-Schulz in {optim.muon_ns_dtype}) "
+            f"on the hidden matrices, adamw ({adamw}, lr x {optim.adamw_lr_ratio:g}) on "
+            "embedding, head, norms and router"
+        )
+    else:
+        text = f"adamw ({adamw})"
+    clip = f"grad clip {optim.grad_clip:g}" if optim.grad_clip is not None else "no grad clip"
+    text += f"; weight decay {optim.weight_decay:g}, {clip}"
+    if parallel.distributed_optimizer:
+        text += "; state sharded over each reduction group"
+    return text
 
 
 def eval_banner(config: Config, task_scorer: TaskScorer | None) -> str:

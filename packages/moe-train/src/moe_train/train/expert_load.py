@@ -1,4 +1,4 @@
-"""RUN_DIR/expert_load.jsonl: the routing of every logged step, and the balance check over it.
+"""RUN_DIR/expert_load.jsonl: the routing of every logged step, and the checks over it.
 
 One compact JSON object per logged step (rank 0): `step`; `layers` (global block index of
 each MoE layer); per MoE layer and expert `load` (copies routed over the step's global batch)
@@ -6,8 +6,9 @@ and `kept` (copies kept after capacity drops); per MoE layer and expert-parallel
 `rank_load` (copies processed); `lb_scope` (what the balancing loss counts its expert
 frequencies over, `model.moe.lb_scope`); per MoE layer `lb_loss` (the balancing score:
 unweighted load-balancing loss, mean over micro-batches), `expert_imbalance` (max over mean of `load`),
-`rank_imbalance` (max over mean of `rank_load`) and `hidden_imbalance` (1 while the check of
-`routing_check.py` flags the layer, else 0).
+`rank_imbalance` (max over mean of `rank_load`), `hidden_imbalance` (1 while the balance check
+of `routing_check.py` flags the layer, else 0) and `collapsed` (1 while its collapse check flags
+the layer, else 0).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from moe_train.config import RoutingCheckConfig
 from moe_train.train.metrics import read_metrics
 from moe_train.train.routing import StepRouting
-from moe_train.train.routing_check import BalanceCheck, warning_text
+from moe_train.train.routing_check import BalanceCheck, CollapseCheck, collapse_text, warning_text
 from moe_train.train.run_dir import truncate_metrics
 
 FILE_NAME = "expert_load.jsonl"
@@ -48,11 +49,12 @@ def _rounded(value: float) -> float | None:
 
 
 class ExpertLoadLog:
-    """Appends the rows of logged steps and runs the balance check on them (rank 0).
+    """Appends the rows of logged steps and runs the routing checks on them (rank 0).
 
     A resumed run drops the rows of steps at or after the one it resumes at (the job that
     stopped may have written some past its checkpoint) and replays the rest through the check,
-    so streaks continue and a layer already reported is not reported again.
+    so streaks continue and a layer already reported is not reported again. `top_k` is
+    model.moe.top_k (the collapse check's scale).
     """
 
     def __init__(
@@ -61,12 +63,17 @@ class ExpertLoadLog:
         start_step: int,
         config: RoutingCheckConfig,
         warn: Callable[[str], None],
+        *,
+        top_k: int,
     ) -> None:
         self.path = run_dir / FILE_NAME
-        self.config, self.warn = config, warn
+        self.config, self.warn, self.top_k = config, warn, top_k
         self.check = BalanceCheck(config)
+        self.collapse = CollapseCheck(config, top_k)
         self.flagged_layers = 0
-        """MoE layers flagged by the check at the latest logged step."""
+        """MoE layers flagged by the balance check at the latest logged step."""
+        self.collapsed_layers = 0
+        """MoE layers flagged by the collapse check at the latest logged step."""
         truncate_metrics(self.path, start_step)
         if self.path.exists():
             for row in read_metrics(self.path):
@@ -76,19 +83,24 @@ class ExpertLoadLog:
     def write(self, step: int, routing: StepRouting) -> None:
         """Write a logged step's row; warn about layers flagged for the first time."""
         row = routing_row(step, routing)
-        row["hidden_imbalance"] = self._observe(row, replay=False)
+        row["hidden_imbalance"], row["collapsed"] = self._observe(row, replay=False)
         self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
         self._file.flush()
 
-    def _observe(self, row: dict[str, Any], *, replay: bool) -> list[int]:
+    def _observe(self, row: dict[str, Any], *, replay: bool) -> tuple[list[int], list[int]]:
+        """Both checks' flags per layer of one row (warnings only for a new row)."""
         flagged, first_time = self.check.observe(
             row["step"], row["layers"], row["lb_loss"], row["rank_imbalance"]
         )
-        self.flagged_layers = sum(flagged)
+        collapsed, first_collapsed = self.collapse.observe(row["step"], row["layers"], row["load"])
+        self.flagged_layers, self.collapsed_layers = sum(flagged), sum(collapsed)
         if not replay:
             for event in first_time:
                 self.warn(warning_text(event, self.config, row.get("lb_scope", "micro_batch")))
-        return [int(f) for f in flagged]
+            num_experts = len(row["load"][0])
+            for event in first_collapsed:
+                self.warn(collapse_text(event, self.config, num_experts, self.top_k))
+        return [int(f) for f in flagged], [int(f) for f in collapsed]
 
     def close(self) -> None:
         self._file.close()

@@ -1,7 +1,7 @@
 """What one training step reports: made once by the loop, read by the console, the metrics
 file and the trackers. (The routing log, `expert_load.jsonl`, writes the step's per-layer
-counts, `moe_train.train.routing.StepRouting`; its balance check's verdict comes back here
-as `hidden_imbalance_layers`.)"""
+counts, `moe_train.train.routing.StepRouting`; its checks' verdicts come back here as
+`hidden_imbalance_layers` and `collapsed_layers`.)"""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ class StepRecord:
     """Largest over MoE layers of (copies of the busiest expert / mean copies per expert)."""
     hidden_imbalance_layers: int
     """MoE layers the balance-versus-load check flags at this step."""
+    collapsed_layers: int
+    """MoE layers the collapse check flags at this step (routing collapsed onto one expert)."""
     dropped_token_frac: float
     """Token copies dropped by the capacity limit over copies routed, all layers."""
     peak_mem_bytes: int

@@ -211,7 +211,11 @@ class Trainer:
         )
         self.expert_load = (
             ExpertLoadLog(
-                self.run_dir, self.start_step, config.train.routing_check, self.console.message
+                self.run_dir,
+                self.start_step,
+                config.train.routing_check,
+                self.console.message,
+                top_k=config.model.moe.top_k,
             )
             if runtime.is_main and config.model.dense_layers < config.model.n_layers
             else None
@@ -382,6 +386,9 @@ class Trainer:
             expert_load_max_over_mean=stats.load_max_over_mean,
             hidden_imbalance_layers=(
                 self.expert_load.flagged_layers if self.expert_load is not None else 0
+            ),
+            collapsed_layers=(
+                self.expert_load.collapsed_layers if self.expert_load is not None else 0
             ),
             dropped_token_frac=stats.dropped_fraction,
             peak_mem_bytes=peak,
