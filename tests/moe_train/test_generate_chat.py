@@ -1,5 +1,6 @@
 """`moe-train generate --chat`: the prompt goes through the run's chat template as
-transformers renders it, and generation stops at the template's end-of-turn token."""
+transformers renders it, and generation stops at the template's end-of-turn token, as the
+export's does in transformers."""
 
 import json
 
@@ -88,7 +89,8 @@ def test_chat_generation_stops_at_the_end_of_turn_token(tokenizer_dirs, tmp_path
     # A model that draws the end of turn where it drew its third token: its head row for
     # <|im_end|> a little larger than that token's. Generation runs on this model.
     model, config, path = load_checkpoint_model(ckpt, "cpu")
-    third = generate_ids(model, torch.tensor([prompt_ids]), 40)[0].tolist()[2]
+    unforced = generate_ids(model, torch.tensor([prompt_ids]), 40)[0].tolist()
+    third = unforced[2]
     with torch.no_grad():
         model.head.weight[end_of_turn] = model.head.weight[third] * 1.001
     free = generate_ids(model, torch.tensor([prompt_ids]), 40)[0].tolist()
@@ -107,6 +109,33 @@ def test_chat_generation_stops_at_the_end_of_turn_token(tokenizer_dirs, tmp_path
     # Several stop ids: the first drawn of any of them ends generation.
     stopped = generate_ids(model, torch.tensor([prompt_ids]), 40, eos_id=[10**6, free[1]])
     assert stopped[0].tolist() == free[: free.index(free[1]) + 1]
+
+    # The export names both end tokens, so transformers' own `generate`, given no end token
+    # by its caller, stops at the end of turn: here forced as the third new token.
+    exported = tmp_path / "hf"
+    assert main(["export", str(ckpt), "--out", str(exported)]) == 0
+    assert json.loads((exported / "config.json").read_text())["eos_token_id"] == eos
+    generation = json.loads((exported / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [eos, end_of_turn], generation
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(exported))
+    encoded = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded) == prompt_ids
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32)  # fmt: skip
+
+    def end_turn_third(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] == len(prompt_ids) + 2:
+            scores = torch.full_like(scores, float("-inf"))
+            scores[:, end_of_turn] = 0.0
+        return scores
+
+    with torch.no_grad():
+        theirs = hf_model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=40,
+            logits_processor=transformers.LogitsProcessorList([end_turn_third]),
+        )[0, len(prompt_ids) :].tolist()
+    assert theirs == [*unforced[:2], end_of_turn], (theirs, unforced)
 
 
 def test_a_model_without_a_chat_template_is_refused(tmp_path, capsys):

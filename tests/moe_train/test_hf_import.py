@@ -9,9 +9,17 @@ import torch
 import yaml
 
 from harness.ranks import run_distributed
-from moe_checkpoint import OwnedSlice, SliceRequest, checkpoint_summary, load_into, load_slices
+from moe_checkpoint import (
+    OwnedSlice,
+    SliceRequest,
+    checkpoint_summary,
+    load_into,
+    load_slices,
+    read_trainer_state,
+)
 from moe_train.cli import main
 from moe_train.config import config_from_dict, load_config
+from moe_train.end_tokens import END_IDS_KEY, model_dir_end_ids
 from moe_train.errors import ConfigError
 from moe_train.generate import generate_ids
 from moe_train.hf.tensor_map import checkpoint_shapes
@@ -477,3 +485,51 @@ def test_a_tensor_without_a_place_is_refused(tmp_path, capsys):
     tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
     save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
     _refused(tmp_path, capsys, hf_dir, "model.layers.0.self_attn.q_proj.bias")
+
+
+def test_the_end_tokens_a_model_directory_names_end_generation(tmp_path, capsys):
+    hf_dir, out, back = tmp_path / "hf", tmp_path / "imported", tmp_path / "exported"
+    hf_model = _hf_model("qwen3_moe", hf_dir)
+    prompt = [1, 2, 3]
+    with torch.no_grad():
+        free = hf_model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, 3, dtype=torch.long),
+            do_sample=False, max_new_tokens=8, pad_token_id=0,
+        )[0, len(prompt) :].tolist()  # fmt: skip
+    # The end: the first token after two drawn for the first time; `unused` is never drawn.
+    stop = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    unused = next(i for i in range(COMMON["vocab_size"] - 1, 0, -1) if i not in free)
+    # A list in generation_config.json, preferred to config.json's (the first token drawn).
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [unused, free[stop]]}))  # fmt: skip
+    raw = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps(raw | {"eos_token_id": free[0]}))
+    assert main(["import-hf", str(hf_dir), "--out", str(out)]) == 0
+    checkpoint = out / "step_00000000"
+    assert read_trainer_state(checkpoint)[END_IDS_KEY] == [unused, free[stop]]
+
+    capsys.readouterr()
+    args = ["generate", str(checkpoint), "--prompt-ids", "1,2,3", "--max-new-tokens", "8"]
+    assert main([*args, "--json"]) == 0
+    generated = json.loads(capsys.readouterr().out)
+    assert generated["ids"] == free[: stop + 1] and generated["stop_reason"] == "eos", (generated, free)  # fmt: skip
+    # Exported again, the model names the same end tokens.
+    assert main(["export", str(checkpoint), "--out", str(back)]) == 0
+    generation = json.loads((back / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [unused, free[stop]], generation
+
+
+def test_end_tokens_come_from_config_json_without_generation_config(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    assert model_dir_end_ids(hf_dir) == []
+    (hf_dir / "config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert model_dir_end_ids(hf_dir) == [5]
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
+    (hf_dir / "config.json").write_text(json.dumps({"eos_token_id": [7, 3, 7]}))
+    assert model_dir_end_ids(hf_dir) == [7, 3]
+
+    # A value that is no token id is refused before anything is written.
+    base = {k: v for k, v in COMMON.items() if k != "head_dim"}
+    transformers.Qwen3MoeConfig(**base).save_pretrained(hf_dir)
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, "two"]}))
+    _refused(tmp_path, capsys, hf_dir, "generation_config.json: eos_token_id=[1, 'two'] must be")

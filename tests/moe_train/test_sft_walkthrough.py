@@ -80,15 +80,16 @@ def test_the_fine_tuning_walkthrough_runs(tmp_path, monkeypatch, capsys):
     end_of_turn = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert ours["stop_reason"] == "end_of_turn" and ours["ids"][-1] == end_of_turn, ours
 
-    # The export generates the same tokens in transformers, stopping at <|im_end|> (its eos).
+    # The export generates the same tokens in transformers, stopping at <|im_end|>: its
+    # generation_config.json names it beside <|endoftext|>, so no caller needs to.
+    generation = json.loads(Path("exported/sft-tiny/generation_config.json").read_text())
+    end_of_text = hf_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert generation["eos_token_id"] == [end_of_text, end_of_turn], generation
     model = transformers.AutoModelForCausalLM.from_pretrained("exported/sft-tiny", dtype=torch.float32)  # fmt: skip
     with torch.no_grad():
         theirs = model.generate(
             torch.tensor([prompt_ids]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
             max_new_tokens=64,
-            eos_token_id=end_of_turn,
-            pad_token_id=end_of_turn,
         )[0, len(prompt_ids) :].tolist()
     assert theirs == ours["ids"], (theirs, ours["ids"])

@@ -8,9 +8,10 @@ import pytest
 import torch
 import yaml
 
-from moe_checkpoint import OwnedSlice, load_into
+from moe_checkpoint import OwnedSlice, load_into, read_trainer_state
 from moe_train.cli import main
 from moe_train.config import config_from_dict, load_config
+from moe_train.end_tokens import END_IDS_KEY
 from moe_train.model import Transformer
 from moe_train.train import train
 
@@ -106,6 +107,10 @@ def test_upcycled_model_gives_the_dense_logits(family, experts, top_k, granulari
     assert config.model.dense_layers == 0
     assert (moe.num_experts, moe.top_k) == (experts, top_k)
     assert moe.expert_hidden == COMMON["intermediate_size"] // granularity
+    named = dense.generation_config.eos_token_id  # OLMo-2's config names 1
+    assert read_trainer_state(out / "step_00000000").get(END_IDS_KEY) == (
+        None if named is None else [named]
+    )
 
     model = _our_model(out)
     # Our own dense model: one expert, the whole MLP, weighted exactly 1.

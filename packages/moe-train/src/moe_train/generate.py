@@ -29,8 +29,9 @@ from torch import Tensor
 from moe_checkpoint import CheckpointError, load_into, read_trainer_state, resolve_checkpoint
 from moe_parallel import single_process_layout
 from moe_train.config import Config, ModelConfig, config_from_dict
-from moe_train.data.chat_template import ChatTemplate, RowError, end_of_turn_text
+from moe_train.data.chat_template import ChatTemplate, RowError
 from moe_train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from moe_train.end_tokens import checkpoint_end_ids, end_of_turn_id
 from moe_train.errors import MoeTrainError
 from moe_train.model import Transformer
 
@@ -50,8 +51,9 @@ class Generated:
     text: str | None
     """The continuation decoded (end-of-text skipped); None when no tokenizer is known."""
     stop_reason: StopReason
-    """``eos`` (the end-of-text token was drawn), ``end_of_turn`` (with `chat`: the chat
-    template's end-of-turn token was drawn) or ``length`` (max_new_tokens reached)."""
+    """``eos`` (the end-of-text token was drawn, or an end token the model directory of an
+    imported checkpoint named), ``end_of_turn`` (with `chat`: the chat template's end-of-turn
+    token was drawn) or ``length`` (max_new_tokens reached)."""
 
 
 def generation_model(model_config: ModelConfig, seed: int = 0) -> Transformer:
@@ -169,8 +171,7 @@ def chat_prompt(tokenizer: Tokenizer | None, prompt: str, where: Path) -> tuple[
     """The ids of `prompt` as the one user message of a conversation rendered by the chat
     template of `tokenizer`'s directory with the generation prompt (as transformers'
     `apply_chat_template(..., add_generation_prompt=True)` tokenizes it), and the id of the
-    template's end-of-turn token: the first special token it renders after an assistant
-    reply (the token training on conversations ends each reply's trained span with)."""
+    template's end-of-turn token (`moe_train.end_tokens.end_of_turn_id`)."""
     if not isinstance(tokenizer, HFTokenizer):
         what = "not known here" if tokenizer is None else "the byte tokenizer"
         raise MoeTrainError(
@@ -180,19 +181,15 @@ def chat_prompt(tokenizer: Tokenizer | None, prompt: str, where: Path) -> tuple[
     template = ChatTemplate(Path(tokenizer.name).parent, missing="generate without --chat")
     try:
         text = template.render([{"role": "user", "content": prompt}], generation_prompt=True)
-        reply = "\x00reply\x00"
-        turn = template.render([{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}])  # fmt: skip
+        end_of_turn = end_of_turn_id(tokenizer, template, user=prompt)
     except RowError as e:
         raise MoeTrainError(f"--chat: {e}") from e
-    after = turn.find(reply) + len(reply) if reply in turn else len(turn)
-    end = end_of_turn_text(turn, after, tokenizer.special_token_texts())
-    end_ids = [int(i) for i in tokenizer.encode(end)] if end else []
-    if len(end_ids) != 1:
+    if end_of_turn is None:
         raise MoeTrainError(
             f"--chat: the chat template of {template.origin} ends an assistant reply with no "
             "special token of the tokenizer, so generation would not know where a turn ends"
         )
-    return [int(i) for i in tokenizer.encode(text)], end_ids[0]
+    return [int(i) for i in tokenizer.encode(text)], end_of_turn
 
 
 def _prompt_ids(
@@ -231,8 +228,9 @@ def generate(
     device: torch.device | str | None = None,
 ) -> Generated:
     """Continue `prompt` (text, needing the run's tokenizer) or `prompt_ids` (ids, or their
-    comma-separated text) with the model of `checkpoint`; see `generate_ids`. `chat`: the
-    prompt text is a user message put through the run's chat template (`chat_prompt`), and
+    comma-separated text) with the model of `checkpoint`; see `generate_ids`. Generation
+    stops at the end tokens of `moe_train.end_tokens.checkpoint_end_ids`. `chat`: the prompt
+    text is a user message put through the run's chat template (`chat_prompt`), and
     generation also stops at the template's end-of-turn token."""
     if (prompt is None) == (prompt_ids is None):
         raise MoeTrainError("give a prompt as --prompt TEXT or as --prompt-ids 1,2,3")
@@ -247,18 +245,20 @@ def generate(
     model, config, ckpt = load_checkpoint_model(checkpoint, device)
     tokenizer, eos_id = run_tokenizer(config)
     vocab_size = config.model.vocab_size
-    stop_ids = [] if eos_id is None else [eos_id]
     end_of_turn = None
     if chat:
         assert prompt is not None
         ids, end_of_turn = chat_prompt(tokenizer, prompt, ckpt)
         if any(i >= vocab_size for i in [*ids, end_of_turn]):
             raise MoeTrainError(f"--chat prompt encodes to ids beyond model.vocab_size={vocab_size}")  # fmt: skip
-        stop_ids.append(end_of_turn)
     else:
         ids = _prompt_ids(tokenizer, prompt, prompt_ids, vocab_size, ckpt)
     if not ids:
         raise MoeTrainError("the prompt is empty; give at least one token")
+    try:
+        stop_ids = checkpoint_end_ids(read_trainer_state(ckpt), eos_id, end_of_turn)
+    except CheckpointError as e:
+        raise MoeTrainError(str(e)) from e
     new_BN = generate_ids(
         model,
         torch.tensor([ids]),
@@ -273,7 +273,7 @@ def generate(
     stop_reason: StopReason = "length"
     if last is not None and last == end_of_turn:
         stop_reason = "end_of_turn"
-    elif last is not None and last == eos_id:
+    elif last is not None and last in stop_ids:
         stop_reason = "eos"
     text = tokenizer.decode(new_ids) if tokenizer is not None else None
     return Generated(ckpt, ids, new_ids, text, stop_reason)

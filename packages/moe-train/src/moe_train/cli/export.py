@@ -41,7 +41,8 @@ EXPORT = Command(
     help="write a checkpoint as a Hugging Face transformers model directory",
     description="Write CKPT (or the newest checkpoint under a checkpoints root) to DIR as "
     "a directory transformers.AutoModelForCausalLM.from_pretrained loads: config.json, "
-    "generation_config.json, sharded safetensors with an index, and the tokenizer files "
+    "generation_config.json (its eos_token_id: the end-of-text id and, when the tokenizer "
+    "has a chat template, its end-of-turn id), sharded safetensors with an index, and the tokenizer files "
     "when the data used a tokenizer.json; also README.md, a model card: the model, how it was "
     "trained, each data source with its counts and one digest (no paths of the training "
     "machine), and the code. The architecture is the one of Qwen3-MoE, OLMoE, Mixtral, "

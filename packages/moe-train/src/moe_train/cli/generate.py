@@ -57,7 +57,8 @@ GENERATE = Command(
     help="continue a prompt with a checkpoint's model",
     description="Load CKPT (or the newest checkpoint under a checkpoints root) in one "
     "process (CUDA when available, else CPU; fp32, dropless routing) and print the "
-    "continuation of the prompt. Stops at the tokenizer's end-of-text token or after "
+    "continuation of the prompt. Stops at the tokenizer's end-of-text token (from a "
+    "checkpoint import-hf wrote: at the end tokens its model directory names) or after "
     "--max-new-tokens. --prompt needs the tokenizer the run's data was prepared with; --chat "
     "also its chat template (a chat model's tokenizer directory given to prepare-data).",
     add_arguments=_add_arguments,

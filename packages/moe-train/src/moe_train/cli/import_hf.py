@@ -30,7 +30,9 @@ IMPORT_HF = Command(
     help="turn a Hugging Face transformers model directory into a checkpoint",
     description="Read HF_DIR (Qwen3-MoE, GLM-4-MoE, OLMoE, Mixtral or Qwen2-MoE: config.json "
     "and safetensors) and write DIR/step_00000000, a weights-only checkpoint, and DIR/config.yaml, a trainer "
-    "config of the same model with checkpoint.init_from=DIR. Refused (exit 2, nothing "
+    "config of the same model with checkpoint.init_from=DIR; the checkpoint keeps the end "
+    "tokens HF_DIR names (eos_token_id of generation_config.json, else config.json), where "
+    "generate stops. Refused (exit 2, nothing "
     "written) when our model cannot compute exactly what the transformers model does. "
     "Needs transformers.",
     add_arguments=_add_arguments,

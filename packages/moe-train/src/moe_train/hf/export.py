@@ -1,7 +1,9 @@
 """`moe-train export`: a checkpoint as a directory `transformers` loads with no project code.
 
-Writes config.json, generation_config.json, sharded safetensors in the hub layout (one tensor
-per expert and projection) with model.safetensors.index.json, and tokenizer.json with
+Writes config.json (its `eos_token_id` the end-of-text id), generation_config.json (its
+`eos_token_id` every id that ends generation, `moe_train.end_tokens`: with a chat template,
+the end-of-turn token too), sharded safetensors in the hub layout (one tensor per expert and
+projection) with model.safetensors.index.json, and tokenizer.json with
 tokenizer_config.json: the run's own tokenizer.json, or the byte tokenizer rebuilt as one
 (`moe_train.hf.tokenizer`); data that is only pre-tokenized arrays gives no tokenizer files.
 Also README.md, a model card generated from the checkpoint (`moe_train.hf.model_card`).
@@ -29,6 +31,7 @@ from moe_checkpoint import (
     resolve_checkpoint,
 )
 from moe_train.config import Config, config_from_dict
+from moe_train.end_tokens import checkpoint_end_ids, generation_eos, tokenizer_end_of_turn
 from moe_train.errors import MoeTrainError
 from moe_train.file_modes import give_umask_mode
 from moe_train.hf.architectures import Architecture, ExportError, choose_architecture
@@ -106,6 +109,12 @@ def export_checkpoint(
     architecture = choose_architecture(config, any(bool(b.any()) for b in biases))
     transformers = _transformers()
     with_tokenizer, tokenizer_file, eos_id, notes = tokenizer_of_run(config)
+    end_of_turn = None
+    if tokenizer_file is not None:
+        end_of_turn, why_none = tokenizer_end_of_turn(tokenizer_file)
+        if why_none is not None:
+            notes.append(f"generation_config.json names no end-of-turn token: {why_none}")
+    generation_end = checkpoint_end_ids(trainer_state, eos_id, end_of_turn)
     depth = config.model.mtp_depth
     if depth:
         notes.append(
@@ -122,7 +131,7 @@ def export_checkpoint(
         hf_config.dtype = dtype
         hf_config.save_pretrained(scratch)
         transformers.GenerationConfig(
-            eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
+            eos_token_id=generation_eos(generation_end), pad_token_id=eos_id, do_sample=False
         ).save_pretrained(scratch)
         if with_tokenizer:
             write_tokenizer(transformers, tokenizer_file, eos_id, scratch)

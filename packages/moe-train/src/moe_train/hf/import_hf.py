@@ -7,7 +7,9 @@ computes what the transformers model computes, with `checkpoint.init_from` set t
 fused tensors are rebuilt through the same table as export (`architectures`): each hub tensor
 is copied into the view of our tensor that export cuts it from. Any option our model cannot
 represent exactly is refused before anything is written; the output goes to a scratch
-directory beside OUT that is moved into place at the end.
+directory beside OUT that is moved into place at the end. The end tokens the directory names
+(`eos_token_id` of generation_config.json or config.json) are kept in the checkpoint's
+trainer state, so generation from it ends there (`moe_train.end_tokens`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import Tensor
 
 from moe_checkpoint import CheckpointError, OwnedSlice, save_checkpoint
 from moe_train.config import Config, config_from_dict, dump_config
+from moe_train.end_tokens import END_IDS_KEY, model_dir_end_ids
 from moe_train.errors import MoeTrainError
 from moe_train.hf.architectures import Architecture, ExportError, choose_architecture
 from moe_train.hf.output_dir import written_whole
@@ -70,9 +73,15 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> ImportResult:
         raise ImportHFError(f"--out {out} already exists and is not an empty directory")
     config, architecture = read_hf_config(hf_dir)
     config.checkpoint.init_from = str(out.resolve())
+    end_ids = model_dir_end_ids(hf_dir)
     tensors, ignored = _read_weights(hf_dir, config, architecture)
 
-    provenance = {"imported_from": str(hf_dir.resolve()), "architecture": architecture.name}
+    provenance: dict[str, Any] = {
+        "imported_from": str(hf_dir.resolve()),
+        "architecture": architecture.name,
+    }
+    if end_ids:
+        provenance[END_IDS_KEY] = end_ids
     write_step_zero(out, "import", config, tensors, provenance, ImportHFError)
     return ImportResult(out, out / "step_00000000", architecture.name, config, ignored)
 

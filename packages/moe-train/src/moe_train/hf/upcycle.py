@@ -3,9 +3,10 @@
 Reads a dense Qwen3 (`Qwen3ForCausalLM`), Llama (`LlamaForCausalLM`) or OLMo-2
 (`Olmo2ForCausalLM`, its norms on the sublayers' outputs: `model.norm_placement: output`,
 its QK-norm over the whole projections: `model.qk_norm: projection`) model directory and
-writes what `import-hf` writes (OUT/step_00000000, a weights-only checkpoint of step 0, and
-OUT/config.yaml with `checkpoint.init_from` set to OUT), with every feed-forward replaced by
-an MoE layer of `experts` experts, `top_k` of them per token, built from the dense MLP.
+writes what `import-hf` writes (OUT/step_00000000, a weights-only checkpoint of step 0
+keeping the end tokens the directory names, and OUT/config.yaml with `checkpoint.init_from`
+set to OUT), with every feed-forward replaced by an MoE layer of `experts` experts, `top_k`
+of them per token, built from the dense MLP.
 
 The construction, exact at step 0 when `noise` is 0. The dense MLP of width F is cut along
 its hidden dimension into G = `granularity` slices of width F / G; the dense MLP is the sum
@@ -40,6 +41,7 @@ import torch
 from torch import Tensor
 
 from moe_train.config import Config, config_from_dict
+from moe_train.end_tokens import END_IDS_KEY, model_dir_end_ids
 from moe_train.errors import MoeTrainError
 from moe_train.hf.architectures import Architecture
 from moe_train.hf.import_hf import (
@@ -96,17 +98,20 @@ def upcycle(hf_dir: str | Path, out: str | Path, options: UpcycleOptions) -> Upc
     raw, architecture = _read_raw_config(hf_dir)
     hf = _transformers().AutoConfig.for_model(**raw)
     _check_options(options, hf.intermediate_size)
+    end_ids = model_dir_end_ids(hf_dir)
     dense_config = _dense_config(hf, hf_dir / "config.json", raw["model_type"])
     table = Architecture(architecture, "", {}, _dense_tensors(dense_config))
     dense, _ = _read_weights(hf_dir, dense_config, table)
     config = _moe_config(dense_config, options)
     config.checkpoint.init_from = str(out.resolve())
     tensors = _moe_tensors(dense, config, options)
-    provenance = {
+    provenance: dict[str, Any] = {
         "upcycled_from": str(hf_dir.resolve()),
         "architecture": architecture,
         "upcycling": asdict(options),
     }
+    if end_ids:
+        provenance[END_IDS_KEY] = end_ids
     write_step_zero(out, "upcycle", config, tensors, provenance, UpcycleError)
     return UpcycleResult(out, out / "step_00000000", architecture, config)
 
