@@ -4,6 +4,7 @@ failed launch with one line, the failing rank's own error, in place of torchrun'
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -61,14 +62,13 @@ def launch_ranks(nproc: int, argv: list[str]) -> int:
 
 def failure_line(failures: dict[int, ProcessFailure]) -> tuple[int, str | None]:
     """The exit code of a failed launch and the line that ends it (None: rank 0 has said what
-    happened). The cause is the first rank to fail, by the time torchrun noted: a rank that
-    lost another is not it while another failed, and of ranks that failed in the same second
-    one that left its line (`moe_train.train.runtime.tell_launcher`) is."""
+    happened). The cause is the rank that failed first, by the second torchrun noted, but
+    never one whose failure follows another's (`_follows`) while another failed; of ranks
+    alike in that, one that left its line (`moe_train.train.runtime.tell_launcher`)."""
 
     def order(item: tuple[int, ProcessFailure]) -> tuple:
         rank, failure = item
-        lost = failure.exitcode == RankLost.exit_code
-        return lost, failure.timestamp, _told(failure) is None, rank
+        return _follows(failure), failure.timestamp, _told(failure) is None, rank
 
     rank, failure = min(failures.items(), key=order)
     told = _told(failure)
@@ -77,14 +77,21 @@ def failure_line(failures: dict[int, ProcessFailure]) -> tuple[int, str | None]:
     if failure.exitcode == PREEMPTED_EXIT:  # stopped by a signal sent to the ranks themselves
         return PREEMPTED_EXIT, None
     if failure.exitcode < 0:
-        signal = failure.signal_name()
+        name = failure.signal_name()
         return (
             128 - failure.exitcode,
-            f"error: rank {rank} was killed by {signal}; see the output above",
+            f"error: rank {rank} was killed by {name}; see the output above",
         )
     return failure.exitcode, (
         f"error: rank {rank} exited with code {failure.exitcode}; see its output above"
     )
+
+
+def _follows(failure: ProcessFailure) -> bool:
+    """Whether the failure may follow another rank's: the rank lost another (RankLost), or
+    torchrun's agent ended it with SIGTERM, as it ends every rank once one has failed (a rank
+    that receives SIGTERM otherwise saves and exits PREEMPTED_EXIT)."""
+    return failure.exitcode in (RankLost.exit_code, -signal.SIGTERM)
 
 
 def _told(failure: ProcessFailure) -> str | None:
