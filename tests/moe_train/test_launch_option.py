@@ -130,3 +130,38 @@ def test_a_launch_whose_ranks_fail_ends_with_their_error_line_and_code(tmp_path)
     assert any(earlier.startswith(line) for earlier in before), "a rank printed it first"
     assert "FAILED" not in outcome.stderr and "Traceback" not in outcome.stderr
     assert outcome.stdout == ""
+
+
+def test_the_launch_ends_as_its_ranks_did(monkeypatch, capsys):
+    """What `launch_ranks` makes of torchrun's ending (torchrun's own run replaced): the
+    failing rank's line last and its code, or the code of a signal passed on to the ranks."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    started = []
+
+    def ends_with(outcome):
+        def run(args):
+            started.append(args)
+            if outcome is not None:
+                raise outcome
+
+        monkeypatch.setattr(torchrun, "run", run)
+        return launch.launch_ranks(2, ["train", TINY, "--parallel.ep=2"])
+
+    assert ends_with(None) == 0
+    args = started[0]
+    assert (args.standalone, args.nproc_per_node, args.module) == (True, "2", True)
+    assert args.training_script == "moe_train.cli"
+    assert args.training_script_args == ["train", TINY, "--parallel.ep=2"]
+    assert "SIGUSR1" in args.signals_to_handle.split(",")
+    failed = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file="<N/A>")
+    capsys.readouterr()
+    assert ends_with(ChildFailedError("moe_train.cli", {1: failed})) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: rank 1 exited with code 1; see its output above"
+    )
+    assert ends_with(SignalException("stop", signal.SIGTERM)) == 75
+    assert ends_with(SignalException("stop", signal.SIGUSR1)) == 75
+    assert ends_with(SignalException("hang up", signal.SIGHUP)) == 128 + signal.SIGHUP

@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from moe_train.errors import ConfigError, RankLost
-from moe_train.signals import PREEMPTED_EXIT
+from moe_train.signals import PREEMPTED_EXIT, STOP_SIGNALS
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -41,8 +41,8 @@ def torchrun_args(nproc: int, argv: list[str]) -> list[str]:
 def launch_ranks(nproc: int, argv: list[str]) -> int:
     """Run `moe-train ARGV` on `nproc` ranks of this machine as torchrun runs them; 0 when
     every rank exited 0. A failed launch ends with `failure_line`'s line and its exit code; a
-    signal the launcher passed on (the ranks finish their step, save and say so) gives
-    PREEMPTED_EXIT."""
+    stop signal the launcher passed on (the ranks finish their step, save and say so) gives
+    PREEMPTED_EXIT, another signal 128 + its number, as a shell reports a process it ended."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -55,8 +55,10 @@ def launch_ranks(nproc: int, argv: list[str]) -> int:
             sys.stderr.write(f"{line}\n")
             sys.stderr.flush()
         return code
-    except SignalException:  # torchrun waited for the ranks, or killed them after its timeout
-        return PREEMPTED_EXIT
+    except SignalException as stopped:  # passed on to the ranks, and waited for (30 s at most)
+        if stopped.sigval in STOP_SIGNALS:  # the ranks saved, said so, and exited
+            return PREEMPTED_EXIT
+        return 128 + stopped.sigval
     return 0
 
 
