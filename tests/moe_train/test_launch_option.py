@@ -40,6 +40,7 @@ def launched(monkeypatch) -> list:
         (["--nproc-per-node", "0"], "error: --nproc-per-node 0 must be a whole number of ranks"),
         (["--nproc-per-node", "two"], "error: --nproc-per-node two must be a whole number"),
         (["--nproc-per-node", "1.5"], "error: --nproc-per-node 1.5 must be a whole number"),
+        (["--nproc-per-node", "²"], "error: --nproc-per-node ² must be a whole number"),
     ],
 )
 def test_a_config_or_count_that_cannot_start_is_one_line_and_nothing_starts(

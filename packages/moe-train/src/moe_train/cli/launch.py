@@ -21,7 +21,7 @@ ahead of a time limit), which the trainer takes as SIGTERM."""
 
 def nproc_per_node(text: str) -> int:
     """The value of --nproc-per-node: a whole number of at least 1."""
-    if not text.isdigit() or int(text) < 1:
+    if not text.isdecimal() or int(text) < 1:
         raise ConfigError(f"--nproc-per-node {text} must be a whole number of ranks, at least 1")
     return int(text)
 
@@ -55,7 +55,7 @@ def launch_ranks(nproc: int, argv: list[str]) -> int:
             sys.stderr.write(f"{line}\n")
             sys.stderr.flush()
         return code
-    except SignalException as stopped:  # passed on to the ranks, and waited for (30 s at most)
+    except SignalException as stopped:  # passed on to the ranks, waited for as torchrun waits
         if stopped.sigval in STOP_SIGNALS:  # the ranks saved, said so, and exited
             return PREEMPTED_EXIT
         return 128 + stopped.sigval
