@@ -52,6 +52,11 @@ TWO_PROCESSES = (
     "-m moe_train.cli train` on 2 processes and trains tiny.yaml at ep=2 against one process"
 )
 
+LAUNCH_OPTION = (
+    "2 processes started by --nproc-per-node; tests/moe_train/test_launch_option.py starts 2 "
+    "ranks through the option and checks its refusals in-process"
+)
+
 WALKTHROUGH = (
     "the fine-tuning walkthrough, on the tiny model its script builds; "
     "tests/moe_train/test_sft_walkthrough.py runs the page's script and commands in order"
@@ -67,6 +72,10 @@ COMMANDS: dict[str, Run | Skip] = {
     "moe-train train configs/tiny.yaml": SHORT,
     "moe-train train configs/tiny.yaml --optim.lr=1e-3 --model.moe.top_k=1 --train.max_steps=50": (
         SHORT
+    ),
+    "moe-train train configs/tiny.yaml --nproc-per-node 2 --parallel.ep=2": Skip(
+        f"{LAUNCH_OPTION}; tests/moe_train/test_distributed_training.py trains tiny.yaml at ep=2 "
+        "on 2 ranks against one process"
     ),
     "torchrun --nproc-per-node 2 -m moe_train.cli train configs/tiny.yaml --parallel.ep=2": Skip(
         TWO_PROCESSES
@@ -134,6 +143,11 @@ COMMANDS: dict[str, Run | Skip] = {
     "--parallel.distributed_optimizer=true --parallel.recompute=selective": Skip(
         "4 processes under torchrun; tests/moe_train/test_pipeline_training.py trains "
         "pp=2 x ep=2 x dp=2 with the distributed optimizer against one process"
+    ),
+    "moe-train train configs/tiny.yaml --nproc-per-node 2 --parallel.cp=2 "
+    "--train.run_dir=runs/tiny-cp2": Skip(
+        f"{LAUNCH_OPTION}; tests/moe_train/test_context_parallel_training.py trains cp=2 on 2 "
+        "ranks against one process"
     ),
     "torchrun --nproc-per-node 4 -m moe_train.cli train configs/tiny.yaml --parallel.cp=2 "
     "--parallel.ep=2 --data.micro_batch_size=4": Skip(

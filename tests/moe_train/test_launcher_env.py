@@ -16,6 +16,7 @@ LAUNCHER_VARIABLES = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
 )
 PACKAGES = Path(__file__).resolve().parents[2] / "packages"
 

@@ -1,4 +1,4 @@
-"""`moe-train train CONFIG.yaml [--section.key=value ...]`."""
+"""`moe-train train CONFIG.yaml [--nproc-per-node N] [--section.key=value ...]`."""
 
 import argparse
 import sys
@@ -9,15 +9,25 @@ from moe_train.cli.command import Command
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", type=Path, help="YAML config file")
+    parser.add_argument(
+        "--nproc-per-node",
+        metavar="N",
+        help="start N ranks on this machine, as `torchrun --standalone --nproc-per-node N` "
+        "does, once the config passed the trainer's start check for N ranks; a failed launch "
+        "ends with the failing rank's error line (default: train in this process, or as the "
+        "rank a launcher started)",
+    )
 
 
 def _handle(args: argparse.Namespace) -> int:
-    """Train; exit 0 when the run reached train.max_steps (now or before), PREEMPTED_EXIT
-    when a signal stopped it early."""
+    """Train (with --nproc-per-node: start the ranks that train); exit 0 when the run reached
+    train.max_steps (now or before), PREEMPTED_EXIT when a signal stopped it early."""
     from moe_train.config import load_config
     from moe_train.errors import MoeTrainError, on_every_rank
     from moe_train.signals import PREEMPTED_EXIT, StopRequests
 
+    if args.nproc_per_node is not None:
+        return _launch(args)
     # Listening first: a launcher's SIGTERM during start-up (torchrun sends one to every rank
     # when another exits) then lets this rank finish what it is doing and report its own error.
     with StopRequests(announce=False) as stops:
@@ -31,8 +41,9 @@ def _handle(args: argparse.Namespace) -> int:
 
             result = train(config, stops=stops)
         except MoeTrainError as e:
-            from moe_train.train.runtime import leave_report_to_rank_0
+            from moe_train.train.runtime import leave_report_to_rank_0, tell_launcher
 
+            tell_launcher(e)
             leave_report_to_rank_0(e, stops)
             raise
     if not result.is_main:
@@ -73,10 +84,31 @@ def _say(text: str) -> None:
     print("\n".join(wrap_words(text, line_width(sys.stdout))))
 
 
+def _launch(args: argparse.Namespace) -> int:
+    """--nproc-per-node N: refuse a config that cannot start on N ranks (nothing started),
+    else start the N ranks, each running this command without the option."""
+    from moe_train.cli.launch import launch_ranks, nproc_per_node
+    from moe_train.config import load_config
+    from moe_train.errors import ConfigError
+    from moe_train.train.runtime import check_topology, launched_by_torchrun, launched_world_size
+
+    nproc = nproc_per_node(args.nproc_per_node)
+    if launched_by_torchrun() or launched_world_size() > 1:
+        raise ConfigError(
+            "--nproc-per-node starts the ranks itself: leave it out under torchrun or a "
+            "cluster launcher"
+        )
+    config = load_config(args.config, args.overrides)
+    check_topology(config, nproc)
+    return launch_ranks(nproc, ["train", str(args.config), *args.overrides])
+
+
 TRAIN = Command(
     name="train",
     help="train a model from a YAML config",
-    description="Train from CONFIG.yaml; override any key with --section.key=value.",
+    description="Train from CONFIG.yaml; override any key with --section.key=value. "
+    "--nproc-per-node N starts N ranks on this machine (for several machines use torchrun "
+    "or a cluster launcher, as docs/parallelism.md shows).",
     add_arguments=_add_arguments,
     handle=_handle,
     takes_overrides=True,

@@ -2,13 +2,15 @@
 
 torchrun (or a cluster launcher) tells each process its place through the WORLD_SIZE, RANK
 and LOCAL_RANK environment variables, and the job through MASTER_ADDR, MASTER_PORT and
-TORCHELASTIC_RUN_ID (which torchrun alone sets); they are the launcher's contract, read here
-(`launched_*`, `launch_id`) and nowhere else.
+TORCHELASTIC_RUN_ID (which torchrun alone sets), and torchrun names each rank's error file in
+TORCHELASTIC_ERROR_FILE; they are the launcher's contract, read here (`launched_*`,
+`launch_id`, `tell_launcher`) and nowhere else.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Callable
@@ -173,6 +175,23 @@ def launched_by_torchrun() -> bool:
     watches for the loss of its parent. A cluster launcher's scheduler ends a job's processes
     itself, and a process started by hand may outlive the shell that started it (nohup)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def tell_launcher(error: MoeTrainError) -> None:
+    """Under torchrun, leave the one line `error: ...` that this rank prints for `error` (every
+    rank prints its own errors, rank 0 alone those every rank raised alike: see
+    `moe_train.cli.main`) in the error file torchrun's agent names for the rank, in the
+    agent's format (a message and its timestamp, no traceback). The agent reads it when the
+    rank exits non-zero: `moe-train train --nproc-per-node` ends its output with it, and
+    torchrun's failure report shows it. Does nothing under other launchers or none."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or (error.same_on_every_rank and launched_rank() != 0):
+        return
+    line = f"error: {error}"
+    record = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    # The rank prints the line on stderr all the same.
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump(record, f)
 
 
 def _launcher_number(name: str, default: int) -> int:
