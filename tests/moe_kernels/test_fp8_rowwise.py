@@ -380,8 +380,8 @@ def test_scaled_grouped_mm_matches_the_cpu_emulation():
             )
     results = []
     for device, kernel in (("cpu", "emulated"), ("cuda", "scaled_mm")):
-        x_run = x.to(device).requires_grad_()
-        w_run = w.to(device).requires_grad_()
+        x_run = x.detach().to(device).requires_grad_()  # a copy: x itself stays a plain input
+        w_run = w.detach().to(device).requires_grad_()
         out = fp8_rowwise_grouped_mm(x_run, w_run, offsets.to(device), kernel=kernel)
         out.backward(grad_out.to(device))
         results.append((out.float().cpu(), x_run.grad.float().cpu(), w_run.grad.float().cpu()))

@@ -550,8 +550,8 @@ def test_cuda_quantization_and_grouped_mm_match_cpu() -> None:
     x, w, grad_out, offsets = make_grouped_inputs(counts, 1024, 256, 128, torch.bfloat16, seed=2)
     results = []
     for device in ("cpu", "cuda"):
-        x_run = x.to(device).requires_grad_()
-        w_run = w.to(device).requires_grad_()
+        x_run = x.detach().to(device).requires_grad_()  # a copy: x itself stays a plain input
+        w_run = w.detach().to(device).requires_grad_()
         out = mxfp8_grouped_mm(x_run, w_run, offsets.to(device), kernel="emulated")
         out.backward(grad_out.to(device))
         results.append((out.cpu(), x_run.grad.cpu(), w_run.grad.cpu()))
