@@ -194,6 +194,16 @@ OPTION_SETTINGS = {
         ["--train.routing_check.max_rank_imbalance=null"],
         ["--train.routing_check.max_rank_imbalance=1.5"],
     ),
+    ("train.routing_check.max_rank_imbalance", "train.routing_check.max_expert_share"): (
+        [
+            "--train.routing_check.max_rank_imbalance=null",
+            "--train.routing_check.max_expert_share=null",
+        ],
+        [
+            "--train.routing_check.max_rank_imbalance=null",
+            "--train.routing_check.max_expert_share=0.8",
+        ],
+    ),
     ("checkpoint.interval", "checkpoint.interval_minutes"): (
         ["--checkpoint.interval=0", "--checkpoint.interval_minutes=0"],
         ["--checkpoint.interval=0", "--checkpoint.interval_minutes=5"],

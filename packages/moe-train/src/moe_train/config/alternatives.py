@@ -79,10 +79,19 @@ ALTERNATIVES: tuple[Alternative, ...] = (
         holds=lambda c: c.model.mtp_depth > 0,
     ),
     Alternative(
-        keys=("train.routing_check.balanced_lb_loss", "train.routing_check.logged_steps"),
+        keys=("train.routing_check.balanced_lb_loss",),
         options=("train.routing_check.max_rank_imbalance",),
         used_with="train.routing_check.max_rank_imbalance set (the check on)",
         holds=lambda c: c.train.routing_check.max_rank_imbalance is not None,
+    ),
+    Alternative(
+        keys=("train.routing_check.logged_steps",),
+        options=("train.routing_check.max_rank_imbalance", "train.routing_check.max_expert_share"),
+        used_with="train.routing_check.max_rank_imbalance or max_expert_share set (a check on)",
+        holds=lambda c: (
+            c.train.routing_check.max_rank_imbalance is not None
+            or c.train.routing_check.max_expert_share is not None
+        ),
     ),
     Alternative(
         keys=("checkpoint.keep_last", "checkpoint.async_save"),
