@@ -137,8 +137,20 @@ def test_check_fires_when_the_balancing_loss_hides_a_rank_imbalance(tmp_path):
     check = RoutingCheckConfig()
     flags = _streak_flags(rows, check)
     assert [r["hidden_imbalance"] for r in rows] == flags
-    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
-    assert sorted(warnings) == sorted(set(warnings)) and len(warnings) == 2, warnings
+    lines = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert sorted(lines) == sorted(set(lines)) and len(lines) == 4, lines
+    # Every token of alike data goes to one expert: the collapse check fires as well, at the
+    # end of its first streak (every logged step from the first), once per layer.
+    collapses = [line for line in lines if "routes nearly every token to one expert" in line]
+    warnings = [line for line in lines if line not in collapses]
+    streak = check.logged_steps
+    for layer in (0, 1):
+        (line,) = [c for c in collapses if c.startswith(f"warning: MoE layer {layer} ")]
+        assert "100.0% of the step's tokens" in line and f"up to step {streak};" in line, line
+    collapsed = {r["step"]: r["collapsed_layers"] for r in read_metrics(run_dir / "metrics.jsonl")}
+    assert [collapsed[r["step"]] for r in rows] == [0] * (streak - 1) + [2] * (
+        len(rows) - streak + 1
+    )
     for layer in (0, 1):
         first = next(r for r, f in zip(rows, flags, strict=True) if f[layer])
         (line,) = [w for w in warnings if w.startswith(f"warning: MoE layer {layer} ")]
