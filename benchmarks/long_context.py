@@ -4,7 +4,7 @@ For each context-parallel size (`--cps`, default 1 2 4; one spawn of that many g
 one thread each), each sequence length (`--seqs`, default 2K 4K 8K) and document masking off
 and on (4 documents of uneven length per sequence), a small MoE model (2 layers, d_model
 128, 4 heads, 4 experts, fp32) runs forward and backward of one sequence split over the
-ranks (`moe_train.model.apply_context_parallel`).
+ranks (`moe_train.parallelize.apply_context_parallel`).
 
 "act MiB/rank" is the activation memory of the rank that saves most: the bytes of the
 distinct tensors autograd saves for backward (parameters left out), the gathered keys and
@@ -31,7 +31,8 @@ import torch.distributed as dist
 from harness.output import print_table, write_json
 from harness.ranks import run_distributed
 from moe_train.config import ModelConfig, MoEConfig
-from moe_train.model import ContextShard, Documents, Transformer, apply_context_parallel
+from moe_train.model import Documents, Transformer
+from moe_train.parallelize import ContextShard, apply_context_parallel
 
 MODEL = ModelConfig(
     vocab_size=256,
@@ -67,8 +68,9 @@ def forward_saving(model: Transformer, **inputs) -> tuple[torch.Tensor, int]:
 def measure(rank: int, world_size: int, cases: list[tuple[int, bool]], reps: int) -> list[dict]:
     """Per (seq, masking) case: this rank's saved activation bytes and median step time."""
     model = Transformer(MODEL, seed=0)
+    shard = ContextShard(world_size, rank, dist.group.WORLD)
     if world_size > 1:
-        apply_context_parallel(model, ContextShard(world_size, rank, dist.group.WORLD))
+        apply_context_parallel(model, shard)
     results = []
     for seq, masking in cases:
         tokens = torch.randint(
@@ -80,7 +82,7 @@ def measure(rank: int, world_size: int, cases: list[tuple[int, bool]], reps: int
             documents = Documents((ends,))
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if world_size > 1:
-            inputs, targets = model.context.local(inputs), model.context.local(targets)
+            inputs, targets = shard.local(inputs), shard.local(targets)
         batch = {
             "tokens_BS": inputs,
             "targets_BS": targets,

@@ -1,4 +1,4 @@
-"""Context-parallel attention (`moe_train.model.context_parallel`) against plain float64
+"""Context-parallel attention (`moe_train.parallelize.context_parallel`) against plain float64
 attention over the whole sequence: every rank of cp 1, 2 and 4 simulated in one process."""
 
 import pytest
@@ -7,7 +7,11 @@ import torch
 from moe_train.config import config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.model import Documents
-from moe_train.model.context_parallel import ContextShard, attention_blocks, local_context_attention
+from moe_train.parallelize.context_parallel import (
+    ContextShard,
+    attention_blocks,
+    local_context_attention,
+)
 from moe_train.train.runtime import check_topology
 from training import small_config_data
 

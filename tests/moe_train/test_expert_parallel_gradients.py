@@ -6,14 +6,8 @@ import torch
 from harness.ranks import run_distributed
 from moe_parallel import GradientReducer, is_expert_parameter
 from moe_train.config import config_from_dict
-from moe_train.model import (
-    Transformer,
-    apply_expert_parallel,
-    apply_recompute,
-    layer_dispatchers,
-    lm_loss,
-    materialize,
-)
+from moe_train.model import Transformer, apply_recompute, lm_loss
+from moe_train.parallelize import apply_expert_parallel, layer_dispatchers, materialize
 from moe_train.train.runtime import start_runtime
 
 NUM_MICRO, MICRO, SEQ = 8, 2, 16

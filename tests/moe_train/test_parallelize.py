@@ -1,7 +1,9 @@
 """A rank's part of the model, made after construction: the single-process model's values,
-and no more memory than the rank's share."""
+and no more memory than the rank's share; the model itself knows nothing of processes."""
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,14 +11,71 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import moe_train.model
 from moe_parallel import is_expert_parameter
 from moe_train.config import config_from_dict
-from moe_train.model import Transformer, apply_pipeline_split
+from moe_train.model import WHOLE_SEQUENCES, Router, Transformer, causal_attention
+from moe_train.model.attention import Attention
+from moe_train.parallelize import ContextShard, apply_context_parallel, apply_pipeline_split
 from moe_train.train.pipeline import plan_stages
 from moe_train.train.rank_build import build_rank_model
 from training import small_config_data
 
 NUM_EXPERTS = 16
+
+MODEL_FOLDER = Path(moe_train.model.__file__).parent
+PROCESS_GROUP_WORDS = re.compile(
+    r"torch\.distributed|all_reduce|ProcessGroup|process_group"
+    r"|^\s*(from|import)\s+moe_train\.parallelize",
+    re.MULTILINE,
+)
+"""What a model file may not mention: process groups, collectives, or the parallel room."""
+
+
+def process_group_mentions(folder: Path) -> list[str]:
+    """`file:line: text` of each line of the Python files under `folder` that names them."""
+    return [
+        f"{path.relative_to(folder)}:{text[: match.start()].count(chr(10)) + 1}: {match[0]}"
+        for path in sorted(folder.rglob("*.py"))
+        for text in [path.read_text()]
+        for match in PROCESS_GROUP_WORDS.finditer(text)
+    ]
+
+
+def test_no_model_file_names_process_groups():
+    """The model is built from its config alone; parallelism is applied to it afterwards by
+    `moe_train.parallelize`, so no file of the model imports torch.distributed."""
+    assert process_group_mentions(MODEL_FOLDER) == []
+
+
+def test_the_scan_finds_a_planted_import(tmp_path):
+    """The scan above would see a model file importing torch.distributed or the room."""
+    planted = tmp_path / "model"
+    planted.mkdir()
+    (planted / "clean.py").write_text('"""Nothing here."""\n')
+    (planted / "leaky.py").write_text(
+        "import torch\nimport torch.distributed as dist\nfrom moe_train.parallelize import x\n"
+    )
+    assert process_group_mentions(planted) == [
+        "leaky.py:2: torch.distributed",
+        "leaky.py:3: from moe_train.parallelize",
+    ]
+
+
+def test_context_parallelism_fills_the_models_hooks(tmp_path):
+    """A built model attends and balances over whole sequences; `apply_context_parallel`
+    gives its attention, routers and itself the shard's core and sequence part."""
+    model = Transformer(_config(tmp_path).model)
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    assert model.sequence is WHOLE_SEQUENCES
+    assert all(a.core is causal_attention for a in attentions)
+    assert all(r.sequence is WHOLE_SEQUENCES for r in routers)
+    shard = ContextShard(2, 1)
+    apply_context_parallel(model, shard)
+    assert model.sequence is shard
+    assert all(a.core == shard.attend for a in attentions)
+    assert all(r.sequence is shard for r in routers)
 
 
 @dataclass

@@ -64,16 +64,17 @@ NODE_LIMITED_DEDUP = [*NODE_LIMITED, "--parallel.dispatcher=all_to_all_dedup"]
 
 def _saved_bytes(config, rank: int) -> int:
     """Bytes of the new tensors this rank's cp2 forward keeps for backward."""
-    from moe_train.model import ContextShard, Transformer, apply_context_parallel
-    from moe_train.model.training_choices import apply_recompute
+    from moe_train.model import Transformer, apply_recompute
+    from moe_train.parallelize import ContextShard, apply_context_parallel
 
     torch.manual_seed(0)
     model = Transformer(config.model)
     apply_recompute(model, config.parallel.recompute)
-    apply_context_parallel(model, ContextShard(2, rank, dist.group.WORLD))
+    shard = ContextShard(2, rank, dist.group.WORLD)
+    apply_context_parallel(model, shard)
     batch, seq = config.data.micro_batch_size, config.data.seq_len
     tokens = torch.randint(0, config.model.vocab_size, (batch, seq + 1))
-    inputs, targets = model.context.local(tokens[:, :-1]), model.context.local(tokens[:, 1:])
+    inputs, targets = shard.local(tokens[:, :-1]), shard.local(tokens[:, 1:])
     model.rope(seq)  # the model's tables, made on first use: not activations
     existing = [*model.parameters(), *model.buffers(), inputs, targets]
     before = {t.untyped_storage().data_ptr() for t in existing}

@@ -16,12 +16,27 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_train.config import RopeScalingConfig
-from moe_train.model.context_parallel import ContextShard, context_attention
 from moe_train.model.documents import Documents
 from moe_train.model.fused import rms_norm, rotary
 
 QKKernel = Callable[[Tensor, Tensor | None, float, Tensor, Tensor], Tensor]
 """(x_BHSD, norm weight or None, eps, cos_SD, sin_SD) -> normed and rotated x_BHSD."""
+
+AttentionCore = Callable[[Tensor, Tensor, Tensor, Documents | None], Tensor]
+"""(q_BHSD, k_BHSD, v_BHSD, documents or None) -> attended [B, H, S, D]: causal attention of
+a call's queries to its keys (which may have fewer heads), within each document when
+documents are given."""
+
+
+def causal_attention(
+    q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, documents: Documents | None = None
+) -> Tensor:
+    """The `AttentionCore` of whole sequences: each position attends to the earlier ones (of
+    its own document, with `documents`)."""
+    gqa = k_BHSD.shape[1] != q_BHSD.shape[1]
+    if documents is not None:
+        return documents.attend(q_BHSD, k_BHSD, v_BHSD, gqa=gqa)
+    return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, enable_gqa=gqa)
 
 
 class RMSNorm(nn.Module):
@@ -148,10 +163,10 @@ class Attention(nn.Module):
         self.qk_kernel: QKKernel | None = None
         """Per-head norm and rotation of queries and keys in one function (a compiled one
         after `apply_compile`); None runs `q_norm` / `k_norm`, then `rotary`."""
-        self.context: ContextShard | None = None
-        """This rank's part of each sequence under context parallelism (set by
-        `apply_context_parallel`): `x_BSD` holds its positions and attention gathers the keys
-        and values of the others."""
+        self.core: AttentionCore = causal_attention
+        """Attention of the queries to the keys without a KV cache: `causal_attention`, or
+        one that also reads the parts of each sequence other processes hold (see
+        `moe_train.parallelize.apply_context_parallel`)."""
 
     def forward(
         self,
@@ -165,8 +180,8 @@ class Attention(nn.Module):
         """Attention over positions `0..start + S`: those of `x_BSD` (`start, start + 1, ...`)
         and, with a `cache`, the `start` earlier ones it holds (the new ones are added to it).
         With `documents` (no cache), each position sees only the earlier ones of its own
-        document. Under context parallelism (`context`), `cos` and `sin` are the rows of this
-        rank's positions and `documents` those of the whole sequences."""
+        document. `cos` and `sin` are the rows of the positions `x_BSD` holds (see
+        `SequencePart`); `documents` are those of the whole sequences."""
         batch, seq_len, d_model = x_BSD.shape
         kv_dim = self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x_BSD).split([d_model, kv_dim, kv_dim], dim=-1)
@@ -181,31 +196,44 @@ class Attention(nn.Module):
             self._norm_rotate(q, head_q_norm, cos, sin, start),
             self._norm_rotate(k, head_k_norm, cos, sin, start),
         )
-        gqa = self.n_kv_heads != self.n_heads
-        if self.context is not None:
-            if cache is not None:
-                raise ValueError("a KV cache does not work under context parallelism")
-            attended = context_attention(q, k, v, self.context, documents)
-            return self.out(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
-        if documents is not None:
-            if cache is not None:
-                raise ValueError("attention takes documents or a KV cache, not both")
-            attended = documents.attend(q, k, v, gqa=gqa)
-            return self.out(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
-        mask, causal = None, True
-        if cache is not None:
-            k, v = cache.store(start, k, v)
-            if start > 0:
-                # Queries sit at the end of the keys: query i sees keys 0..start + i. One
-                # query sees every key, needing no mask.
-                causal = False
-                if seq_len > 1:
-                    mask = torch.ones(seq_len, start + seq_len, dtype=torch.bool, device=q.device)
-                    mask = mask.tril(diagonal=start)
-        attended = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
-        )
+        if cache is None:
+            attended = self.core(q, k, v, documents)
+        else:
+            attended = self._attend_cached(q, k, v, cache, start, documents)
         return self.out(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
+
+    def _attend_cached(
+        self,
+        q_BHSD: Tensor,
+        k_BHSD: Tensor,
+        v_BHSD: Tensor,
+        cache: LayerKVCache,
+        start: int,
+        documents: Documents | None,
+    ) -> Tensor:
+        """Attention of the queries to the keys of the cache's positions and their own."""
+        if self.core is not causal_attention:
+            raise ValueError("a KV cache works only with attention over whole sequences")
+        if documents is not None:
+            raise ValueError("attention takes documents or a KV cache, not both")
+        seq_len = q_BHSD.shape[2]
+        k_BHTD, v_BHTD = cache.store(start, k_BHSD, v_BHSD)
+        mask, causal = None, True
+        if start > 0:
+            # Queries sit at the end of the keys: query i sees keys 0..start + i. One query
+            # sees every key, needing no mask.
+            causal = False
+            if seq_len > 1:
+                mask = torch.ones(seq_len, start + seq_len, dtype=torch.bool, device=q_BHSD.device)
+                mask = mask.tril(diagonal=start)
+        return F.scaled_dot_product_attention(
+            q_BHSD,
+            k_BHTD,
+            v_BHTD,
+            attn_mask=mask,
+            is_causal=causal,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
 
     def _norm_rotate(
         self, x_BHSD: Tensor, norm: RMSNorm | None, cos: Tensor, sin: Tensor, start: int

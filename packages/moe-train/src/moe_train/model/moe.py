@@ -10,25 +10,33 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_dispatch import Dispatcher
+from moe_dispatch import Dispatcher, make_dispatcher
 from moe_kernels import fp8_rowwise_grouped_mm, grouped_mm, mxfp8_grouped_mm
 from moe_parallel import mark_expert_parameter
 from moe_train.config import MoEConfig
-from moe_train.model.context_parallel import ContextShard
-from moe_train.model.dispatchers import local_dispatcher
 from moe_train.model.fused import swiglu
 from moe_train.model.recompute import recording_side_effects
 from moe_train.model.routing_stats import RoutingStats
+from moe_train.model.sequence_part import WHOLE_SEQUENCES, SequencePart
 
 ExpertGemm = Literal["torch", "triton", "auto", "mxfp8", "fp8_rowwise"]
 """How the experts' grouped GEMMs run: a `moe_kernels.grouped_mm` backend in the compute
 dtype (torch, triton, auto), `moe_kernels.mxfp8_grouped_mm` (mxfp8) or
 `moe_kernels.fp8_rowwise_grouped_mm` (fp8_rowwise). The trainer's precision.expert_gemm=auto
 is resolved to one of these per device first (`resolve_expert_gemm`)."""
+
+
+def local_dispatcher(moe: MoEConfig) -> Dispatcher:
+    """A dispatcher within the process (no expert parallelism), with the config's capacity."""
+    return make_dispatcher(
+        "local",
+        num_experts=moe.num_experts,
+        capacity_factor=moe.capacity_factor,
+        group_alignment=moe.group_alignment,
+    )
 
 
 def compute_dtype_of(x: Tensor) -> torch.dtype:
@@ -92,10 +100,10 @@ class Router(nn.Module):
         self.config = config
         self.gate = nn.Linear(d_model, config.num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(config.num_experts))
-        self.context: ContextShard | None = None
-        """Under context parallelism (set by `apply_context_parallel`), the ranks whose
-        tokens make up the sequences: the balancing losses are over all of their tokens, each
-        rank's `lb_loss` and `z_loss` its share of them (they sum to the whole)."""
+        self.sequence: SequencePart = WHOLE_SEQUENCES
+        """The part of each sequence the tokens are: the balancing losses are over the tokens
+        of the whole sequences, and with the sequences in parts each part's `lb_loss` and
+        `z_loss` are its share of them (they sum to the whole)."""
         if config.lb_scope == "global_batch":
             self.register_buffer(
                 "lb_routed_fraction", torch.full((config.num_experts,), 1 / config.num_experts)
@@ -135,32 +143,20 @@ class Router(nn.Module):
             config.num_experts, device=x_TD.device, dtype=torch.int64
         ).scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
         lb_loss = self.lb_loss(topk_idx_TK, copies_per_expert, probs_TE, num_sequences)
-        z_loss = torch.logsumexp(logits_TE, dim=-1).square().mean() / self._context_ranks()
+        z_loss = torch.logsumexp(logits_TE, dim=-1).square().mean() / self.sequence.parts
         return RouterOutput(topk_idx_TK, topk_weight_TK, copies_per_expert, lb_loss, z_loss)
-
-    def _context_ranks(self) -> int:
-        """How many context-parallel ranks share each sequence (1 without cp)."""
-        return self.context.cp if self.context is not None else 1
-
-    def _sum_over_context(self, counts: Tensor) -> Tensor:
-        """`counts` summed over the context-parallel ranks of this rank's sequences."""
-        if self._context_ranks() == 1 or self.context.group is None:
-            return counts
-        counts = counts.clone()
-        dist.all_reduce(counts, group=self.context.group)
-        return counts
 
     def lb_loss(
         self, topk_idx_TK: Tensor, copies_per_expert: Tensor, probs_TE: Tensor, num_sequences: int
     ) -> Tensor:
         """E * sum_e f_e * P_e over the tokens `model.moe.lb_scope` says (see `MoEConfig`):
-        f the fraction of token copies routed to expert e, P its mean probability. Under
-        context parallelism every rank of a sequence holds as many of its tokens: f counts
-        them all, and this rank's P is its share of the mean (the ranks' losses sum to it)."""
+        f the fraction of token copies routed to expert e, P its mean probability. With the
+        sequences in equal parts (`sequence`), f counts the tokens of every part, and this
+        part's P is its share of the mean (the parts' losses sum to it)."""
         config = self.config
-        num_experts, ranks = config.num_experts, self._context_ranks()
+        num_experts, parts = config.num_experts, self.sequence.parts
         if config.lb_scope == "global_batch":
-            return num_experts * (self.lb_routed_fraction * probs_TE.mean(dim=0) / ranks).sum()
+            return num_experts * (self.lb_routed_fraction * probs_TE.mean(dim=0) / parts).sum()
         if config.lb_scope == "sequence":
             expert_of_copy_NC = topk_idx_TK.reshape(num_sequences, -1)
             copies_NE = torch.zeros(
@@ -168,13 +164,13 @@ class Router(nn.Module):
             ).scatter_add_(
                 1, expert_of_copy_NC, torch.ones_like(expert_of_copy_NC, dtype=probs_TE.dtype)
             )
-            copies_NE = self._sum_over_context(copies_NE)
-            routed_fraction_NE = copies_NE / (expert_of_copy_NC.shape[1] * ranks)
-            mean_probs_NE = probs_TE.view(num_sequences, -1, num_experts).mean(dim=1) / ranks
+            copies_NE = self.sequence.sum(copies_NE)
+            routed_fraction_NE = copies_NE / (expert_of_copy_NC.shape[1] * parts)
+            mean_probs_NE = probs_TE.view(num_sequences, -1, num_experts).mean(dim=1) / parts
             return num_experts * (routed_fraction_NE * mean_probs_NE).sum(dim=1).mean()
-        counted_copies = self._sum_over_context(copies_per_expert)
-        routed_fraction_E = counted_copies / (probs_TE.shape[0] * ranks * config.top_k)
-        return num_experts * (routed_fraction_E * probs_TE.mean(dim=0) / ranks).sum()
+        counted_copies = self.sequence.sum(copies_per_expert)
+        routed_fraction_E = counted_copies / (probs_TE.shape[0] * parts * config.top_k)
+        return num_experts * (routed_fraction_E * probs_TE.mean(dim=0) / parts).sum()
 
     @torch.no_grad()
     def set_routed_fraction(self, copies_per_expert: Tensor) -> None:
@@ -227,7 +223,7 @@ class Experts(nn.Module):
     def keep_experts(self, first_expert: int, num_experts: int) -> None:
         """Hold only the global experts [first_expert, first_expert + num_experts), a block of
         those held now. On the meta device nothing is allocated (apply before materialising:
-        see `apply_expert_parallel`)."""
+        see `moe_train.parallelize.apply_expert_parallel`)."""
         start = first_expert - self.first_expert
         if start < 0 or start + num_experts > self.num_experts:
             raise ValueError(

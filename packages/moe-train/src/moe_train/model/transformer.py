@@ -12,12 +12,12 @@ from torch import Tensor, nn
 
 from moe_train.config import ModelConfig
 from moe_train.model.attention import Attention, LayerKVCache, RMSNorm, rope_tables
-from moe_train.model.context_parallel import ContextShard
 from moe_train.model.documents import Documents
 from moe_train.model.loss import head_lm_loss
 from moe_train.model.moe import AttachAuxLoss, Experts, MoEFeedForward, SwiGLU
 from moe_train.model.mtp import MTPModule
 from moe_train.model.recompute import RecomputeMode, run_with_recompute
+from moe_train.model.sequence_part import WHOLE_SEQUENCES, SequencePart
 
 
 class KVCache:
@@ -99,9 +99,10 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """The language model, or the part of it one rank holds.
 
-    `Transformer(config)` is the whole single-process model, built from its config alone. A rank's part of a parallel layout is this model transformed after
-    construction (`moe_train.model.parallelize`): built on the meta device, given its experts
-    and dispatchers and its pipeline stages, then materialised. `forward(tokens)` gives
+    `Transformer(config)` is the whole single-process model, built from its config alone. A
+    rank's part of a parallel layout is this model transformed after construction
+    (`moe_train.parallelize`): built on the meta device, given its experts and dispatchers,
+    its part of each sequence and its pipeline stages, then materialised. `forward(tokens)` gives
     logits (whole model only); `run_layers` runs any part. The MoE auxiliary losses join the
     backward through the MoE blocks themselves (see `set_aux_loss_scale`), so the training
     objective is the LM loss alone. Training choices are applied to the built model
@@ -139,9 +140,9 @@ class Transformer(nn.Module):
         empty = torch.empty(0, config.d_model // config.n_heads // 2)
         self.register_buffer("rope_cos", empty, persistent=False)
         self.register_buffer("rope_sin", empty.clone(), persistent=False)
-        self.context: ContextShard | None = None
-        """This rank's part of each sequence under context parallelism (set by
-        `apply_context_parallel`): inputs and targets hold its positions alone."""
+        self.sequence: SequencePart = WHOLE_SEQUENCES
+        """The part of each sequence that inputs and targets hold (whole sequences unless a
+        layout splits them, see `SequencePart`)."""
         if not self.rope_cos.is_meta:
             self.init_weights(seed)
 
@@ -222,8 +223,8 @@ class Transformer(nn.Module):
             raise ValueError("forward needs the whole model; use run_layers on a part of it")
         if cache is not None and (targets_BS is not None or documents is not None):
             raise ValueError("forward takes targets or documents, or a KV cache, not both")
-        if cache is not None and self.context is not None:
-            raise ValueError("a KV cache does not work under context parallelism")
+        if cache is not None and self.sequence.parts > 1:
+            raise ValueError("a KV cache needs whole sequences, not a part of each")
         if targets_BS is not None:
             embedded_BSD = self.embed(tokens_BS)
             x_BSD = self.run_layers(embedded_BSD, list(self.blocks), documents=documents)
@@ -310,14 +311,11 @@ class Transformer(nn.Module):
         documents: Documents | None = None,
     ) -> Tensor:
         """Embed tokens (if `embed`), run the named blocks in order, apply the head (if `head`);
-        with `documents`, attention stays inside each document. Under context parallelism
-        `x` holds this rank's positions and `documents` are those of the whole sequences."""
-        if self.context is None:
-            cos, sin = self.rope(x.shape[1])
-        else:
-            cos, sin = self.rope(x.shape[1] * self.context.cp)
-            positions = self.context.positions(x.shape[1], cos.device)
-            cos, sin = cos[positions], sin[positions]
+        with `documents`, attention stays inside each document. `x` holds the positions
+        `sequence` says, and `documents` are those of the whole sequences."""
+        cos, sin = self.rope(x.shape[1] * self.sequence.parts)
+        positions = self.sequence.positions(x.shape[1], cos.device)
+        cos, sin = cos[positions], sin[positions]
         if embed:
             x = self.embed(x)
         for layer in layers:

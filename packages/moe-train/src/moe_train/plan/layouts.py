@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from moe_train.config import Config, DataConfig, ParallelConfig, PrecisionConfig
 from moe_train.config.root import LAYOUT_SECTIONS
 from moe_train.errors import ConfigError
-from moe_train.model.dispatchers import choose_dispatcher
+from moe_train.parallelize import choose_dispatcher
 from moe_train.plan.hardware import Device
 from moe_train.plan.memory import MemoryPrediction, predict_memory
 from moe_train.plan.roofline import (

@@ -101,7 +101,7 @@ class Evaluator:
         attention inside its `documents` as in training; with `normalizer`, it carries a
         label mask (see `head_lm_loss`)."""
         runner = self.runner
-        inputs, targets = model_inputs(micro, normalizer is not None, runner.model.context)
+        inputs, targets = model_inputs(micro, normalizer is not None, runner.context)
         if runner.pipeline is None:
             with runner.autocast():
                 return runner.model(

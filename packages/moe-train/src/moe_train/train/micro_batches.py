@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from moe_train.data.labels import inputs_and_targets, token_ids
-from moe_train.model import ContextShard, Documents
+from moe_train.model import Documents
+from moe_train.parallelize import ContextShard
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from moe_parallel import Layout
 from moe_train.config import Config
 from moe_train.errors import ConfigError
 from moe_train.model import Documents, Transformer, head_lm_loss
+from moe_train.parallelize import context_shard
 from moe_train.train.micro_batches import MicroBatches, model_inputs
 
 
@@ -187,7 +188,7 @@ class PipelineRunner:
             "interleaved_1f1b": ScheduleInterleaved1F1B,
         }
         self.plan = plan
-        self._context = model.context
+        self._context = context_shard(layout)
         self.num_micro_total = num_micro_total
         self._autocast = autocast
         self._head_weight = model.head.weight if plan.has_last else None

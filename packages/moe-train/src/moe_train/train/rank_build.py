@@ -23,19 +23,21 @@ from moe_parallel import (
 from moe_train.config import Config
 from moe_train.errors import ConfigError
 from moe_train.model import (
-    ContextShard,
-    DispatcherFactory,
     Transformer,
     apply_compile,
-    apply_context_parallel,
     apply_expert_gemm,
-    apply_expert_parallel,
     apply_linear_precision,
     apply_param_dtype,
-    apply_pipeline_split,
     apply_recompute,
-    materialize,
     resolve_expert_gemm,
+)
+from moe_train.parallelize import (
+    ContextShard,
+    DispatcherFactory,
+    apply_context_parallel,
+    apply_expert_parallel,
+    apply_pipeline_split,
+    materialize,
 )
 from moe_train.train.pipeline import StagePlan, plan_stages
 
@@ -95,7 +97,7 @@ def build_rank_model(
     device, given its experts (those of `dispatchers`), its part of each sequence (`context`,
     None without context parallelism) and its pipeline stages (`plan`, None without pipeline
     parallelism), then materialised and initialised as the single-process model is (see
-    `moe_train.model.parallelize`)."""
+    `moe_train.parallelize`)."""
     with torch.device("meta"):
         model = Transformer(config.model)
     apply_expert_parallel(model, dispatchers)
@@ -159,11 +161,6 @@ def stage_plan(config: Config, layout: Layout) -> StagePlan | None:
     return plan_stages(
         config.model.n_layers, layout.pp, layout.pp_rank, config.parallel.virtual_stages
     )
-
-
-def context_shard(layout: Layout) -> ContextShard | None:
-    """This rank's part of each sequence, or None without context parallelism."""
-    return ContextShard(layout.cp, layout.cp_rank, layout.cp_group) if layout.cp > 1 else None
 
 
 def build_rank_optimizer(

@@ -21,8 +21,9 @@ import torch
 from moe_parallel import TrainingOptimizer
 from moe_train.config import Config
 from moe_train.data.labels import trained_targets
-from moe_train.model import DispatcherFactory, Transformer, layer_dispatchers
+from moe_train.model import Transformer
 from moe_train.model.routing_stats import RoutingStats
+from moe_train.parallelize import ContextShard, DispatcherFactory, context_shard, layer_dispatchers
 from moe_train.train.micro_batches import MicroBatches, model_inputs
 from moe_train.train.pipeline import PipelineRunner
 from moe_train.train.rank_build import (
@@ -30,7 +31,6 @@ from moe_train.train.rank_build import (
     apply_training_choices,
     build_rank_model,
     build_rank_optimizer,
-    context_shard,
     stage_plan,
 )
 from moe_train.train.routing import StepRouting, max_over_mean
@@ -75,17 +75,19 @@ def accumulate_gradients(
     autocast: Callable[[], contextlib.AbstractContextManager],
     num_micro: int,
     loss_normalizer: torch.Tensor | None = None,
+    context: ContextShard | None = None,
 ) -> torch.Tensor:
     """Forward and backward of each micro-batch; the sum of their LM losses. With their
     documents, attention stays inside each document. With `loss_normalizer`, the
     micro-batches carry a label mask (`moe_train.data.labels`) and each one's loss is its sum
     over trained targets divided by the normalizer (which context parallelism needs too, the
-    rank holding part of each micro-batch's targets)."""
+    rank holding part of each micro-batch's targets). Under context parallelism (`context`,
+    the model's shard) each micro-batch gives the model this rank's positions."""
     lm_loss_sum = torch.zeros((), device=micro_batches.tokens.device, dtype=torch.float64)
     for index, (micro, documents) in enumerate(micro_batches):
         if index == len(micro_batches) - 1:
             reducer.arm()  # gradient reductions overlap this last backward
-        inputs, targets = model_inputs(micro, loss_normalizer is not None, model.context)
+        inputs, targets = model_inputs(micro, loss_normalizer is not None, context)
         with autocast():
             loss = model(
                 inputs, targets_BS=targets, documents=documents, loss_normalizer=loss_normalizer
@@ -200,12 +202,14 @@ class StepRunner:
         self.my_micro = self.num_micro // layout.batch_ranks
         self.first_micro = layout.batch_rank * self.my_micro
         plan = stage_plan(config, layout)
+        self.context = context_shard(layout)
+        """This rank's part of each sequence (None without context parallelism)."""
         self.model = build_rank_model(
             config,
             dispatchers or layer_dispatchers(config, layout.ep_group, device),
             plan,
             device,
-            context_shard(layout),
+            self.context,
         )
         self.expert_gemm = apply_training_choices(self.model, config, device)
         """The expert GEMM applied, and why (for the banner)."""
@@ -272,6 +276,7 @@ class StepRunner:
             self.autocast,
             self.num_micro,
             loss_normalizer,
+            self.context,
         )
 
     def trained_tokens(self, micro_batches: MicroBatches) -> torch.Tensor:

@@ -118,7 +118,7 @@ class TaskScorer:
         """The sum of the scored targets' log-probabilities of each request."""
         runner, model = self.runner, self.runner.model
         device = runner.runtime.device
-        context = model.context  # under context parallelism each rank scores its positions
+        context = runner.context  # under context parallelism each rank scores its positions
         chunks = 2 * context.cp if context is not None else 1
         rows_BW, scored_BW = _rows(requests, self.tokenizer.eos_id, chunks)
         size = runner.config.data.global_batch_size

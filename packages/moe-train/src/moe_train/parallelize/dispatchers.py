@@ -1,7 +1,7 @@
 """Which token dispatcher each MoE layer uses, for a layout: the one place that decides.
 
 `choose_dispatcher` names the backend a layout runs; `layer_dispatchers` builds it for every
-MoE layer of a rank; `local_dispatcher` is the single-process model's.
+MoE layer of a rank (`moe_train.model.local_dispatcher` is the single-process model's).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher, make_row_transport
-from moe_train.config import Config, MoEConfig
+from moe_train.config import Config
 from moe_train.errors import ConfigError
+from moe_train.model import local_dispatcher
 
 DispatcherFactory = Callable[[int], Dispatcher]
 """Builds the dispatcher of the MoE block at a given layer index."""
@@ -32,16 +33,6 @@ def choose_dispatcher(requested: str, ep: int) -> str:
     if requested in ("auto", "local"):
         return "all_to_all"
     return requested
-
-
-def local_dispatcher(moe: MoEConfig) -> Dispatcher:
-    """A dispatcher within the process (no expert parallelism), with the config's capacity."""
-    return make_dispatcher(
-        "local",
-        num_experts=moe.num_experts,
-        capacity_factor=moe.capacity_factor,
-        group_alignment=moe.group_alignment,
-    )
 
 
 def layer_dispatchers(

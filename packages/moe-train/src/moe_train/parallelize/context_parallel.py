@@ -32,12 +32,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from moe_train.model.documents import Documents
+from moe_parallel import Layout
+from moe_train.model import Documents
 
 
 @dataclass(frozen=True)
 class ContextShard:
-    """Which part of each sequence this rank holds."""
+    """Which part of each sequence this rank holds: the `SequencePart` of a context-parallel
+    model (`moe_train.model.SequencePart`)."""
 
     cp: int
     """Ranks a sequence is split over."""
@@ -45,6 +47,26 @@ class ContextShard:
     """This rank's place among them."""
     group: ProcessGroup | None = None
     """The ranks a sequence is split over (None: attention is simulated in one process)."""
+
+    @property
+    def parts(self) -> int:
+        """Ranks a sequence is split over (`SequencePart.parts`)."""
+        return self.cp
+
+    def sum(self, x: Tensor) -> Tensor:
+        """`x` summed over the ranks of `group` (`x` itself at cp = 1 or without a group)."""
+        if self.cp == 1 or self.group is None:
+            return x
+        x = x.clone()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def attend(
+        self, q_BHCD: Tensor, k_BHCD: Tensor, v_BHCD: Tensor, documents: Documents | None = None
+    ) -> Tensor:
+        """`context_attention` of this shard: the attention core of a context-parallel model
+        (`moe_train.model.AttentionCore`)."""
+        return context_attention(q_BHCD, k_BHCD, v_BHCD, self, documents)
 
     def chunks(self) -> tuple[int, int]:
         """The global indices of the two chunks this rank holds, in the order it holds them."""
@@ -61,6 +83,11 @@ class ContextShard:
         return torch.cat(
             [torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in self.chunks()]
         )
+
+
+def context_shard(layout: Layout) -> ContextShard | None:
+    """This rank's part of each sequence, or None without context parallelism."""
+    return ContextShard(layout.cp, layout.cp_rank, layout.cp_group) if layout.cp > 1 else None
 
 
 def chunk_length(seq_len: int, cp: int) -> int:

@@ -1,5 +1,9 @@
 """A rank's part of a parallel layout, made from the single-process model after construction.
 
+The model (`moe_train.model`) knows nothing of processes; these functions fill its hooks
+with the layout's: each MoE layer's dispatcher, the attention core and `SequencePart` of
+context parallelism, and drop what other pipeline stages hold.
+
 Build the model on the meta device (`torch.device("meta")`: shapes, no storage), apply the
 layout, then materialise only what the rank holds:
 
@@ -23,11 +27,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from moe_train.model import Router, Transformer
 from moe_train.model.attention import Attention
-from moe_train.model.context_parallel import ContextShard
-from moe_train.model.dispatchers import DispatcherFactory
-from moe_train.model.moe import Router
-from moe_train.model.transformer import Transformer
+from moe_train.parallelize.context_parallel import ContextShard
+from moe_train.parallelize.dispatchers import DispatcherFactory
 
 
 def apply_expert_parallel(model: Transformer, dispatchers: DispatcherFactory) -> None:
@@ -39,13 +42,16 @@ def apply_expert_parallel(model: Transformer, dispatchers: DispatcherFactory) ->
 
 def apply_context_parallel(model: Transformer, shard: ContextShard) -> None:
     """Make `model` run on this rank's part of each sequence (`shard`, see
-    `moe_train.model.context_parallel`): its inputs and targets are the rank's positions,
-    attention gathers the keys and values of the whole sequence, and the routers' balancing
-    losses count the tokens of every rank of the shard's group."""
-    model.context = shard
+    `moe_train.parallelize.context_parallel`): its inputs and targets are the rank's
+    positions (`Transformer.sequence`), attention gathers the keys and values of the whole
+    sequence (`Attention.core`), and the routers' balancing losses count the tokens of every
+    rank of the shard's group (`Router.sequence`)."""
+    model.sequence = shard
     for module in model.modules():
-        if isinstance(module, Attention | Router):
-            module.context = shard
+        if isinstance(module, Attention):
+            module.core = shard.attend
+        elif isinstance(module, Router):
+            module.sequence = shard
 
 
 def apply_pipeline_split(

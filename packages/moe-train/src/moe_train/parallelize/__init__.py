@@ -1,0 +1,31 @@
+"""Parallel layouts applied to a built model: expert, context and pipeline parallelism.
+
+The model is built from its config alone (`moe_train.model.Transformer`); a rank's part of a
+layout is that model transformed here (see `apply`), with the token dispatchers of its MoE
+layers (`dispatchers`) and its part of each sequence (`context_parallel`).
+"""
+
+from moe_train.parallelize.apply import (
+    apply_context_parallel,
+    apply_expert_parallel,
+    apply_pipeline_split,
+    materialize,
+)
+from moe_train.parallelize.context_parallel import ContextShard, context_shard
+from moe_train.parallelize.dispatchers import (
+    DispatcherFactory,
+    choose_dispatcher,
+    layer_dispatchers,
+)
+
+__all__ = [
+    "ContextShard",
+    "DispatcherFactory",
+    "apply_context_parallel",
+    "apply_expert_parallel",
+    "apply_pipeline_split",
+    "choose_dispatcher",
+    "context_shard",
+    "layer_dispatchers",
+    "materialize",
+]
