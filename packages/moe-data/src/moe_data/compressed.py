@@ -8,8 +8,8 @@ import io
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from moe_train.data.inputs import InputFile
-from moe_train.errors import DataError
+from moe_data.errors import DataError
+from moe_data.inputs import InputFile
 
 _RAW_READ = 1 << 16
 

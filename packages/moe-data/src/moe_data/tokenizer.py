@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from moe_train.errors import DataError
+from moe_data.errors import DataError
 
 EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>")
 """Special-token names recognised as end-of-document, in order of preference."""

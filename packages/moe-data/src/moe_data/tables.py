@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from moe_train.data.inputs import InputFile
-from moe_train.data.pieces import BATCH_DOCUMENTS, Piece, TextBatch
-from moe_train.errors import DataError
+from moe_data.errors import DataError
+from moe_data.inputs import InputFile
+from moe_data.pieces import BATCH_DOCUMENTS, Piece, TextBatch
 
 
 def pyarrow_module() -> Any:
