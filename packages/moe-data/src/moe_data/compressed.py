@@ -68,7 +68,8 @@ def _zstandard() -> Any:
         import zstandard
     except ImportError as e:
         raise DataError(
-            "reading .zst files needs the zstandard package: pip install 'moestack-train[data]'"
+            "reading .zst files needs the zstandard package: pip install 'moestack-train[data]' "
+            "(or 'moestack-data[formats]' without the trainer)"
         ) from e
     return zstandard
 

@@ -17,7 +17,7 @@ def pyarrow_module() -> Any:
     except ImportError as e:
         raise DataError(
             "reading .parquet files and Hugging Face datasets needs pyarrow: "
-            "pip install 'moestack-train[data]'"
+            "pip install 'moestack-train[data]' (or 'moestack-data[formats]' without the trainer)"
         ) from e
     return pyarrow
 

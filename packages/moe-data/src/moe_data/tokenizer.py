@@ -67,7 +67,7 @@ def _tokenizers_library() -> Any:
     except ImportError as e:
         raise DataError(
             "a tokenizer.json needs the 'tokenizers' library: pip install tokenizers "
-            "(or moestack-train[tokenizers]), or use the built-in 'byte' tokenizer"
+            "(or moestack-train[tokenizers], moestack-data[tokenizers]), or use the built-in 'byte' tokenizer"
         ) from e
     return tokenizers
 
