@@ -20,8 +20,8 @@ from pathlib import Path
 
 from harness.output import print_table, write_json
 from harness.processes import train_in_fresh_process
+from moe_data import TokenDataset
 from moe_train.config import load_config
-from moe_train.data import TokenDataset
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moe_data import TokenDataset
 from moe_train.config import Config
-from moe_train.data import TokenDataset
 from moe_train.train.host_memory import (
     _MallInfo2,
     keep_freed_host_memory,

@@ -34,7 +34,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the tokenizers library 
 
 from harness.output import print_table, write_json
 from harness.timing import medians
-from moe_train.data import prepare_data
+from moe_data import prepare_data
 
 _WORD_LIST = (
     "the of and to in is that for it as was with be by on not he this are or his from at "

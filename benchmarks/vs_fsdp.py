@@ -140,7 +140,7 @@ def check_args(args: argparse.Namespace) -> str | None:
 def check_data(setup: BenchSetup) -> str | None:
     """The first problem with the data (opened as the trainer opens it), as one line, or None.
     Prepares builtin:stdlib on first use, once, before the ranks start."""
-    from moe_train.data import TokenDataset
+    from moe_data import TokenDataset
     from moe_train.errors import MoeTrainError
 
     path = setup.data["paths"][0]

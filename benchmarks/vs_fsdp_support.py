@@ -37,9 +37,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from moe_data import TokenDataset
 from moe_parallel import decay_matrices
 from moe_train.config import Config, config_from_dict
-from moe_train.data import TokenDataset
 from moe_train.model import Transformer, apply_expert_gemm
 from moe_train.train.host_memory import allocated_host_bytes, keep_freed_host_memory
 from moe_train.train.micro_batches import MicroBatches

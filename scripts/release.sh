@@ -39,6 +39,7 @@ declare -A test_deps=(
   [moestack-checkpoint]="pytest"
   [moestack-dispatch]="pytest"
   [moestack-parallel]="pytest numpy"
+  [moestack-data]="pytest torch tokenizers pyarrow zstandard datasets"
   [moestack-train]="pytest tokenizers transformers tensorboard wandb"
 )
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_train.data.labels import mask_file_name
-from moe_train.data.token_files import FORMAT, META_FILE, shard_file_name
+from moe_data.labels import mask_file_name
+from moe_data.token_files import FORMAT, META_FILE, shard_file_name
 
 
 def save_masked_tokens(

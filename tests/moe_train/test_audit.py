@@ -154,7 +154,7 @@ def test_checkpoints_count_the_tokens_seen_per_source_across_a_resume(tmp_path):
     train(config_from_dict({**data, "checkpoint": {**data["checkpoint"], "resume": "auto"}}))
     state = read_trainer_state(tmp_path / "run" / "checkpoints" / "step_00000006")
 
-    from moe_train.data import TokenDataset
+    from moe_data import TokenDataset
 
     config = config_from_dict(data)
     dataset = TokenDataset(config.data.paths, config.data.seq_len)

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from moe_train.data.conversations import prepare_conversations
-from moe_train.data.labels import mask_file_name
-from moe_train.data.token_files import shard_file_name
+from moe_data.conversations import prepare_conversations
+from moe_data.labels import mask_file_name
+from moe_data.token_files import shard_file_name
 from moe_train.errors import DataError
 
 tokenizers = pytest.importorskip("tokenizers")

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moe_data import TokenDataset, prepare_data
 from moe_train.cli import main
 from moe_train.config import load_config
-from moe_train.data import TokenDataset, prepare_data
 from moe_train.errors import ConfigError, DataError
 from training import CONFIGS
 
@@ -173,7 +173,7 @@ def test_many_shards_stay_within_the_open_file_limit(tmp_path):
     script = (
         "import hashlib, resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
-        "from moe_train.data import TokenDataset\n"
+        "from moe_data import TokenDataset\n"
         "dataset = TokenDataset([sys.argv[1]], seq_len=500)\n"
         "digest = hashlib.sha256()\n"
         "for index in range(dataset.num_sequences):\n"

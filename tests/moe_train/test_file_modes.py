@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_train.file_modes import current_umask
+from moe_data import current_umask
 from moe_train.train import train
 
 pytest.importorskip("transformers")

@@ -278,7 +278,7 @@ def test_export_refuses_a_non_empty_out_directory(make_config, tmp_path, capsys)
 
 
 def test_export_writes_the_tokenizer_the_data_was_prepared_with(make_config, tmp_path, capsys):
-    from moe_train.data import prepare_data
+    from moe_data import prepare_data
 
     text = CODE_TEXT * 400
     (tmp_path / "train.txt").write_text(text)
@@ -312,7 +312,7 @@ def _bpe_encode(tokenizer_file: Path, text: str) -> list[int]:
 def test_byte_tokenizer_exports_as_a_tokenizer_json_giving_utf8_bytes(
     make_config, tmp_path, capsys
 ):
-    from moe_train.data import ByteTokenizer, prepare_data
+    from moe_data import ByteTokenizer, prepare_data
 
     (tmp_path / "train.txt").write_text(CODE_TEXT * 400)
     prepare_data([tmp_path / "train.txt"], tmp_path / "data")
@@ -363,7 +363,7 @@ def test_many_shards_load_as_one_model(make_config, tmp_path):
 
 def _prepared_corpus(root: Path, name: str, files: int, text: str) -> Path:
     """`files` small text files under root/NAME-inputs prepared into root/NAME (64K shards)."""
-    from moe_train.data import prepare_data
+    from moe_data import prepare_data
 
     inputs = root / f"{name}-inputs"
     inputs.mkdir()

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from masked_data import conversation_like, save_masked_tokens
 
+from moe_data import TokenDataset
+from moe_data.labels import IGNORE_INDEX, encode_masked, inputs_and_targets
 from moe_train.config import config_from_dict
-from moe_train.data import TokenDataset
-from moe_train.data.labels import IGNORE_INDEX, encode_masked, inputs_and_targets
 from moe_train.errors import DataError
 from moe_train.model import head_lm_loss
 from moe_train.model import loss as loss_module
@@ -101,7 +101,7 @@ def test_step_loss_is_the_global_token_mean_whatever_the_micro_batch(tmp_path):
 
 
 def test_a_mixture_of_masked_sources_carries_the_masks(tmp_path):
-    from moe_train.data import MixedDataset, MixtureSource
+    from moe_data import MixedDataset, MixtureSource
 
     sources = []
     for index in range(2):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from harness.ranks import run_distributed
+from moe_data import MixedDataset, MixtureSource, TokenDataset
 from moe_train.config import config_from_dict
-from moe_train.data import MixedDataset, MixtureSource, TokenDataset
 from moe_train.errors import DataError
 from moe_train.train import read_metrics, train
 from moe_train.train.data_feed import BatchFeed
@@ -65,7 +65,7 @@ def _train_and_record(rank: int, world_size: int, data: dict):
 
 def _expected_reads(dataset: MixedDataset, rows: tuple[int, int], seed: int, global_batch: int):
     """The (stream, window) pairs of `rows` of every step, from the whole batches' order."""
-    from moe_train.data.mixture import positions_in_order
+    from moe_data.mixture import positions_in_order
 
     expected = []
     for step in range(STEPS):

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
+from moe_data import MixedDataset, MixtureSource
+from moe_data.mixture import positions_in_order, samples_before
 from moe_train.cli import main
 from moe_train.config import config_from_dict
-from moe_train.data import MixedDataset, MixtureSource
-from moe_train.data.mixture import positions_in_order, samples_before
 from moe_train.errors import ConfigError
 from moe_train.train import read_metrics, train
 from moe_train.train.data_feed import TokenCounts

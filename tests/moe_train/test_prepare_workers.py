@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_prepare_data import (
+
+from corpora import (
     EOS,
     assert_streams_equal,
     directory_bytes,
@@ -26,9 +27,8 @@ from test_prepare_data import (
     read_stream,
     write_corpus,
 )
-
 from launch import CLI, run_cli
-from moe_train.data import prepare_data
+from moe_data import prepare_data
 from moe_train.errors import DataError
 from tokenizer_files import bpe_tokenizer_file
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_train.data import TokenDataset
+from moe_data import TokenDataset
 from moe_train.generate import load_checkpoint_model
 from moe_train.train import read_metrics, train
 from moe_train.train.tracking import TENSORBOARD_DIR

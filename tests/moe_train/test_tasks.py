@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from harness.ranks import run_distributed
+from moe_data.prepare import prepare_data
+from moe_data.tokenizer import ByteTokenizer
 from moe_train.cli import main
 from moe_train.cli import run as cli_run
 from moe_train.config import config_from_dict
-from moe_train.data.prepare import prepare_data
-from moe_train.data.tokenizer import ByteTokenizer
 from moe_train.errors import ConfigError, DataError
 from moe_train.generate import load_checkpoint_model
 from moe_train.task_eval import evaluate_checkpoint
@@ -368,7 +368,7 @@ def test_task_figures_reach_console_and_plots(trained):
 
 
 def test_code_order_asks_for_the_real_order_of_held_out_code(tmp_path):
-    from moe_train.data.builtin import stdlib_source_files
+    from moe_data.builtin import stdlib_source_files
     from moe_train.tasks.builtin import (
         CHOICES,
         CONTEXT_CHARS,
@@ -465,7 +465,7 @@ sys.exit(main(argv))
 
 @pytest.mark.slow
 def test_the_quickstart_task_needs_no_test_suite(tmp_path):
-    from moe_train.data.builtin import builtin_dataset_dir, stdlib_source_files
+    from moe_data.builtin import builtin_dataset_dir, stdlib_source_files
 
     real = Path(sysconfig.get_paths()["stdlib"])
     stdlib = tmp_path / "stdlib"  # only the files builtin:stdlib trains on

@@ -1,4 +1,4 @@
-"""moe-train: the default moe-stack trainer (model, data, config, loop, CLI)."""
+"""moe-train: the default moe-stack trainer (model, config, loop, CLI; data from moe_data)."""
 
 import importlib.metadata
 

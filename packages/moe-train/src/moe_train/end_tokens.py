@@ -19,8 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moe_train.data.chat_template import ChatTemplate, RowError, end_of_turn_text
-from moe_train.data.tokenizer import HFTokenizer
+from moe_data import ChatTemplate, HFTokenizer, RowError, end_of_turn_text
 from moe_train.errors import DataError, MoeTrainError
 
 END_IDS_KEY = "end_token_ids"

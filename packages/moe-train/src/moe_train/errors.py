@@ -2,22 +2,15 @@
 
 from typing import TypeVar
 
+from moe_data import DataError, UserError
 
-class MoeTrainError(Exception):
-    """An error caused by the user's input (config, data, paths), not by a bug."""
-
-    exit_code = 2
-    same_on_every_rank = False
-    """Every rank of a launch raises this error alike (a check each rank makes of the same
-    config, or an error shared through a collective): rank 0 alone prints it."""
+MoeTrainError = UserError
+"""An error caused by the user's input (config, data, paths), not by a bug: the base of every
+user-facing error, moe-data's DataError included (`exit_code` 2 unless a subclass says)."""
 
 
 class ConfigError(MoeTrainError):
     """A config key is unknown, has the wrong type, or an impossible value."""
-
-
-class DataError(MoeTrainError):
-    """A data file is missing, unreadable, or does not match the model."""
 
 
 class TrainingDiverged(MoeTrainError):
@@ -31,6 +24,15 @@ class RankLost(MoeTrainError):
 
     exit_code = 4
 
+
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "MoeTrainError",
+    "RankLost",
+    "TrainingDiverged",
+    "on_every_rank",
+]
 
 E = TypeVar("E", bound=MoeTrainError)
 

@@ -27,10 +27,9 @@ import torch
 from torch import Tensor
 
 from moe_checkpoint import CheckpointError, load_into, read_trainer_state, resolve_checkpoint
+from moe_data import ByteTokenizer, ChatTemplate, HFTokenizer, RowError, load_tokenizer
 from moe_parallel import single_process_layout
 from moe_train.config import Config, ModelConfig, config_from_dict
-from moe_train.data.chat_template import ChatTemplate, RowError
-from moe_train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from moe_train.end_tokens import checkpoint_end_ids, end_of_turn_id
 from moe_train.errors import MoeTrainError
 from moe_train.model import Transformer

@@ -27,9 +27,6 @@ from types import FrameType
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-PREEMPTED_EXIT = 75
-"""Exit code of a run stopped by a signal (after its checkpoint, when checkpointing is on):
-EX_TEMPFAIL, "try again later"; relaunching the same command with resume=auto continues."""
 LAUNCHER_GONE = "the exit of the launcher"
 """The cause of a stop the launcher's loss asked for, as `StopRequests.describe` words it."""
 SIGNAL_CODE, LAUNCHER_CODE = 1, 2

@@ -8,8 +8,9 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from moe_data import PREEMPTED_EXIT
 from moe_train.errors import ConfigError, RankLost
-from moe_train.signals import PREEMPTED_EXIT, STOP_SIGNALS
+from moe_train.signals import STOP_SIGNALS
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure

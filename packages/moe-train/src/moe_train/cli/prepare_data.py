@@ -59,7 +59,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from moe_train.data import prepare_data, usable_cores
+    from moe_data import prepare_data, usable_cores
 
     if args.format != "text":
         return _handle_conversations(args)
@@ -83,7 +83,7 @@ def _handle(args: argparse.Namespace) -> int:
 
 
 def _handle_conversations(args: argparse.Namespace) -> int:
-    from moe_train.data.conversations import prepare_conversations
+    from moe_data import prepare_conversations
 
     for flag, value, default in (
         ("--text-field", args.text_field, "text"),

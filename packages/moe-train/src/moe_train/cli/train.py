@@ -22,9 +22,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _handle(args: argparse.Namespace) -> int:
     """Train (with --nproc-per-node: start the ranks that train); exit 0 when the run reached
     train.max_steps (now or before), PREEMPTED_EXIT when a signal stopped it early."""
+    from moe_data import PREEMPTED_EXIT
     from moe_train.config import load_config
     from moe_train.errors import MoeTrainError, on_every_rank
-    from moe_train.signals import PREEMPTED_EXIT, StopRequests
+    from moe_train.signals import StopRequests
 
     if args.nproc_per_node is not None:
         return _launch(args)

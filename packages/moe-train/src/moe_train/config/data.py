@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe_data import split_dtype_suffix
 from moe_train.config.checks import _positive
-from moe_train.data.token_files import split_dtype_suffix
 from moe_train.errors import ConfigError, DataError
 
 

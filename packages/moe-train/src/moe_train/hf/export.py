@@ -30,10 +30,10 @@ from moe_checkpoint import (
     read_trainer_state,
     resolve_checkpoint,
 )
+from moe_data import give_umask_mode
 from moe_train.config import Config, config_from_dict
 from moe_train.end_tokens import checkpoint_end_ids, generation_eos, tokenizer_end_of_turn
 from moe_train.errors import MoeTrainError
-from moe_train.file_modes import give_umask_mode
 from moe_train.hf.architectures import Architecture, ExportError, choose_architecture
 from moe_train.hf.model_card import model_card
 from moe_train.hf.output_dir import written_whole
@@ -47,7 +47,7 @@ INDEX_FILE = "model.safetensors.index.json"
 BUILTIN_DATA_PREFIX = "builtin:"
 
 BYTE_EOS_ID = 256
-"""The byte tokenizer's end-of-document id (moe_train.data.ByteTokenizer)."""
+"""The byte tokenizer's end-of-document id (moe_data.ByteTokenizer)."""
 
 
 @dataclass

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from moe_train.file_modes import new_scratch_dir
+from moe_data import new_scratch_dir
 
 
 @contextmanager

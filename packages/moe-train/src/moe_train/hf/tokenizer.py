@@ -26,7 +26,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def byte_tokenizer() -> Any:
-    """`moe_train.data.ByteTokenizer` as a `tokenizers.Tokenizer`: a byte-level BPE with no
+    """`moe_data.ByteTokenizer` as a `tokenizers.Tokenizer`: a byte-level BPE with no
     merges whose vocabulary gives byte b the id b, plus `BYTE_EOS_TOKEN` as id 256, so text
     encodes to its UTF-8 bytes exactly as in training."""
     import tokenizers
@@ -61,7 +61,7 @@ def write_tokenizer(transformers: Any, source: Path | None, eos_id: int | None, 
 
 def _chat_template_beside(tokenizer_file: Path) -> str | None:
     """The chat template of the directory holding `tokenizer_file` (None if it has none)."""
-    from moe_train.data.chat_template import ChatTemplate
+    from moe_data import ChatTemplate
     from moe_train.errors import DataError
 
     try:

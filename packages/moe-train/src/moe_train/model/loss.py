@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_train.data.labels import IGNORE_INDEX
+from moe_data import IGNORE_INDEX
 
 CHUNK_LOGITS = 2**24
 """Logits per chunk (64 MiB in fp32): chunks of max(1, CHUNK_LOGITS // V) tokens."""

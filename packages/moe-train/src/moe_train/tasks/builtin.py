@@ -26,9 +26,8 @@ import re
 import sys
 from pathlib import Path
 
-from moe_train.data.builtin import default_cache_dir
+from moe_data import default_cache_dir, new_scratch_dir
 from moe_train.errors import DataError
-from moe_train.file_modes import new_scratch_dir
 from moe_train.tasks.files import BUILTIN_TASKS
 
 QUESTIONS = 200

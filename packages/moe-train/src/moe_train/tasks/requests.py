@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_train.data.tokenizer import Tokenizer
+from moe_data import Tokenizer
 from moe_train.tasks.files import MultipleChoiceTask, TextTask
 
 

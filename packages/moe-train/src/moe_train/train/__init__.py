@@ -1,6 +1,6 @@
 """The training loop, its metrics and the MFU denominator."""
 
-from moe_train.signals import PREEMPTED_EXIT
+from moe_data import PREEMPTED_EXIT
 from moe_train.train.cadence import Cadence
 from moe_train.train.metrics import read_metrics
 from moe_train.train.peak import measure_matmul_peak, peak_flops

@@ -22,9 +22,9 @@ from moe_checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
+from moe_data import TokenDataset
 from moe_parallel import TrainingOptimizer
 from moe_train.config import Config
-from moe_train.data import TokenDataset
 from moe_train.errors import MoeTrainError, TrainingDiverged
 from moe_train.model import Transformer
 from moe_train.train.runtime import Runtime

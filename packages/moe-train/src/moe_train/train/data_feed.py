@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_data import MixedDataset, MixtureSource, TokenDataset, open_training_data
 from moe_train.config import Config, DataConfig
-from moe_train.data import MixedDataset, MixtureSource, TokenDataset, open_training_data
 from moe_train.errors import DataError
 
 

@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe_data import TokenDataset, trained_targets
 from moe_train.config import Config
-from moe_train.data import TokenDataset
-from moe_train.data.labels import trained_targets
 from moe_train.errors import DataError
 from moe_train.model import Documents, head_lm_loss
 from moe_train.train.micro_batches import model_inputs

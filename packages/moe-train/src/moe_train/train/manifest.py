@@ -24,9 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_data import file_sha256, mask_file_of
 from moe_train.config import Config
-from moe_train.data.labels import mask_file_of
-from moe_train.data.readers import file_sha256
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "moe-stack-manifest-v1"
@@ -166,8 +165,7 @@ def check_data_files(manifest: dict[str, Any]) -> list[str]:
 
 def data_sources(config: Config) -> list[dict[str, Any]]:
     """`data_facts` of every `data.paths` entry of `config`."""
-    from moe_train.data import builtin_dataset_dir, split_dtype_suffix
-    from moe_train.data.builtin import BUILTIN_STDLIB, default_cache_dir
+    from moe_data import BUILTIN_STDLIB, builtin_dataset_dir, default_cache_dir, split_dtype_suffix
 
     data = config.data
     cache = Path(data.cache_dir) if data.cache_dir else default_cache_dir()

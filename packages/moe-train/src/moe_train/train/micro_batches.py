@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_train.data.labels import inputs_and_targets, token_ids
+from moe_data import inputs_and_targets, token_ids
 from moe_train.model import Documents
 from moe_train.parallelize import ContextShard
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from moe_data import trained_targets
 from moe_parallel import TrainingOptimizer
 from moe_train.config import Config
-from moe_train.data.labels import trained_targets
 from moe_train.model import Transformer
 from moe_train.model.routing_stats import RoutingStats
 from moe_train.parallelize import ContextShard, DispatcherFactory, context_shard, layer_dispatchers
@@ -79,7 +79,7 @@ def accumulate_gradients(
 ) -> torch.Tensor:
     """Forward and backward of each micro-batch; the sum of their LM losses. With their
     documents, attention stays inside each document. With `loss_normalizer`, the
-    micro-batches carry a label mask (`moe_train.data.labels`) and each one's loss is its sum
+    micro-batches carry a label mask (`moe_data.labels`) and each one's loss is its sum
     over trained targets divided by the normalizer (which context parallelism needs too, the
     rank holding part of each micro-batch's targets). Under context parallelism (`context`,
     the model's shard) each micro-batch gives the model this rank's positions."""

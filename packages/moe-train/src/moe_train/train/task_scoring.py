@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from moe_data import Tokenizer
 from moe_train.config import Config
-from moe_train.data.tokenizer import Tokenizer
 from moe_train.errors import ConfigError, DataError, on_every_rank
 from moe_train.model import head_token_logprobs
 from moe_train.tasks import (

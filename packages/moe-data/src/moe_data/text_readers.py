@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from moe_train.data.compressed import open_stream
-from moe_train.data.inputs import VALID_INPUTS, InputFile
-from moe_train.data.pieces import BATCH_CHARS, BATCH_DOCUMENTS, Piece, TextBatch
-from moe_train.errors import DataError
+from moe_data.compressed import open_stream
+from moe_data.errors import DataError
+from moe_data.inputs import VALID_INPUTS, InputFile
+from moe_data.pieces import BATCH_CHARS, BATCH_DOCUMENTS, Piece, TextBatch
 
 SEGMENT_BYTES = 1 << 20
 """Text files are cut into segments of about this many bytes (see the module docstring)."""

@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from moe_train.data.inputs import InputFile
-from moe_train.data.plan import Plan, Settings, Task
-from moe_train.data.readers import file_sha256, read_ids, read_texts
-from moe_train.data.token_files import FORMAT, META_FILE, little_endian, shard_file_name
-from moe_train.data.tokenizer import Tokenizer
-from moe_train.errors import DataError
+from moe_data.errors import DataError
+from moe_data.inputs import InputFile
+from moe_data.plan import Plan, Settings, Task
+from moe_data.readers import file_sha256, read_ids, read_texts
+from moe_data.token_files import FORMAT, META_FILE, little_endian, shard_file_name
+from moe_data.tokenizer import Tokenizer
 
 TEMP_MARK = ".tmp-"
 """In the names of files being written."""

@@ -14,11 +14,11 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from moe_train.data.prepare import write_dataset
-from moe_train.data.token_files import META_FILE
-from moe_train.data.tokenizer import ByteTokenizer
-from moe_train.errors import DataError
-from moe_train.file_modes import new_scratch_dir
+from moe_data.errors import DataError
+from moe_data.file_modes import new_scratch_dir
+from moe_data.prepare import write_dataset
+from moe_data.token_files import META_FILE
+from moe_data.tokenizer import ByteTokenizer
 
 BUILTIN_STDLIB = "builtin:stdlib"
 """The `data.paths` entry that names this dataset."""

@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-import moe_train.data.builtin as builtin_module
-from moe_train.data import (
+import moe_data.builtin as builtin_module
+from moe_data import (
     ByteTokenizer,
+    DataError,
     HFTokenizer,
     TokenDataset,
     builtin_dataset_dir,
     load_tokenizer,
     prepare_data,
 )
-from moe_train.errors import DataError
-from moe_train.file_modes import current_umask
+from moe_data.file_modes import current_umask
 
 EOS = ByteTokenizer.eos_id
 
@@ -388,7 +388,7 @@ def test_concurrent_builtin_preparation_gives_one_valid_dir(tmp_path):
     start_at = time.time() + 1.0
     script = (
         "import sys, time\n"
-        "from moe_train.data import builtin_dataset_dir\n"
+        "from moe_data import builtin_dataset_dir\n"
         "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
         "print(builtin_dataset_dir(sys.argv[1]))\n"
     )

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from moe_train.errors import DataError
+from moe_data.errors import DataError
 
 EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>")
 """Special-token names recognised as end-of-document, in order of preference."""
@@ -67,7 +67,7 @@ def _tokenizers_library() -> Any:
     except ImportError as e:
         raise DataError(
             "a tokenizer.json needs the 'tokenizers' library: pip install tokenizers "
-            "(or moestack-train[tokenizers]), or use the built-in 'byte' tokenizer"
+            "(or moestack-train[tokenizers], moestack-data[tokenizers]), or use the built-in 'byte' tokenizer"
         ) from e
     return tokenizers
 

@@ -22,10 +22,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from moe_train.data.inputs import expand_inputs, input_file
-from moe_train.data.plan import Plan, Task, make_plan
-from moe_train.data.progress import ProgressBar
-from moe_train.data.shards import (
+from moe_data.errors import PREEMPTED_EXIT, DataError, UserError
+from moe_data.inputs import expand_inputs, input_file
+from moe_data.plan import Plan, Task, make_plan
+from moe_data.progress import ProgressBar
+from moe_data.shards import (
     finished_records,
     manifest,
     record_name,
@@ -33,16 +34,14 @@ from moe_train.data.shards import (
     run_task,
     write_json,
 )
-from moe_train.data.token_files import META_FILE, shard_file_name
-from moe_train.data.tokenizer import Tokenizer, load_tokenizer
-from moe_train.data.workers import WorkerSetup, run_in_workers
-from moe_train.errors import DataError, MoeTrainError
-from moe_train.signals import PREEMPTED_EXIT
+from moe_data.token_files import META_FILE, shard_file_name
+from moe_data.tokenizer import Tokenizer, load_tokenizer
+from moe_data.workers import WorkerSetup, run_in_workers
 
 LOCK_FILE = "prepare.lock"
 
 
-class PreparationStopped(MoeTrainError):
+class PreparationStopped(UserError):
     """SIGINT or SIGTERM stopped prepare-data; its finished shards are kept for a rerun."""
 
     exit_code = PREEMPTED_EXIT

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_train.data.inputs import InputFile
-from moe_train.data.pieces import Piece, TextBatch
-from moe_train.data.tables import read_arrow, read_parquet
-from moe_train.data.text_readers import read_jsonl, read_text
-from moe_train.data.token_files import open_token_array
-from moe_train.errors import DataError
+from moe_data.errors import DataError
+from moe_data.inputs import InputFile
+from moe_data.pieces import Piece, TextBatch
+from moe_data.tables import read_arrow, read_parquet
+from moe_data.text_readers import read_jsonl, read_text
+from moe_data.token_files import open_token_array
 
 _NPY_CHUNK = 1 << 22
 

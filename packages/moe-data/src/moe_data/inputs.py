@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_train.errors import DataError
+from moe_data.errors import DataError
 
 VALID_INPUTS = (
     "UTF-8 text files, JSON Lines (.jsonl, .json; also .gz or .zst compressed), .parquet, "

@@ -1,6 +1,7 @@
 """Tests of prepare-data's inputs and output: every input format, the text field, text cut
 into segments, shards read as one stream, and one-line errors (workers and resume are in
-test_prepare_workers.py, which uses the helpers here).
+tests/moe_train/test_prepare_workers.py; the CLI's own errors in
+tests/moe_train/test_prepare_data_cli.py; the corpora in tests/corpora.py).
 
 Each expected token stream is built here from the documents themselves (their UTF-8 bytes, or
 the `tokenizers` library's ids, then the end-of-document id), not by the code under test.
@@ -9,7 +10,6 @@ the `tokenizers` library's ids, then the end-of-document id), not by the code un
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import random
 import subprocess
@@ -19,116 +19,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_train.cli import main
-from moe_train.data import ByteTokenizer, TokenDataset, prepare_data
-from moe_train.errors import DataError
+from corpora import (
+    EOS,
+    WORDS,
+    assert_streams_equal,
+    byte_stream,
+    directory_bytes,
+    jsonl_bytes,
+    optional,
+    random_documents,
+    read_stream,
+    sha256_of,
+    write_corpus,
+    zstd_compress,
+)
+from moe_data import ByteTokenizer, DataError, TokenDataset, prepare_data
 from tokenizer_files import bpe_tokenizer_file
-
-
-def optional(*modules: str) -> list:
-    """The modules of the moestack-train[data] extra (and datasets) a test needs, or a skip."""
-    return [pytest.importorskip(name) for name in modules]
-
-
-def zstd_compress(data: bytes) -> bytes:
-    (zstandard,) = optional("zstandard")
-    return zstandard.ZstdCompressor().compress(data)
-
-
-EOS = ByteTokenizer.eos_id
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "é",
-    "漢字",
-    "🙂",
-    "model",
-    "data",
-    ",",
-    ".",
-    "(",
-    ")",
-    "42",
-]
-
-
-def random_documents(rng: random.Random, count: int) -> list[str]:
-    """Documents of 0-80 words, some with line breaks, blank runs or trailing spaces."""
-    documents = []
-    for _ in range(count):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(0, 80))]
-        for _ in range(rng.randint(0, 3)):
-            words.insert(rng.randint(0, len(words)), rng.choice(["\n", "\n\n", "  \n", "\t"]))
-        documents.append(" ".join(words))
-    return documents
-
-
-def jsonl_bytes(documents: list[str], field: str = "text") -> bytes:
-    return "".join(json.dumps({"id": i, field: d}) + "\n" for i, d in enumerate(documents)).encode()
-
-
-def write_corpus(root: Path, rng: random.Random, scale: int = 1) -> list[tuple[Path, list[str]]]:
-    """One file (or dataset) of each input kind, in the order prepare-data reads them, with
-    the documents each holds. `scale` multiplies the document counts."""
-    pa, pq, datasets = optional("pyarrow", "pyarrow.parquet", "datasets")
-    root.mkdir(parents=True)
-    docs = {name: random_documents(rng, count * scale) for name, count in [
-        ("a.jsonl", 400), ("b.jsonl.gz", 200), ("c.jsonl.zst", 200), ("d.parquet", 300),
-        ("e_hf", 300), ("f.txt", 1), ("g.json.gz", 100),
-    ]}  # fmt: skip
-    (root / "a.jsonl").write_bytes(b"\n" + jsonl_bytes(docs["a.jsonl"]) + b"  \n")
-    (root / "b.jsonl.gz").write_bytes(gzip.compress(jsonl_bytes(docs["b.jsonl.gz"])))
-    half = len(docs["c.jsonl.zst"]) // 2  # two zstd frames
-    (root / "c.jsonl.zst").write_bytes(
-        zstd_compress(jsonl_bytes(docs["c.jsonl.zst"][:half]))
-        + zstd_compress(jsonl_bytes(docs["c.jsonl.zst"][half:]))
-    )
-    table = pa.table({"text": docs["d.parquet"], "n": list(range(len(docs["d.parquet"])))})
-    pq.write_table(table, root / "d.parquet", row_group_size=40)
-    dataset = datasets.Dataset.from_dict({"n": list(range(300 * scale)), "text": docs["e_hf"]})
-    dataset.save_to_disk(str(root / "e_hf"), num_shards=2)
-    docs["f.txt"] = ["\n".join(random_documents(rng, 300 * scale))]
-    (root / "f.txt").write_text(docs["f.txt"][0], encoding="utf-8")
-    (root / "g.json.gz").write_bytes(gzip.compress(jsonl_bytes(docs["g.json.gz"])))
-    return [(root / name, documents) for name, documents in docs.items()]
-
-
-def byte_stream(corpus: list[tuple[Path, list[str]]]) -> np.ndarray:
-    return np.array(
-        [t for _, documents in corpus for d in documents for t in [*d.encode(), EOS]],
-        dtype=np.int64,
-    )
-
-
-def read_stream(out_dir: Path) -> np.ndarray:
-    """The prepared tokens: the shards meta.json lists, in its order, joined."""
-    meta = json.loads((out_dir / "meta.json").read_text())
-    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
-    return np.concatenate([np.fromfile(out_dir / s["file"], dtype=dtype) for s in meta["shards"]])
-
-
-def assert_streams_equal(actual: np.ndarray, expected: np.ndarray) -> None:
-    assert actual.size == expected.size, f"{actual.size} tokens, expected {expected.size}"
-    mismatch = np.flatnonzero(actual != expected)
-    assert mismatch.size == 0, (
-        f"first difference at token {mismatch[0]}: {actual[mismatch[0]]} != {expected[mismatch[0]]}"
-    )
-
-
-def directory_bytes(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
-
-
-def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
 
 # ---------------------------------------------------------------------------------------------
 # Formats
@@ -408,72 +314,6 @@ def test_a_failure_keeps_finished_shards_and_a_fixed_rerun_completes(tmp_path):
     )["meta.json"].replace(b"clean", b"")
 
 
-def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
-    (tmp_path / "in").mkdir()
-    (tmp_path / "in" / "a.jsonl.gz").write_bytes(b"not gzip")
-    (tmp_path / "b.txt").write_text("fine")
-    for args, expected in [
-        ([str(tmp_path / "in")], "a.jsonl.gz is not a readable gzip file (Not a gzipped file"),
-        ([str(tmp_path / "b.txt"), "--workers", "0"], "--workers=0 must be at least 1"),
-        ([str(tmp_path / "b.txt"), "--shard-size", "12Q"], "--shard-size='12Q' is not a size"),
-        ([str(tmp_path / "b.txt"), "--shard-size", "1K"], "--shard-size=1K is below the smallest"),
-    ]:
-        assert main(["prepare-data", *args, "--out", str(tmp_path / "out")]) == 2
-        err = capsys.readouterr().err
-        lines = [line for line in err.splitlines() if line.startswith("error:")]
-        assert len(lines) == 1 and expected in lines[0], err
-        assert "Traceback" not in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.txt", "in"]
-
-
-def test_a_corpus_without_text_is_refused_and_an_empty_out_is_kept(tmp_path, capsys):
-    """Inputs that tokenize to nothing but end-of-document ids are refused in one line naming
-    them, exit 2; an empty --out given beforehand stays as it was, and no .partial is left."""
-    (tmp_path / "empty.jsonl").write_text("\n  \n")
-    (tmp_path / "empty.txt").write_text("")
-    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
-    out = tmp_path / "out"
-    out.mkdir()
-    no_text = "to tokenize, so nothing would be trained on; give inputs with text"
-    for names, expected in [
-        (["empty.jsonl"], f"error: {tmp_path / 'empty.jsonl'} holds no text {no_text}"),
-        (["empty.txt"], f"error: {tmp_path / 'empty.txt'} holds no text {no_text}"),
-        (
-            ["empty.txt", "blank.jsonl"],
-            f"error: none of the 2 inputs ({tmp_path / 'empty.txt'}, {tmp_path / 'blank.jsonl'})"
-            f" holds any text {no_text}",
-        ),
-    ]:
-        args = [str(tmp_path / name) for name in names]
-        assert main(["prepare-data", *args, "--workers", "1", "--out", str(out)]) == 2
-        err = capsys.readouterr().err
-        assert [line for line in err.splitlines() if line.startswith("error")] == [expected], err
-        assert "Traceback" not in err
-        assert list(out.iterdir()) == [] and not (tmp_path / ".out.partial").exists()
-    (tmp_path / "some.txt").write_text("x")
-    meta = prepare_data([tmp_path / "empty.txt", tmp_path / "some.txt"], out)
-    assert (meta["num_tokens"], meta["num_documents"]) == (3, 2), "an empty file among others"
-
-
-def test_the_start_line_counts_in_words_and_says_why_fewer_workers_run(tmp_path, capsys):
-    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
-        f.writelines(json.dumps({"text": f"document {i}"}) + "\n" for i in range(100))
-    (tmp_path / "b.txt").write_text("a small text\n" * 100)
-    assert main(["prepare-data", str(tmp_path / "a.jsonl.gz"), "--workers", "2",
-                 "--out", str(tmp_path / "one")]) == 0  # fmt: skip
-    first = capsys.readouterr().err.replace("\r", "\n").splitlines()[0]
-    assert first.startswith("preparing 1 input file (0.0 MB) into 1 shard of about 1.0 MB "), first
-    assert first.endswith(
-        "with 1 worker (2 asked for, at most one per shard to write; a compressed file "
-        "(.gz, .zst) cannot be split: each is one shard)"
-    ), first
-    assert main(["prepare-data", str(tmp_path / "b.txt"), str(tmp_path / "a.jsonl.gz"),
-                 "--workers", "3", "--out", str(tmp_path / "two")]) == 0  # fmt: skip
-    first = capsys.readouterr().err.replace("\r", "\n").splitlines()[0]
-    assert first.startswith("preparing 2 input files "), first
-    assert "a smaller --shard-size makes more shards of the other inputs)" in first, first
-
-
 def test_prepared_shards_are_one_stream_for_training(tmp_path):
     """Windows of a sharded directory cross shard boundaries as in one file."""
     (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(random_documents(random.Random(11), 3000)))
@@ -497,7 +337,7 @@ def test_memory_does_not_grow_with_the_input(tmp_path):
     script = (  # VmHWM: this process's peak resident memory (ru_maxrss would count the parent's)
         "import re, sys\n"
         "from pathlib import Path\n"
-        "from moe_train.data import prepare_data\n"
+        "from moe_data import prepare_data\n"
         "prepare_data([sys.argv[1]], sys.argv[2], workers=1)\n"
         "print(re.search(r'VmHWM:\\s*(\\d+)', Path('/proc/self/status').read_text())[1])\n"
     )

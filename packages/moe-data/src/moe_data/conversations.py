@@ -2,7 +2,7 @@
 
 `--format chat` reads rows holding `messages`, a list of {role, content} (the format of the
 Hugging Face chat datasets), renders each with the tokenizer's chat template
-(`moe_train.data.chat_template`) and trains on the assistant's content and end-of-turn
+(`moe_data.chat_template`) and trains on the assistant's content and end-of-turn
 tokens. `--format prompt-completion` reads rows holding `prompt` and `completion`: texts
 (tokenized one after the other, the completion and the end-of-document token trained on) or
 lists of messages (rendered as one conversation, the completion's assistant turns trained
@@ -10,8 +10,8 @@ on). `train_on="all"` trains on every token instead.
 
 Each conversation is followed by the end-of-document id (not trained on after a chat, so
 each conversation's ids are exactly the template's), so `data.document_masking` keeps
-attention inside it. The output is a prepared directory (`moe_train.data.token_files`) with
-one token shard and one mask shard (`moe_train.data.labels`) per input file and
+attention inside it. The output is a prepared directory (`moe_data.token_files`) with
+one token shard and one mask shard (`moe_data.labels`) per input file and
 `label_mask: true` in its meta.json. Any bad row, or a file without rows, stops the
 preparation with a DataError naming its file (and row), and nothing is written.
 """
@@ -27,24 +27,24 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from moe_train.data.chat_template import (
+from moe_data.chat_template import (
     ChatTemplate,
     RowError,
     assistant_spans,
     check_messages,
     tokens_in_spans,
 )
-from moe_train.data.compressed import open_stream
-from moe_train.data.inputs import InputFile, expand_inputs
-from moe_train.data.labels import LABEL_MASK_KEY, mask_file_name
-from moe_train.data.plan import choose_dtype
-from moe_train.data.prepare import LOCK_FILE, check_out_dir_free, locked_work_dir, partial_dir
-from moe_train.data.readers import file_sha256
-from moe_train.data.shards import ShardWriter, write_json
-from moe_train.data.tables import pyarrow_module
-from moe_train.data.token_files import FORMAT, META_FILE, shard_file_name
-from moe_train.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
-from moe_train.errors import DataError
+from moe_data.compressed import open_stream
+from moe_data.errors import DataError
+from moe_data.inputs import InputFile, expand_inputs
+from moe_data.labels import LABEL_MASK_KEY, mask_file_name
+from moe_data.plan import choose_dtype
+from moe_data.prepare import LOCK_FILE, check_out_dir_free, locked_work_dir, partial_dir
+from moe_data.readers import file_sha256
+from moe_data.shards import ShardWriter, write_json
+from moe_data.tables import pyarrow_module
+from moe_data.token_files import FORMAT, META_FILE, shard_file_name
+from moe_data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
 FORMATS = ("text", "chat", "prompt-completion")
 """prepare-data --format values: text goes through `prepare_data`, the others here."""

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_train.data.inputs import InputFile
-from moe_train.data.pieces import Piece
-from moe_train.data.readers import file_sha256
-from moe_train.data.tables import arrow_record_batches, parquet_row_groups
-from moe_train.data.text_readers import CUT_WINDOW, SEGMENT_BYTES
-from moe_train.data.token_files import FORMAT, TOKEN_DTYPES, open_token_array
-from moe_train.data.tokenizer import HFTokenizer, Tokenizer
-from moe_train.errors import DataError
+from moe_data.errors import DataError
+from moe_data.inputs import InputFile
+from moe_data.pieces import Piece
+from moe_data.readers import file_sha256
+from moe_data.tables import arrow_record_batches, parquet_row_groups
+from moe_data.text_readers import CUT_WINDOW, SEGMENT_BYTES
+from moe_data.token_files import FORMAT, TOKEN_DTYPES, open_token_array
+from moe_data.tokenizer import HFTokenizer, Tokenizer
 
 MIN_SHARD_BYTES = 64 << 10
 """The smallest --shard-size."""

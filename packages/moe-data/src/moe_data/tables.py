@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from moe_train.data.inputs import InputFile
-from moe_train.data.pieces import BATCH_DOCUMENTS, Piece, TextBatch
-from moe_train.errors import DataError
+from moe_data.errors import DataError
+from moe_data.inputs import InputFile
+from moe_data.pieces import BATCH_DOCUMENTS, Piece, TextBatch
 
 
 def pyarrow_module() -> Any:
@@ -17,7 +17,7 @@ def pyarrow_module() -> Any:
     except ImportError as e:
         raise DataError(
             "reading .parquet files and Hugging Face datasets needs pyarrow: "
-            "pip install 'moestack-train[data]'"
+            "pip install 'moestack-train[data]' (or 'moestack-data[formats]' without the trainer)"
         ) from e
     return pyarrow
 

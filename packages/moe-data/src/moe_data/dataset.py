@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moe_train.data.builtin import BUILTIN_STDLIB, builtin_dataset_dir
-from moe_train.data.labels import encode_masked
-from moe_train.data.packing import PackedWindows, document_ends, pack_documents
-from moe_train.data.prepare import partial_dir
-from moe_train.data.token_files import (
+from moe_data.builtin import BUILTIN_STDLIB, builtin_dataset_dir
+from moe_data.errors import DataError
+from moe_data.labels import encode_masked
+from moe_data.packing import PackedWindows, document_ends, pack_documents
+from moe_data.prepare import partial_dir
+from moe_data.token_files import (
     TokenStream,
     open_headerless,
     open_prepared_dir,
     open_token_array,
     split_dtype_suffix,
 )
-from moe_train.errors import DataError
 
 if TYPE_CHECKING:
     import torch
@@ -76,8 +76,8 @@ class TokenDataset:
         """Open each of `paths`; `cache_dir` is where builtin:stdlib is prepared on first use;
         `stream` (for one source of a mixture) gives the dataset shuffles of its own;
         `label_mask`: read each source's label mask into the windows (see
-        `moe_train.data.labels`; every source must have one) and pack whole documents into
-        the windows (`moe_train.data.packing`; `split_long_examples` cuts those longer than
+        `moe_data.labels`; every source must have one) and pack whole documents into
+        the windows (`moe_data.packing`; `split_long_examples` cuts those longer than
         a window instead of skipping them)."""
         if isinstance(paths, str | Path):
             paths = [paths]

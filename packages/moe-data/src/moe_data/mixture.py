@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moe_train.data.dataset import TokenDataset, check_batch_args, read_windows
-from moe_train.errors import DataError
+from moe_data.dataset import TokenDataset, check_batch_args, read_windows
+from moe_data.errors import DataError
 
 if TYPE_CHECKING:
     import torch

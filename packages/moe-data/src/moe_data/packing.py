@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_train.data.token_files import TokenStream
+from moe_data.token_files import TokenStream
 
 _SCAN_CHUNK = 1 << 24
 

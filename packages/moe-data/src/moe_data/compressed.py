@@ -8,8 +8,8 @@ import io
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from moe_train.data.inputs import InputFile
-from moe_train.errors import DataError
+from moe_data.errors import DataError
+from moe_data.inputs import InputFile
 
 _RAW_READ = 1 << 16
 
@@ -68,7 +68,8 @@ def _zstandard() -> Any:
         import zstandard
     except ImportError as e:
         raise DataError(
-            "reading .zst files needs the zstandard package: pip install 'moestack-train[data]'"
+            "reading .zst files needs the zstandard package: pip install 'moestack-train[data]' "
+            "(or 'moestack-data[formats]' without the trainer)"
         ) from e
     return zstandard
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_train.errors import DataError
+from moe_data.errors import DataError
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_train.data.inputs import InputFile
-from moe_train.data.plan import Settings, Task
-from moe_train.data.shards import run_task
-from moe_train.data.tokenizer import load_tokenizer
-from moe_train.errors import MoeTrainError
+from moe_data.errors import UserError
+from moe_data.inputs import InputFile
+from moe_data.plan import Settings, Task
+from moe_data.shards import run_task
+from moe_data.tokenizer import load_tokenizer
 
 POLL_S = 0.2
 """How often the main process looks at progress and at its workers while it waits."""
@@ -49,7 +49,7 @@ class WorkerSetup:
     parent_pid: int
 
 
-class WorkerDied(MoeTrainError):
+class WorkerDied(UserError):
     """A worker process ended without reporting (killed, or out of memory)."""
 
 
@@ -157,7 +157,7 @@ def _worker_main(setup: WorkerSetup, todo: Any, results: Any, in_progress: Any) 
 
 def _sendable(error: BaseException) -> BaseException:
     """`error` if it is a user error (it pickles); otherwise a RuntimeError with its traceback."""
-    if isinstance(error, MoeTrainError):
+    if isinstance(error, UserError):
         return type(error)(str(error))
     text = "".join(traceback.format_exception(error))
     return RuntimeError(f"a prepare-data worker failed:\n{text}")

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from moe_train.data.labels import LABEL_MASK_KEY, mask_file_of
-from moe_train.errors import DataError
+from moe_data.errors import DataError
+from moe_data.labels import LABEL_MASK_KEY, mask_file_of
 
 FORMAT = "moe-stack-tokens-v2"
 """meta.json `format` of sharded directories (what prepare-data writes)."""
