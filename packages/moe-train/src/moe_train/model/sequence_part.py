@@ -30,6 +30,11 @@ class SequencePart(Protocol):
         """`x` summed over the processes holding the parts (`x` itself when one holds all)."""
         ...
 
+    def rows(self, table: Tensor, local_length: int) -> Tensor:
+        """The rows of a per-position `table` (the rotary tables) for the `local_length`
+        positions held."""
+        ...
+
 
 class WholeSequences:
     """The whole of every sequence, held by this process alone."""
@@ -41,6 +46,9 @@ class WholeSequences:
 
     def sum(self, x: Tensor) -> Tensor:
         return x
+
+    def rows(self, table: Tensor, local_length: int) -> Tensor:
+        return table[:local_length]  # a view: nothing new is kept for backward
 
 
 WHOLE_SEQUENCES = WholeSequences()

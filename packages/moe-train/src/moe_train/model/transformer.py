@@ -314,8 +314,7 @@ class Transformer(nn.Module):
         with `documents`, attention stays inside each document. `x` holds the positions
         `sequence` says, and `documents` are those of the whole sequences."""
         cos, sin = self.rope(x.shape[1] * self.sequence.parts)
-        positions = self.sequence.positions(x.shape[1], cos.device)
-        cos, sin = cos[positions], sin[positions]
+        cos, sin = self.sequence.rows(cos, x.shape[1]), self.sequence.rows(sin, x.shape[1])
         if embed:
             x = self.embed(x)
         for layer in layers:

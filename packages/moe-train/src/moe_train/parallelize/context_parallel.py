@@ -77,6 +77,10 @@ class ContextShard:
         chunk = chunk_length(x_BS.shape[1], self.cp)
         return torch.cat([x_BS[:, c * chunk : (c + 1) * chunk] for c in self.chunks()], dim=1)
 
+    def rows(self, table: Tensor, local_length: int) -> Tensor:
+        """The rows of a per-position `table` for this rank's `local_length` positions."""
+        return table[self.positions(local_length, table.device)]
+
     def positions(self, local_length: int, device: torch.device | None = None) -> Tensor:
         """The global positions of this rank's `local_length` positions (int64)."""
         chunk = local_length // 2
