@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from moe_train.config import Config, DataConfig, ParallelConfig, PrecisionConfig
+from moe_train.config.key_rules import LAYOUT_SECTIONS, PLANNED_KEYS
 from moe_train.config.layout_shape import LayoutShape, layout_shape
-from moe_train.config.root import LAYOUT_SECTIONS
 from moe_train.config.start_check import start_error
 from moe_train.errors import ConfigError
 from moe_train.model.dispatchers import choose_dispatcher
@@ -226,18 +227,7 @@ LEGEND = {
 LINEAR_LABELS = {"fp8_rowwise": "lin:fp8", "fp8_tensorwise": "lin:fp8-tensor"}
 """The label part of each FP8 `precision.linear`."""
 
-LAYOUT_KEYS = (
-    ("parallel.pp", lambda c: c.parallel.pp),
-    ("parallel.ep", lambda c: c.parallel.ep),
-    ("parallel.cp", lambda c: c.parallel.cp),
-    ("parallel.pp_schedule", lambda c: c.parallel.pp_schedule),
-    ("parallel.virtual_stages", lambda c: c.parallel.virtual_stages),
-    ("data.micro_batch_size", lambda c: c.data.micro_batch_size),
-    ("parallel.recompute", lambda c: c.parallel.recompute),
-    ("parallel.distributed_optimizer", lambda c: c.parallel.distributed_optimizer),
-    ("precision.param_dtype", lambda c: c.precision.param_dtype),
-    ("precision.expert_gemm", lambda c: c.precision.expert_gemm),
-)
+LAYOUT_KEYS = tuple((key, operator.attrgetter(key)) for key in PLANNED_KEYS)
 """The config keys a layout sets, and how to read each off a config."""
 
 
@@ -307,9 +297,9 @@ def candidate_layouts(config: Config, world_size: int, device: Device) -> Iterat
 
 
 def _stage_ranks(world_size: int, pp: int) -> int:
-    """dp of `pp` stages on `world_size` ranks (0 where pp does not divide them), of layouts
-    that may not start (labels) or are not made yet (candidates)."""
-    return LayoutShape(world_size, pp, 1, 1, 0).dp if world_size % pp == 0 else 0
+    """dp of `pp` stages on `world_size` ranks (0 where pp is not a divisor of them), of
+    layouts that may not start (labels) or are not made yet (candidates)."""
+    return LayoutShape(world_size, pp, 1, 1, 0).dp if pp >= 1 and world_size % pp == 0 else 0
 
 
 def _parallel_sections(
