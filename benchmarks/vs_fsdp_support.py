@@ -142,13 +142,13 @@ class FsdpRunner:
     """The FSDP2 design's model, optimizer and training step on this rank."""
 
     def __init__(self, config: Config, runtime: Runtime) -> None:
-        layout, data = runtime.layout, config.data
+        layout = runtime.layout
         if layout.ep != 1 or layout.pp != 1:
             raise ValueError(f"FsdpRunner needs ep=1, pp=1 (got {layout.describe()})")
         self.config, self.runtime = config, runtime
         self.compute_dtype = DTYPES[config.precision.compute_dtype]
-        self.num_micro = data.global_batch_size // data.micro_batch_size
-        self.my_micro = self.num_micro // layout.dp
+        self.num_micro = runtime.shape.micro_batches
+        self.my_micro = runtime.shape.micro_batches_per_rank  # cp = 1: batch ranks are dp
         self.first_micro = layout.dp_rank * self.my_micro
         # ep = 1: every layer's dispatcher is local, the single-process model's.
         model = Transformer(config.model, seed=config.train.seed).to(runtime.device)

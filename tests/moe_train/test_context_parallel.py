@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moe_train.config import config_from_dict
+from moe_train.config.start_check import check_start
 from moe_train.errors import ConfigError
 from moe_train.model import Documents
 from moe_train.parallelize.context_parallel import (
@@ -12,7 +13,6 @@ from moe_train.parallelize.context_parallel import (
     attention_blocks,
     local_context_attention,
 )
-from moe_train.train.runtime import check_topology
 from training import small_config_data
 
 
@@ -114,7 +114,7 @@ def test_layouts_context_parallelism_cannot_use_name_the_key(
         config = config_from_dict(
             small_config_data(tmp_path, token_file, parallel=parallel, data=data)
         )
-        check_topology(config, world)
+        check_start(config, world)
     assert "\n" not in str(raised.value)
 
 

@@ -6,9 +6,10 @@ import pytest
 
 from harness.ranks import run_distributed
 from moe_train.config import config_from_dict
+from moe_train.config.start_check import check_start
 from moe_train.errors import ConfigError
 from moe_train.train import train
-from moe_train.train.pipeline import check_pipeline, plan_stages
+from moe_train.train.pipeline import plan_stages
 from training import (
     FP8_LAYOUT_RTOL,
     FP8_PRECISION,
@@ -150,7 +151,7 @@ def test_bad_pipeline_settings_are_one_clear_error(token_file, tmp_path, paralle
     config_data = _config_data(token_file, tmp_path, **parallel)
     config_data["data"].update(data)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_pipeline(config_from_dict(config_data), dp=1)
+        check_start(config_from_dict(config_data), parallel["pp"])  # one batch rank
 
 
 def test_unknown_schedule_is_rejected_by_the_config(token_file, tmp_path):

@@ -624,6 +624,7 @@ def test_printed_overrides_give_the_same_layout_through_trains_config_loading():
 
 
 def test_a_small_model_in_mebibytes_at_a_speed_its_operators_allow():
+    from moe_train.config.layout_shape import layout_shape
     from moe_train.plan import make_plan
     from moe_train.plan.roofline import operator_floor_s
 
@@ -634,7 +635,7 @@ def test_a_small_model_in_mebibytes_at_a_speed_its_operators_allow():
     tokens = config.data.global_batch_size * config.data.seq_len
     for row in plan.fitting:
         # Not faster than its blocks' operators can be issued, one after another.
-        floor = operator_floor_s(row.config, row.dp)
+        floor = operator_floor_s(row.config, layout_shape(row.config, 8))
         assert row.time.compute_s >= floor
         assert row.tokens_per_s <= tokens / floor / 8
     assert format_bytes(0.5 * 2**30) == "512.0 MiB" and format_bytes(3 * 2**30) == "3.0 GiB"

@@ -18,6 +18,7 @@ import long_context as long_context_benchmark
 import memory as memory_benchmark
 from harness.ranks import run_distributed
 from moe_train.config import load_config
+from moe_train.config.layout_shape import layout_shape
 from moe_train.plan import DEVICES, device_with, held_per_micro_batch, make_plan, predict_traffic
 from moe_train.plan.traffic import (
     across_nodes,
@@ -436,7 +437,6 @@ def test_roofline_exposes_the_context_collectives_per_layer():
     from moe_train.plan.roofline import (
         COLLECTIVE_LATENCY_S,
         compute_seconds,
-        micro_batches_per_rank,
         step_time,
     )
 
@@ -457,4 +457,4 @@ def test_roofline_exposes_the_context_collectives_per_layer():
     # over what one sequence's micro-batch at cp1 contracts over; two micro-batches a step.
     one = load_config(None, [*SMALL[:-1], "--data.seq_len=4096", "--data.micro_batch_size=1"])
     assert compute_seconds(config, device) == compute_seconds(one, device)
-    assert micro_batches_per_rank(config, 2) == 2
+    assert layout_shape(config, 2).micro_batches_per_rank == 2

@@ -24,8 +24,10 @@ from moe_parallel.grad_sync import GradientReducer
 from moe_parallel.layout import (
     Layout,
     LayoutError,
+    LayoutSizes,
     build_layout,
     check_layout,
+    join_layout,
     single_process_layout,
 )
 from moe_parallel.owned_matrices import assign_owners
@@ -43,6 +45,7 @@ __all__ = [
     "GradientReducer",
     "Layout",
     "LayoutError",
+    "LayoutSizes",
     "ReplicatedAdamW",
     "ReplicatedMuon",
     "StatePiece",
@@ -56,6 +59,7 @@ __all__ = [
     "dense_parameters",
     "expert_parameters",
     "is_expert_parameter",
+    "join_layout",
     "mark_expert_parameter",
     "single_process_layout",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -125,6 +126,26 @@ def single_process_layout() -> Layout:
     return Layout(1, 0, 1, 1, 1, None, None, None, None)
 
 
+class LayoutSizes(Protocol):
+    """The sizes of a layout, checked against each other by whoever made them (the trainer's
+    layout shape; `check_layout` for `build_layout`)."""
+
+    world_size: int
+    pp: int
+    dp: int
+    ep: int
+    cp: int
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    world_size: int
+    pp: int
+    dp: int
+    ep: int
+    cp: int
+
+
 def build_layout(
     pp: int,
     ep: int,
@@ -138,11 +159,24 @@ def build_layout(
     `timeout` bounds how long a collective of these groups waits for a rank (None: torch's
     default for new groups, which is not the default group's own timeout).
     """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    dp = check_layout(world_size, pp, ep, num_experts, cp)
+    return join_layout(_Sizes(world_size, pp, dp, ep, cp), timeout)
+
+
+def join_layout(sizes: LayoutSizes, timeout: timedelta | None = None) -> Layout:
+    """The layout of this rank for `sizes` (checked already), as `build_layout` makes it:
+    every rank calls this at the same point to create the process groups collectively."""
     if not dist.is_initialized():
-        check_layout(1, pp, ep, num_experts, cp)
+        if sizes.world_size != 1:
+            raise LayoutError(f"a layout of {sizes.world_size} ranks needs a process group")
         return single_process_layout()
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    dp = check_layout(world_size, pp, ep, num_experts, cp)
+    if world_size != sizes.world_size:
+        raise LayoutError(
+            f"a layout of {sizes.world_size} ranks cannot be built on {world_size} processes"
+        )
+    pp, dp, ep, cp = sizes.pp, sizes.dp, sizes.ep, sizes.cp
     edp = dp // ep
     mine: dict[str, ProcessGroup | None] = {}
     for stage in range(pp):

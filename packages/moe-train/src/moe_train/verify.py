@@ -24,29 +24,16 @@ from safetensors import safe_open
 
 from moe_checkpoint import CheckpointError, read_trainer_state, resolve_checkpoint
 from moe_train.config import Config, config_changes, config_from_dict, parse_overrides
+from moe_train.config.key_rules import verify_allows
+from moe_train.config.start_check import check_start
 from moe_train.errors import ConfigError, DataError, MoeTrainError
 from moe_train.train.manifest import check_data_files
-from moe_train.train.runtime import launch_id, launched_rank
+from moe_train.train.runtime import launch_id, launched_rank, launched_world_size
 
 OTHER_LAYOUT_RTOL = 1e-3
 """Relative tolerance (of each tensor's largest magnitude) when the replay runs on another
 layout than B's: reductions sum in another order, and Adam amplifies those roundings in
 elements with near-zero gradients over a few steps."""
-
-_FREE_KEYS = (
-    "train.run_dir",
-    "train.progress",
-    "train.log_interval",
-    "train.peak_flops",
-    "train.tensorboard",
-    "train.wandb_project",
-    "train.routing_check",
-    "parallel.",
-    "checkpoint.",
-    "eval.",
-)
-"""Keys (and sections) that may differ between A's and B's runs without changing what the
-steps compute: logging, where files go, and the layout (a run may resume on another)."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +85,7 @@ def read_pair(path_a: Path, path_b: Path) -> tuple[Path, Path, dict[str, Any], d
     changed = [
         c
         for c in config_changes(state_a["config"], state_b["config"])
-        if not c.key.startswith(_FREE_KEYS)
+        if not verify_allows(c.key)  # logging, where files go, the layout
     ]
     if changed:
         first = changed[0]
@@ -166,13 +153,14 @@ def verify(
     if problems:
         raise DataError(f"the data no longer matches {a}'s manifest: {problems[0]}")
     scratch = work_dir or _default_scratch(a, b)
+    step_b = int(state_b["step"])
+    config = replay_config(state_a, a, step_b, scratch, layout or [])
+    check_start(config, launched_world_size())  # before any scratch is made
     main = launched_rank() == 0
     if main:
         shutil.rmtree(scratch, ignore_errors=True)  # a crashed earlier replay's
         scratch.mkdir(parents=True)
     try:
-        step_b = int(state_b["step"])
-        config = replay_config(state_a, a, step_b, scratch, layout or [])
         result = train(config, device=device, stop_at_step=step_b)
         if not result.is_main:  # rank 0 compares
             return None, a, b

@@ -90,8 +90,9 @@ def _launch(args: argparse.Namespace) -> int:
     else start the N ranks, each running this command without the option."""
     from moe_train.cli.launch import launch_ranks, nproc_per_node
     from moe_train.config import load_config
+    from moe_train.config.start_check import check_start
     from moe_train.errors import ConfigError
-    from moe_train.train.runtime import check_topology, launched_by_torchrun, launched_world_size
+    from moe_train.train.runtime import launched_by_torchrun, launched_world_size
 
     nproc = nproc_per_node(args.nproc_per_node)
     if launched_by_torchrun() or launched_world_size() > 1:
@@ -100,7 +101,7 @@ def _launch(args: argparse.Namespace) -> int:
             "cluster launcher"
         )
     config = load_config(args.config, args.overrides)
-    check_topology(config, nproc)
+    check_start(config, nproc)
     return launch_ranks(nproc, ["train", str(args.config), *args.overrides])
 
 

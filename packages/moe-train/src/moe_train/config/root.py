@@ -8,13 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_train.config.data import DataConfig
+from moe_train.config.key_rules import LAYOUT_SECTIONS
 from moe_train.config.model import ModelConfig
 from moe_train.config.runtime import CheckpointConfig, EvalConfig, ParallelConfig, PrecisionConfig
 from moe_train.config.training import OptimConfig, TrainConfig
 from moe_train.errors import ConfigError
-
-LAYOUT_SECTIONS = ("data", "parallel", "precision")
-"""The sections a training layout sets (`moe-train plan`'s candidates differ in these alone)."""
 
 
 @dataclass(kw_only=True)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from moe_train.config import Config, DataConfig, ParallelConfig, PrecisionConfig
-from moe_train.config.root import LAYOUT_SECTIONS
+from moe_train.config.key_rules import LAYOUT_SECTIONS, PLANNED_KEYS
+from moe_train.config.layout_shape import LayoutShape, layout_shape
+from moe_train.config.start_check import start_error
 from moe_train.errors import ConfigError
 from moe_train.parallelize import choose_dispatcher
 from moe_train.plan.hardware import Device
@@ -23,7 +26,6 @@ from moe_train.plan.roofline import (
 )
 from moe_train.plan.stages import model_key
 from moe_train.plan.traffic import Traffic, predict_traffic
-from moe_train.train.runtime import check_topology
 
 GIB = 2**30
 
@@ -47,7 +49,7 @@ class Evaluated:
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.config.parallel.pp
+        return _stage_ranks(self.world_size, self.config.parallel.pp)
 
     @property
     def reason(self) -> str:
@@ -185,24 +187,6 @@ def _figured(screened: Evaluated, device: Device, shared: Shared | None) -> Eval
     )
 
 
-def start_error(
-    config: Config, world_size: int, *, fixed_valid: bool = False, checked: dict | None = None
-) -> str | None:
-    """Why the trainer would refuse to start `config` on `world_size` ranks (None: it starts).
-    `fixed_valid`: its sections that no layout sets passed `Config.validate_fixed` (the
-    layouts of one config share them), so only `Config.validate_layout` runs: the same answer
-    (`checked`: its memo of the layout sections' own checks)."""
-    try:
-        if fixed_valid:
-            config.validate_layout(checked)
-        else:
-            config.validate()
-        check_topology(config, world_size)
-    except ConfigError as e:
-        return str(e)
-    return None
-
-
 def fixed_sections_valid(config: Config) -> bool:
     """Whether `config`'s sections that no layout sets pass their checks (then its candidate
     layouts, which share those sections, can be screened with `fixed_valid=True`)."""
@@ -243,18 +227,7 @@ LEGEND = {
 LINEAR_LABELS = {"fp8_rowwise": "lin:fp8", "fp8_tensorwise": "lin:fp8-tensor"}
 """The label part of each FP8 `precision.linear`."""
 
-LAYOUT_KEYS = (
-    ("parallel.pp", lambda c: c.parallel.pp),
-    ("parallel.ep", lambda c: c.parallel.ep),
-    ("parallel.cp", lambda c: c.parallel.cp),
-    ("parallel.pp_schedule", lambda c: c.parallel.pp_schedule),
-    ("parallel.virtual_stages", lambda c: c.parallel.virtual_stages),
-    ("data.micro_batch_size", lambda c: c.data.micro_batch_size),
-    ("parallel.recompute", lambda c: c.parallel.recompute),
-    ("parallel.distributed_optimizer", lambda c: c.parallel.distributed_optimizer),
-    ("precision.param_dtype", lambda c: c.precision.param_dtype),
-    ("precision.expert_gemm", lambda c: c.precision.expert_gemm),
-)
+LAYOUT_KEYS = tuple((key, operator.attrgetter(key)) for key in PLANNED_KEYS)
 """The config keys a layout sets, and how to read each off a config."""
 
 
@@ -274,7 +247,7 @@ def layout_overrides(layout: Config, base: Config) -> list[str]:
 
 def layout_label(config: Config, world_size: int) -> str:
     p, precision = config.parallel, config.precision
-    dp = world_size // p.pp if world_size % p.pp == 0 else 0
+    dp = _stage_ranks(world_size, p.pp)
     parts = [f"pp{p.pp}", f"dp{dp}", f"ep{p.ep}"] + ([f"cp{p.cp}"] if p.cp > 1 else [])
     if p.pp > 1:
         parts.append(p.pp_schedule + (f"x{p.virtual_stages}" if p.virtual_stages > 1 else ""))
@@ -307,11 +280,13 @@ def candidate_layouts(config: Config, world_size: int, device: Device) -> Iterat
     for pp in _divisors(world_size):
         if pp > model.n_layers:
             continue
-        dp = world_size // pp
+        dp = _stage_ranks(world_size, pp)
         for ep, cp in _expert_context_sizes(config, dp):
+            sizes = dataclasses.replace(parallel, pp=pp, ep=ep, cp=cp)
+            batch_ranks = layout_shape(sizes, world_size).batch_ranks
             for schedule, virtual in _schedules(pp, model.n_layers):
                 parallels = _parallel_sections(parallel, pp, ep, cp, schedule, virtual)
-                for micro in _micro_batch_sizes(data.global_batch_size // (dp // cp)):
+                for micro in _micro_batch_sizes(data.global_batch_size // batch_ranks):
                     if micro not in datas:
                         datas[micro] = dataclasses.replace(data, micro_batch_size=micro)
                     for layout in parallels:
@@ -319,6 +294,12 @@ def candidate_layouts(config: Config, world_size: int, device: Device) -> Iterat
                             yield type(config)(
                                 **sections, data=datas[micro], parallel=layout, precision=precision
                             )
+
+
+def _stage_ranks(world_size: int, pp: int) -> int:
+    """dp of `pp` stages on `world_size` ranks (0 where pp is not a divisor of them), of
+    layouts that may not start (labels) or are not made yet (candidates)."""
+    return LayoutShape(world_size, pp, 1, 1, 0).dp if pp >= 1 and world_size % pp == 0 else 0
 
 
 def _parallel_sections(

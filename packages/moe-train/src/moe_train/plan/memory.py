@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from moe_parallel import assign_owners
 from moe_train.config import Config
+from moe_train.config.layout_shape import LayoutShape, layout_shape
 from moe_train.model.accounting import count_params, qk_norm_params
 from moe_train.plan.activations import (
     DTYPE_BYTES,
@@ -214,13 +215,12 @@ def most_owned(sizes: list[int], group_size: int) -> int:
     )
 
 
-def in_flight_micro_batches(config: Config, batch_ranks: int, pp_rank: int) -> float:
-    """Micro-batches' worth of this rank's activations held at once by the schedule, with
-    `batch_ranks` ranks per stage taking different sequences (dp / cp). Never more on a later
-    rank (`predict_memory` relies on it)."""
+def in_flight_micro_batches(config: Config, shape: LayoutShape, pp_rank: int) -> float:
+    """Micro-batches' worth of this rank's activations held at once by the schedule. Never
+    more on a later rank (`predict_memory` relies on it)."""
     parallel = config.parallel
     pp, virtual = parallel.pp, parallel.virtual_stages
-    num_micro = config.data.global_batch_size // config.data.micro_batch_size // batch_ranks
+    num_micro = shape.micro_batches_per_rank
     if pp == 1:
         return 1
     if parallel.pp_schedule == "gpipe":
@@ -244,13 +244,12 @@ def predict_memory(
     most in flight (`in_flight_micro_batches` never grows with the rank, and the total grows
     with it), so it is the only one of them computed. `model`: `model_key(config.model)`,
     when the caller has it (the layouts of one config share it)."""
-    keys, parallel = _Keys.of(config, model), config.parallel
-    batch_ranks = world_size // parallel.pp // parallel.cp
+    keys, shape = _Keys.of(config, model), layout_shape(config, world_size)
     best = None
     dispatch = _dispatch_buffers(config)
     for place in _first_ranks(config, keys):
         stage = _stage_memory(config, world_size, place, keys, dispatch=dispatch)
-        in_flight = in_flight_micro_batches(config, batch_ranks, place.pp_rank)
+        in_flight = in_flight_micro_batches(config, shape, place.pp_rank)
         total = stage.total(in_flight)
         if best is None or total > best[0]:  # the groups come in the order of their ranks
             best = (total, stage, in_flight, place.pp_rank)
@@ -334,8 +333,8 @@ def _rank_memory(config: Config, world_size: int, pp_rank: int) -> MemoryPredict
     keys = _Keys.of(config)
     place = _RankPlace.of(config, pp_rank, keys)
     stage = _stage_memory(config, world_size, place, keys, dispatch=_dispatch_buffers(config))
-    batch_ranks = world_size // config.parallel.pp // config.parallel.cp
-    return stage.prediction(in_flight_micro_batches(config, batch_ranks, pp_rank), pp_rank)
+    in_flight = in_flight_micro_batches(config, layout_shape(config, world_size), pp_rank)
+    return stage.prediction(in_flight, pp_rank)
 
 
 def _stage_memory(
@@ -349,8 +348,8 @@ def _stage_memory(
     """The rank's memory but its micro-batches in flight. `dispatch`:
     `_dispatch_buffers(config)`, the same on every rank."""
     parallel, precision = config.parallel, config.precision
-    dp = world_size // parallel.pp
-    expert_dp = dp // parallel.ep
+    shape = layout_shape(config, world_size)
+    dp, expert_dp = shape.dp, shape.edp
     params, pp_rank = place.params, place.pp_rank
     w = DTYPE_BYTES[precision.param_dtype]
     low_precision = w < FP32

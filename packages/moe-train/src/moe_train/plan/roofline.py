@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from moe_parallel.muon import NS_STEPS
 from moe_train.config import Config
+from moe_train.config.layout_shape import LayoutShape, layout_shape
 from moe_train.model.accounting import count_params, flops_per_token
 from moe_train.plan.hardware import Device
 from moe_train.plan.traffic import Traffic, across_nodes
@@ -163,7 +164,7 @@ def step_time(
     positions per sequence. `per_token`: `compute_seconds(config, device)`, when the caller
     has it."""
     parallel = config.parallel
-    dp = world_size // parallel.pp
+    shape = layout_shape(config, world_size)
     compute_s = compute_time(config, world_size, device, per_token)
     exchange_s = reduction_s = pipeline_s = context_s = 0.0
     for kind, wire in traffic.wire.items():
@@ -179,11 +180,11 @@ def step_time(
             reduction_s += seconds
         else:
             reduction_s += max(0.0, seconds - BACKWARD_SHARE * compute_s)
-    bubble = bubble_share(config, dp)
+    bubble = bubble_share(config, shape)
     if parallel.dispatcher in SYNC_FREE_DISPATCHERS:
         exchange_s -= min(EXCHANGE_OVERLAP * exchange_s, compute_s)
     busy = compute_s + exchange_s + context_s
-    optimizer_s = newton_schulz_flops(config, dp) / parallel.pp / (device.bf16_tflops * 1e12)
+    optimizer_s = newton_schulz_flops(config, shape.dp) / parallel.pp / (device.bf16_tflops * 1e12)
     if config.optim.muon_ns_dtype == "float32":
         optimizer_s *= FP32_SLOWDOWN
     optimizer_s /= MATMUL_EFFICIENCY
@@ -201,30 +202,29 @@ def compute_time(
     """`StepTime.compute_s`: the busiest rank's compute of a step, recompute included, and
     no less than its operators take to be issued. `per_token`: `compute_seconds(config,
     device)`, when the caller has it."""
-    parallel, data = config.parallel, config.data
-    dp = world_size // parallel.pp
-    tokens_per_rank = data.global_batch_size * data.seq_len / dp
+    data, shape = config.data, layout_shape(config, world_size)
+    tokens_per_rank = data.global_batch_size * data.seq_len / shape.dp
     per_token_s = busiest_rank_seconds(config, device, per_token)
     return max(
-        per_token_s * tokens_per_rank * _recompute_factor(config), operator_floor_s(config, dp)
+        per_token_s * tokens_per_rank * _recompute_factor(config), operator_floor_s(config, shape)
     )
 
 
-def bubble_share(config: Config, dp: int) -> float:
+def bubble_share(config: Config, shape: LayoutShape) -> float:
     """The pipeline bubble as a share of the busy time of a step (`StepTime.bubble_s` is
     this share of compute, exchange and context time): (pp - 1) / (chunks x micro-batches)."""
     parallel = config.parallel
     if parallel.pp == 1:
         return 0.0
     chunks = parallel.virtual_stages if parallel.pp_schedule == "interleaved_1f1b" else 1
-    return (parallel.pp - 1) / (chunks * micro_batches_per_rank(config, dp))
+    return (parallel.pp - 1) / (chunks * shape.micro_batches_per_rank)
 
 
 def least_step_time(config: Config, world_size: int, compute_s: float) -> float:
     """A time the layout's step takes at least (`StepTime.total_s` >= it, in floating point
     too): its compute `compute_s` (`compute_time`) and the bubble over that compute; every
     other part of the step is zero or more, and adding it cannot round the sum below this."""
-    bubble = bubble_share(config, world_size // config.parallel.pp)
+    bubble = bubble_share(config, layout_shape(config, world_size))
     return compute_s + bubble * compute_s
 
 
@@ -242,13 +242,6 @@ def compute_inputs(config: Config) -> tuple:
         precision.compute_dtype,
         precision.linear,
     )
-
-
-def micro_batches_per_rank(config: Config, dp: int) -> int:
-    """Micro-batches a rank runs a step: the `dp` ranks per stage hold dp / cp different
-    sequences at a time (a micro-batch's sequences are split over the cp ranks)."""
-    data = config.data
-    return data.global_batch_size // data.micro_batch_size // (dp // config.parallel.cp)
 
 
 def newton_schulz_flops(config: Config, dp: int = 1) -> float:
@@ -287,10 +280,10 @@ def _iteration_flops(shapes: list[tuple[int, int, int]]) -> float:
     return flops
 
 
-def operator_floor_s(config: Config, dp: int) -> float:
+def operator_floor_s(config: Config, shape: LayoutShape) -> float:
     """Least compute time of one rank's step: its blocks' operators, issued one at a time for
     each of its micro-batches."""
-    num_micro = micro_batches_per_rank(config, dp)
+    num_micro = shape.micro_batches_per_rank
     blocks = config.model.n_layers / config.parallel.pp
     return num_micro * blocks * OPERATORS_PER_BLOCK[config.parallel.recompute] * OPERATOR_FLOOR_S
 

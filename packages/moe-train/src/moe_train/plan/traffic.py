@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from moe_dispatch import ROUTE_ID_DTYPE
 from moe_train.config import Config
+from moe_train.config.layout_shape import layout_shape
 from moe_train.plan.activations import DTYPE_BYTES, FP32, capacity
 from moe_train.plan.memory import rank_params
 from moe_train.plan.stages import rank_dense_layers, rank_layers, rank_stages
@@ -55,9 +56,9 @@ def predict_traffic(
     """Bytes per step of pipeline rank `pp_rank`'s collectives for `config` on `world_size`
     (`model_key`: `stages.model_key(config.model)`, when the caller has it)."""
     parallel, data, model = config.parallel, config.data, config.model
-    dp = world_size // parallel.pp
-    ep, expert_dp = parallel.ep, dp // parallel.ep
-    num_micro = data.global_batch_size // data.micro_batch_size // (dp // parallel.cp)
+    shape = layout_shape(config, world_size)
+    dp, ep, expert_dp = shape.dp, shape.ep, shape.edp
+    num_micro = shape.micro_batches_per_rank
     traffic = Traffic()
     place = (model.n_layers, parallel.pp, pp_rank, parallel.virtual_stages)
     stages, layers = rank_stages(*place), len(rank_layers(*place))
@@ -257,7 +258,7 @@ def across_nodes(config: Config, world_size: int, kind: str, wire: float, per_no
         if layout.aligned:  # wire = payload (ep - 1) / ep
             return wire * parallel.ep / (parallel.ep - 1) * (layout.nodes - 1) / layout.nodes
         return max(0.0, wire * (parallel.ep - per_node) / (parallel.ep - 1))
-    dp = world_size // parallel.pp
+    dp = layout_shape(parallel, world_size).dp
     size = {"cp": parallel.cp, "pipeline": dp + 1}.get(group, dp)
     within = size <= per_node and (group == "pipeline" or per_node % size == 0)
     return 0.0 if within else wire

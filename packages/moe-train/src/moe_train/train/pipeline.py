@@ -27,7 +27,6 @@ from torch import Tensor, nn
 
 from moe_parallel import Layout
 from moe_train.config import Config
-from moe_train.errors import ConfigError
 from moe_train.model import Documents, Transformer, head_lm_loss
 from moe_train.parallelize import context_shard
 from moe_train.train.micro_batches import MicroBatches, model_inputs
@@ -54,40 +53,6 @@ class StagePlan:
     @property
     def has_last(self) -> bool:
         return self.num_stages - 1 in self.stages
-
-
-def check_pipeline(config: Config, dp: int) -> None:
-    """Reject pipeline settings the model, the batch or the schedule cannot use."""
-    parallel, model = config.parallel, config.model
-    pp, virtual = parallel.pp, parallel.virtual_stages
-    interleaved = parallel.pp_schedule == "interleaved_1f1b"
-    if interleaved and virtual < 2:
-        raise ConfigError(
-            f"parallel.pp_schedule=interleaved_1f1b needs parallel.virtual_stages >= 2 "
-            f"(got {virtual}); use pp_schedule=1f1b for one stage per rank"
-        )
-    if not interleaved and virtual != 1:
-        raise ConfigError(
-            f"parallel.virtual_stages={virtual} needs parallel.pp_schedule=interleaved_1f1b "
-            f"(got {parallel.pp_schedule}); set virtual_stages=1"
-        )
-    if pp == 1:
-        return
-    num_stages = pp * virtual
-    if model.n_layers % num_stages:
-        raise ConfigError(
-            f"model.n_layers={model.n_layers} must be a multiple of the number of pipeline "
-            f"stages parallel.pp * parallel.virtual_stages = {num_stages}"
-        )
-    micro_batches = config.data.global_batch_size // config.data.micro_batch_size // dp
-    needed = 1 if parallel.pp_schedule == "gpipe" else pp
-    if micro_batches < needed or (interleaved and micro_batches % pp):
-        rule = f"a multiple of parallel.pp={pp}" if interleaved else f"at least parallel.pp={pp}"
-        raise ConfigError(
-            f"parallel.pp_schedule={parallel.pp_schedule} needs micro-batches per pipeline "
-            f"(data.global_batch_size / data.micro_batch_size / dp = {micro_batches}) to be "
-            f"{rule}; raise data.global_batch_size or lower data.micro_batch_size"
-        )
 
 
 def plan_stages(n_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1) -> StagePlan:

@@ -36,18 +36,11 @@ from moe_checkpoint import (
     resolve_checkpoint,
 )
 from moe_train.config import Change, Config, config_changes
+from moe_train.config.key_rules import resume_refuses
 from moe_train.errors import ConfigError, MoeTrainError
 from moe_train.train.checkpointing import Checkpoints, checkpoint_root
 from moe_train.train.run_dir import choose_run_dir
 
-SAMPLE_KEYS = (
-    "data.paths",
-    "data.mixture",
-    "data.seq_len",
-    "data.global_batch_size",
-    "train.seed",
-)
-"""Keys that decide which samples a step sees."""
 POSITION_KEYS = ("model.rope_theta", "model.rope_scaling.")
 """Model keys that change how positions are encoded but no weight: checkpoint.init_from
 accepts a change of them (how a model continues at a longer context)."""
@@ -249,7 +242,7 @@ def _check_resume_config(
     config.yaml) that a resumed run may go on with; raises ConfigError on a refused one unless
     `allow`. Returns every change (refused ones too when allowed), for the report."""
     changes = config_changes(saved, now)
-    refused = [c for c in changes if _is_refused(c.key)]
+    refused = [c for c in changes if resume_refuses(c.key)]
     if refused and not allow:
         first = refused[0]
         what = "the model" if first.key.startswith("model.") else "which samples a step sees"
@@ -259,11 +252,6 @@ def _check_resume_config(
             f"changes {what}{more}; restore it, or set checkpoint.allow_config_change=true"
         )
     return changes
-
-
-def _is_refused(key: str) -> bool:
-    """Whether changing `key` changes the model or which samples a step sees."""
-    return key.startswith("model.") or key in SAMPLE_KEYS
 
 
 # ---- what is loaded, and how it is reported (every rank) ---------------------------------

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_parallel import Layout, LayoutError, build_layout, check_layout
+from moe_parallel import Layout, join_layout
 from moe_train.config import Config
+from moe_train.config.layout_shape import LayoutShape
+from moe_train.config.start_check import check_start
 from moe_train.errors import ConfigError, MoeTrainError, RankLost, on_every_rank
 from moe_train.signals import StopRequests
-from moe_train.train.pipeline import check_pipeline
 
 LOST_PEER_MARKERS = (
     "Connection closed by peer",
@@ -45,6 +46,8 @@ class Runtime:
 
     device: torch.device
     layout: Layout
+    shape: LayoutShape
+    """The layout's sizes, as the start check found them."""
     owns_process_group: bool = False
     """True when this runtime joined the process group (and so leaves it in `close`)."""
 
@@ -222,42 +225,12 @@ def leave_report_to_rank_0(error: MoeTrainError, stops: StopRequests | None = No
             time.sleep(0.05)
 
 
-def check_topology(config: Config, world_size: int) -> None:
-    """Reject a layout the world size or model cannot use, the same way on every rank: the
-    one check of whether a config can start on `world_size` ranks (`moe-train plan` runs it
-    too, so that the two never disagree)."""
-    parallel, moe, data = config.parallel, config.model.moe, config.data
-    try:
-        dp = check_layout(world_size, parallel.pp, parallel.ep, moe.num_experts, parallel.cp)
-    except LayoutError as e:
-        raise ConfigError(str(e)) from e
-    num_micro = data.global_batch_size // data.micro_batch_size
-    batch_ranks = dp // parallel.cp
-    if num_micro % batch_ranks:
-        split = f" / parallel.cp={parallel.cp}" if parallel.cp > 1 else ""
-        raise ConfigError(
-            f"data.global_batch_size / data.micro_batch_size = {num_micro} micro-batches must "
-            f"be a multiple of the data-parallel size {batch_ranks}{split} (each rank takes "
-            f"whole micro-batches)"
-        )
-    if parallel.ep > 1 and parallel.dispatcher == "local":
-        raise ConfigError(
-            f"parallel.dispatcher=local cannot move tokens between ranks; with "
-            f"parallel.ep={parallel.ep} use all_to_all or rowwise"
-        )
-    if parallel.dispatcher == "rowwise" and moe.capacity_factor is None:
-        raise ConfigError(
-            "parallel.dispatcher=rowwise needs model.moe.capacity_factor (its buffers are "
-            "sized by it); set it, e.g. --model.moe.capacity_factor=2.0"
-        )
-    check_pipeline(config, batch_ranks)
-
-
 def start_runtime(config: Config, device: torch.device | None = None) -> Runtime:
-    """Check the topology, join the process group when launched by torchrun, build the layout."""
+    """Check that the config can start here (`check_start`), join the process group when
+    launched by torchrun, build the layout."""
     world_size = launched_world_size()
     try:
-        check_topology(config, world_size)
+        shape = check_start(config, world_size)
     except MoeTrainError as e:  # the same check of the same config on every rank
         on_every_rank(e)
         raise
@@ -271,11 +244,5 @@ def start_runtime(config: Config, device: torch.device | None = None) -> Runtime
         timeout = timedelta(seconds=config.parallel.timeout_s)
         dist.init_process_group(backend, timeout=timeout)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    layout = build_layout(
-        config.parallel.pp,
-        config.parallel.ep,
-        config.model.moe.num_experts,
-        timeout=timedelta(seconds=config.parallel.timeout_s),
-        cp=config.parallel.cp,
-    )
-    return Runtime(device=device, layout=layout, owns_process_group=owns_process_group)
+    layout = join_layout(shape, timeout=timedelta(seconds=config.parallel.timeout_s))
+    return Runtime(device, layout, shape, owns_process_group=owns_process_group)

@@ -197,9 +197,9 @@ class StepRunner:
         self.config, self.runtime = config, runtime
         self.compute_dtype = DTYPES[config.precision.compute_dtype]
         self.param_dtype = DTYPES[config.precision.param_dtype]
-        self.num_micro = data.global_batch_size // data.micro_batch_size
+        self.num_micro = runtime.shape.micro_batches
         """Micro-batches of a step, over all dp ranks."""
-        self.my_micro = self.num_micro // layout.batch_ranks
+        self.my_micro = runtime.shape.micro_batches_per_rank
         self.first_micro = layout.batch_rank * self.my_micro
         plan = stage_plan(config, layout)
         self.context = context_shard(layout)
