@@ -212,7 +212,7 @@ def test_the_quickstart_pages_describe_the_tiny_config():
 
 def test_the_quickstart_gives_the_shipped_configs_sizes():
     from moe_train.config import load_config
-    from moe_train.model.accounting import count_params
+    from moe_train.config.accounting import count_params
 
     text = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
     sizes = re.findall(r"`([\w-]+)` \([^()]*?([\d.]+)B total, ([\d.]+)B active", text)

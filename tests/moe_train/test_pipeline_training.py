@@ -6,10 +6,10 @@ import pytest
 
 from harness.ranks import run_distributed
 from moe_train.config import config_from_dict
+from moe_train.config.stage_plan import plan_stages
 from moe_train.config.start_check import check_start
 from moe_train.errors import ConfigError
 from moe_train.train import train
-from moe_train.train.pipeline import plan_stages
 from training import (
     FP8_LAYOUT_RTOL,
     FP8_PRECISION,

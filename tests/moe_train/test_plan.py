@@ -299,7 +299,7 @@ def _measured_config(name: str, mode: str):
 
 
 def _check_memory_row(name: str, mode: str, measured_by_rank: list[dict]) -> None:
-    from moe_train.train.pipeline import plan_stages
+    from moe_train.config.stage_plan import plan_stages
 
     world, config = _measured_config(name, mode)
     dp = world // config.parallel.pp

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from moe_train.config import load_config
+from moe_train.config.stage_plan import plan_stages
 from moe_train.errors import ConfigError
 from moe_train.plan import DEVICES, held_per_micro_batch, predict_memory, rank_params
 from moe_train.plan.layouts import candidate_layouts, fixed_sections_valid, start_error
 from moe_train.plan.memory import _rank_memory, clear_caches
 from moe_train.plan.stages import rank_groups, rank_layers
-from moe_train.train.pipeline import plan_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 B200 = DEVICES["b200"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from moe_data import split_dtype_suffix
 from moe_train.config import Config
-from moe_train.model.accounting import count_params
+from moe_train.config.accounting import count_params
 from moe_train.train.manifest import files_digest
 
 

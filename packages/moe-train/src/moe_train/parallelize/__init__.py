@@ -5,6 +5,7 @@ layout is that model transformed here (see `apply`), with the token dispatchers 
 layers (`dispatchers`) and its part of each sequence (`context_parallel`).
 """
 
+from moe_train.config.dispatcher_choice import choose_dispatcher
 from moe_train.parallelize.apply import (
     apply_context_parallel,
     apply_expert_parallel,
@@ -12,11 +13,7 @@ from moe_train.parallelize.apply import (
     materialize,
 )
 from moe_train.parallelize.context_parallel import ContextShard, context_shard
-from moe_train.parallelize.dispatchers import (
-    DispatcherFactory,
-    choose_dispatcher,
-    layer_dispatchers,
-)
+from moe_train.parallelize.dispatchers import DispatcherFactory, layer_dispatchers
 
 __all__ = [
     "ContextShard",

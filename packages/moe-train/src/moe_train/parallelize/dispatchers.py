@@ -1,7 +1,8 @@
-"""Which token dispatcher each MoE layer uses, for a layout: the one place that decides.
+"""The token dispatcher of each MoE layer, for a layout.
 
-`choose_dispatcher` names the backend a layout runs; `layer_dispatchers` builds it for every
-MoE layer of a rank (`moe_train.model.local_dispatcher` is the single-process model's).
+`choose_dispatcher` (torch-free, in `moe_train.config.dispatcher_choice`) names the backend a
+layout runs; `layer_dispatchers` builds it for every MoE layer of a rank
+(`moe_train.model.local_dispatcher` is the single-process model's).
 """
 
 from __future__ import annotations
@@ -13,26 +14,12 @@ import torch.distributed as dist
 
 from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher, make_row_transport
 from moe_train.config import Config
+from moe_train.config.dispatcher_choice import choose_dispatcher
 from moe_train.errors import ConfigError
 from moe_train.model import local_dispatcher
 
 DispatcherFactory = Callable[[int], Dispatcher]
 """Builds the dispatcher of the MoE block at a given layer index."""
-
-
-def choose_dispatcher(requested: str, ep: int) -> str:
-    """The backend that runs `parallel.dispatcher` = `requested` at expert-parallel size `ep`.
-
-    Without expert parallelism every backend reduces to local; with it, auto means
-    all_to_all, and so does local, which cannot move tokens between ranks (the trainer
-    rejects an explicit local at ep > 1 before it builds anything; the planner relies on
-    this to try a config of ep = 1 at larger ep).
-    """
-    if ep == 1:
-        return "local"
-    if requested in ("auto", "local"):
-        return "all_to_all"
-    return requested
 
 
 def layer_dispatchers(

@@ -23,8 +23,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from moe_dispatch import capacity_per_expert
 from moe_train.config import Config, ModelConfig
+from moe_train.plan.mirrored import capacity_per_expert
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 INDEX_BYTES = 8  # int64 token and slot indices

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_train.config import Config, load_config
-from moe_train.model.accounting import flops_per_token
+from moe_train.config.accounting import flops_per_token
 from moe_train.plan.hardware import DEVICES
 from moe_train.plan.layouts import GIB, evaluate
 from moe_train.plan.report import make_plan

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from moe_train.config import Config, DataConfig, ParallelConfig, PrecisionConfig
+from moe_train.config.dispatcher_choice import choose_dispatcher
 from moe_train.config.key_rules import LAYOUT_SECTIONS, PLANNED_KEYS
 from moe_train.config.layout_shape import LayoutShape, layout_shape
 from moe_train.config.start_check import start_error
 from moe_train.errors import ConfigError
-from moe_train.parallelize import choose_dispatcher
 from moe_train.plan.hardware import Device
 from moe_train.plan.memory import MemoryPrediction, predict_memory
 from moe_train.plan.roofline import (

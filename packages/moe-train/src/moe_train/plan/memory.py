@@ -11,10 +11,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from moe_parallel import assign_owners
 from moe_train.config import Config
+from moe_train.config.accounting import count_params, qk_norm_params
 from moe_train.config.layout_shape import LayoutShape, layout_shape
-from moe_train.model.accounting import count_params, qk_norm_params
+from moe_train.config.stage_plan import plan_stages
 from moe_train.plan.activations import (
     DTYPE_BYTES,
     FP32,
@@ -22,6 +22,7 @@ from moe_train.plan.activations import (
     held_inputs,
     held_per_micro_batch,
 )
+from moe_train.plan.mirrored import assign_owners
 from moe_train.plan.stages import (
     HashedKey,
     cached,
@@ -32,7 +33,6 @@ from moe_train.plan.stages import (
     rank_shape,
     rank_stages,
 )
-from moe_train.train.pipeline import plan_stages
 
 ALLOCATOR_SLACK = 0.10
 """Fraction added for the caching allocator's fragmentation and the framework's own buffers

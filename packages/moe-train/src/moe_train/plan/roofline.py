@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_parallel.muon import NS_STEPS
 from moe_train.config import Config
+from moe_train.config.accounting import count_params, flops_per_token
 from moe_train.config.layout_shape import LayoutShape, layout_shape
-from moe_train.model.accounting import count_params, flops_per_token
 from moe_train.plan.hardware import Device
+from moe_train.plan.mirrored import NS_STEPS
 from moe_train.plan.traffic import Traffic, across_nodes
 
 MATMUL_EFFICIENCY = 0.75

@@ -9,7 +9,7 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import TypeVar
 
 from moe_train.config import ModelConfig
-from moe_train.train.pipeline import StagePlan, plan_stages
+from moe_train.config.stage_plan import StagePlan, plan_stages
 
 T = TypeVar("T")
 

@@ -25,11 +25,11 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from moe_dispatch import ROUTE_ID_DTYPE
 from moe_train.config import Config
 from moe_train.config.layout_shape import layout_shape
 from moe_train.plan.activations import DTYPE_BYTES, FP32, capacity
 from moe_train.plan.memory import rank_params
+from moe_train.plan.mirrored import ROUTE_ID_BYTES
 from moe_train.plan.stages import rank_dense_layers, rank_layers, rank_stages
 
 
@@ -149,7 +149,7 @@ def _add_dedup_routing(traffic: Traffic, config: Config, passes: int, forwards: 
     weights' gradients backward."""
     ep, top_k = config.parallel.ep, config.model.moe.top_k
     rows = _dedup_rows(config)
-    ids, weights = rows * top_k * ROUTE_ID_DTYPE.itemsize, rows * top_k * FP32
+    ids, weights = rows * top_k * ROUTE_ID_BYTES, rows * top_k * FP32
     payload = passes * (forwards * (ids + weights) + weights)
     traffic.add("ep routing", payload, payload * (ep - 1) / ep, ep, passes * (2 * forwards + 1))
 

@@ -20,51 +20,16 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from moe_parallel import Layout
 from moe_train.config import Config
+from moe_train.config.stage_plan import StagePlan
 from moe_train.model import Documents, Transformer, head_lm_loss
 from moe_train.parallelize import context_shard
 from moe_train.train.micro_batches import MicroBatches, model_inputs
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """Which stages, layers and ends of the model one pp rank holds."""
-
-    num_stages: int
-    stages: tuple[int, ...]
-    """Global indices of this rank's stages, in order."""
-    layers_of_stage: dict[int, tuple[int, ...]]
-    """Global layer indices of each of this rank's stages."""
-
-    @property
-    def layers(self) -> list[int]:
-        return [layer for stage in self.stages for layer in self.layers_of_stage[stage]]
-
-    @property
-    def has_first(self) -> bool:
-        return 0 in self.stages
-
-    @property
-    def has_last(self) -> bool:
-        return self.num_stages - 1 in self.stages
-
-
-def plan_stages(n_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1) -> StagePlan:
-    """The stages of pp rank `pp_rank` when `n_layers` split evenly into pp x virtual stages."""
-    num_stages = pp * virtual_stages
-    per_stage = n_layers // num_stages
-    stages = tuple(pp_rank + v * pp for v in range(virtual_stages))
-    return StagePlan(
-        num_stages=num_stages,
-        stages=stages,
-        layers_of_stage={s: tuple(range(s * per_stage, (s + 1) * per_stage)) for s in stages},
-    )
 
 
 class StageModule(nn.Module):

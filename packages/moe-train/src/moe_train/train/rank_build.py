@@ -21,6 +21,7 @@ from moe_parallel import (
     is_expert_parameter,
 )
 from moe_train.config import Config
+from moe_train.config.stage_plan import StagePlan, plan_stages
 from moe_train.errors import ConfigError
 from moe_train.model import (
     Transformer,
@@ -39,7 +40,6 @@ from moe_train.parallelize import (
     apply_pipeline_split,
     materialize,
 )
-from moe_train.train.pipeline import StagePlan, plan_stages
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

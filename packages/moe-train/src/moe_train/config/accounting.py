@@ -1,8 +1,9 @@
-"""Parameter and FLOP counts of a model config, for MFU and planning."""
+"""Parameter and FLOP counts of a model config, for MFU and planning. Torch-free: arithmetic
+on the config alone, which the trainer (`moe_train.model` re-exports it) and the planner read."""
 
 from dataclasses import dataclass
 
-from moe_train.config import ModelConfig
+from moe_train.config.model import ModelConfig
 
 
 @dataclass(frozen=True)
