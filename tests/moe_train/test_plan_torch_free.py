@@ -1,6 +1,6 @@
 """The planner and the config import and run without torch: the planner's answer with torch
-blocked is the answer with it, and none of the torch packages below (moe-dispatch,
-moe-parallel) is imported."""
+blocked is the answer with it, none of the torch packages below (moe-dispatch, moe-parallel)
+is imported, and of the trainer's rooms only the config, its errors and the CLI's front."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ PLANS = (
     ("configs/published-47b-a3b.yaml", "--gpus", "8", "--gpu", "b300"),
 )
 SEPARATOR = "\n=== next plan ===\n"
+ROOMS = {"moe_train.cli", "moe_train.config", "moe_train.errors", "moe_train.plan"}
+"""The parts of moe_train the planner may import."""
 
 # Runs in a fresh interpreter: torch is blocked before anything is imported, so any import
 # of it (direct or through a package below) raises ImportError.
@@ -39,6 +41,8 @@ below = sorted(
     if module is not None and name.split(".")[0] in ("torch", "moe_dispatch", "moe_parallel")
 )
 assert not below, below
+rooms = set(".".join(name.split(".")[:2]) for name in sys.modules if name.startswith("moe_train."))
+assert rooms <= set({sorted(ROOMS)!r}), sorted(rooms)
 sys.stdout.write({SEPARATOR!r}.join(outs))
 """
 

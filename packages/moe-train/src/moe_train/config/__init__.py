@@ -5,7 +5,11 @@ data.mixture), `training` (optim.*, train.*, train.routing_check.*), `runtime` (
 precision.*, checkpoint.*, eval.*) and `root` (Config, the whole). `loading` builds a Config
 from YAML and overrides and writes it back, refusing with `alternatives` a key the user set
 that only an unchosen alternative uses; `checks` holds the field checks they share;
-`changes` compares two saved configs key by key.
+`changes` compares two saved configs key by key. The torch-free rules the trainer and the
+planner share live here too: a layout's shape (`layout_shape`), whether it can start
+(`start_check`), which keys a layout may change (`key_rules`), each pipeline rank's stages
+(`stage_plan`), parameter and FLOP counts (`accounting`), the dispatcher a layout runs
+(`dispatcher_choice`) and what an eval task entry may name (`task_names`).
 """
 
 from moe_train.config.changes import Change, config_changes, flatten_config

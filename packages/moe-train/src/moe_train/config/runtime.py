@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moe_train.config.checks import _non_negative, _positive
+from moe_train.config.task_names import BUILTIN_TASKS, TASK_SUFFIXES, task_name
 from moe_train.errors import ConfigError
-from moe_train.tasks.files import BUILTIN_TASKS, TASK_SUFFIXES, task_name
 
 
 @dataclass(kw_only=True)

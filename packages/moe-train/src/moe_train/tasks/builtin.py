@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 
 from moe_data import default_cache_dir, new_scratch_dir
+from moe_train.config.task_names import BUILTIN_TASKS
 from moe_train.errors import DataError
-from moe_train.tasks.files import BUILTIN_TASKS
 
 QUESTIONS = 200
 CHOICES = 4

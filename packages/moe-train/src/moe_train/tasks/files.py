@@ -16,13 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_train.config.task_names import TASK_SUFFIXES, task_name
 from moe_train.errors import DataError
-
-TASK_SUFFIXES = (".jsonl", ".txt")
-"""The file kinds a task can be."""
-BUILTIN_TASK_PREFIX = "builtin:"
-BUILTIN_TASKS = ("builtin:code_order",)
-"""The eval.tasks entries that name a built-in task (see `moe_train.tasks.builtin`)."""
 
 
 @dataclass(frozen=True)
@@ -50,14 +45,6 @@ class TextTask:
 
 
 Task = MultipleChoiceTask | TextTask
-
-
-def task_name(path: str | Path) -> str:
-    """The name a task file's metrics carry: its file name without the suffix (a built-in
-    task's name without `builtin:`)."""
-    return (
-        str(path).removeprefix("builtin:") if str(path).startswith("builtin:") else Path(path).stem
-    )
 
 
 def read_task(path: str | Path) -> Task:
