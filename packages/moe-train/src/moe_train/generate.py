@@ -30,10 +30,11 @@ from moe_checkpoint import CheckpointError, load_into, read_trainer_state, resol
 from moe_parallel import single_process_layout
 from moe_train.config import Config, ModelConfig, config_from_dict
 from moe_train.data.chat_template import ChatTemplate, RowError
-from moe_train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from moe_train.data.tokenizer import ByteTokenizer, HFTokenizer
 from moe_train.end_tokens import checkpoint_end_ids, end_of_turn_id
 from moe_train.errors import MoeTrainError
 from moe_train.model import Transformer
+from moe_train.run_tokenizer import run_tokenizer
 
 Tokenizer = ByteTokenizer | HFTokenizer
 StopReason = Literal["eos", "end_of_turn", "length"]
@@ -83,17 +84,6 @@ def load_checkpoint_model(
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def run_tokenizer(config: Config) -> tuple[Tokenizer | None, int | None]:
-    """The tokenizer the run's data was prepared with (None when unknown or not on this
-    machine) and its end-of-text id (None when unknown)."""
-    from moe_train.hf.export import tokenizer_of_run
-
-    with_tokenizer, tokenizer_file, eos_id, _ = tokenizer_of_run(config)
-    if not with_tokenizer:
-        return None, eos_id
-    return load_tokenizer(tokenizer_file), eos_id
 
 
 def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:

@@ -24,6 +24,7 @@ from moe_train.config import Config
 from moe_train.data.tokenizer import Tokenizer
 from moe_train.errors import ConfigError, DataError, on_every_rank
 from moe_train.model import head_token_logprobs
+from moe_train.run_tokenizer import run_tokenizer
 from moe_train.tasks import (
     MultipleChoiceTask,
     Request,
@@ -54,8 +55,6 @@ class TaskResult:
 def open_task_scorer(config: Config, runner: StepRunner) -> TaskScorer:
     """The scorer of eval.tasks, with the tokenizer of data.paths (every rank reads the same
     files, so a bad one stops every rank alike)."""
-    from moe_train.generate import run_tokenizer
-
     tokenizer, _ = run_tokenizer(config)
     if tokenizer is None:
         raise on_every_rank(
