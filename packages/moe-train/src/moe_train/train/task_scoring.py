@@ -36,7 +36,7 @@ from moe_train.tasks import (
     text_metrics,
     text_requests,
 )
-from moe_train.train.evaluate import pipeline_forward
+from moe_train.train.evaluate import eval_mode_keeping_rng, pipeline_forward
 from moe_train.train.micro_batches import model_inputs
 from moe_train.train.step import StepRunner
 
@@ -126,10 +126,7 @@ class TaskScorer:
         totals = torch.zeros(batches * size, dtype=torch.float64, device=device)
         first, stop = runner.my_rows
         mbs = runner.config.data.micro_batch_size
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        model.eval()
-        try:
+        with eval_mode_keeping_rng(model):
             for batch in range(batches):
                 for start in range(batch * size + first, batch * size + stop, mbs):
                     rows = slice(start, start + mbs)
@@ -139,11 +136,6 @@ class TaskScorer:
                         scored = scored_BW[rows].to(device)
                         scored = scored if context is None else context.local(scored)
                         totals[rows] = torch.where(scored, logprobs.double(), 0.0).sum(dim=1)
-        finally:
-            model.train()
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
         return runner.runtime.sum_over_world(totals)[: len(requests)].tolist()
 
     def _target_logprobs(self, inputs: Tensor, targets: Tensor) -> Tensor | None:
