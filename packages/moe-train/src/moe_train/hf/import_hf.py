@@ -291,9 +291,14 @@ def _qwen_moe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str,
                       f"step={hf.decoder_sparse_step} the dense layers are {dense}; ours are "
                       "the first ones")  # fmt: skip
     model |= {"dense_layers": len(dense), "dense_hidden": hf.intermediate_size}
-    moe |= {
+    moe |= _routed_experts(hf, hf.moe_intermediate_size)
+
+
+def _routed_experts(hf: Any, expert_hidden: int) -> dict[str, Any]:
+    """The `model.moe` keys of the Qwen-MoE and OLMoE families' routed experts."""
+    return {
         "num_experts": hf.num_experts,
-        "expert_hidden": hf.moe_intermediate_size,
+        "expert_hidden": expert_hidden,
         "normalize_topk": bool(hf.norm_topk_prob),
         "lb_loss_weight": float(hf.router_aux_loss_coef),
     }
@@ -320,12 +325,7 @@ def _olmoe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, An
     if getattr(hf, "clip_qkv", None) is not None:
         raise _refuse(path, "clip_qkv", hf.clip_qkv, "our attention does not clip q, k and v")
     model["qk_norm"] = "projection"
-    moe |= {
-        "num_experts": hf.num_experts,
-        "expert_hidden": hf.intermediate_size,
-        "normalize_topk": bool(hf.norm_topk_prob),
-        "lb_loss_weight": float(hf.router_aux_loss_coef),
-    }
+    moe |= _routed_experts(hf, hf.intermediate_size)
 
 
 def _flex_olmo_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, Any]) -> None:
