@@ -41,3 +41,29 @@ def test_every_torchao_import_of_the_packages_runs_in_the_quiet_block():
         for line in _torchao_imports_outside_the_block(ast.parse(path.read_text()))
     }
     assert not loud, f"torchao imported outside quiet_torchao_import(): {sorted(loud)}"
+
+
+def _imported_modules(tree: ast.AST) -> set[str]:
+    """Every module `tree` imports, at the top or inside a function."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_trainer_loop_and_hf_import_nothing_from_the_rooms_above_them():
+    """moe_train.train does not import generate or hf (which sit above it), and hf does not
+    import train: no upward edge, and no lazy cycle train -> generate -> hf -> train."""
+    root = PACKAGES / "moe-train" / "src" / "moe_train"
+    upward = {"train": ("moe_train.generate", "moe_train.hf"), "hf": ("moe_train.train",)}
+    found = {
+        f"{path.relative_to(root)} imports {module}"
+        for room, above in upward.items()
+        for path in sorted((root / room).glob("*.py"))
+        for module in _imported_modules(ast.parse(path.read_text()))
+        if module.startswith(above)
+    }
+    assert not found, sorted(found)

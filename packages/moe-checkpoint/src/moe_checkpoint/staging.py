@@ -2,8 +2,7 @@
 
 One host buffer (pinned when the data is on a GPU) is kept and reused by every asynchronous
 save: allocating and first touching (for pinned memory, registering) a checkpoint-sized buffer
-costs more than the copy itself (on our machines 1 GiB: ~0.4 s the first time, ~0.12 s
-reused, about the memory bandwidth).
+costs more than the copy itself (docs/speed.md, "Figures behind design choices").
 """
 
 from __future__ import annotations

@@ -56,15 +56,13 @@ class _AllToAllState:
     topk_weight_TK: Tensor
 
 
-class AllToAllDispatcher:
-    """Experts split over an EP group; token rows travel by uneven ``all_to_all_single``.
+class ExpertsOverGroup:
+    """What the dispatchers that exchange rows over one EP group share: group rank r holds
+    experts ``[r * E / ep, (r + 1) * E / ep)``, and each source rank keeps per expert the
+    copies ``capacity`` allows (all when ``capacity_factor`` is None)."""
 
-    Group rank r holds experts ``[r * E / ep, (r + 1) * E / ep)``. Dropless when
-    ``capacity_factor`` is None; otherwise each source rank keeps, per expert, the first
-    ``ceil(capacity_factor * T * K / E)`` of its own copies (T: that rank's tokens), exactly as
-    ``LocalDispatcher`` would, and drops the rest before sending. With ``group_alignment`` > 1
-    each local expert's rows are padded with zero rows to a multiple of it.
-    """
+    backend = "ExpertsOverGroup"
+    """The class name argument errors start with."""
 
     def __init__(
         self,
@@ -73,8 +71,8 @@ class AllToAllDispatcher:
         capacity_factor: float | None = None,
         group_alignment: int = 1,
     ) -> None:
-        ep = check_expert_parallel_args("AllToAllDispatcher", num_experts, group, group_alignment)
-        check_capacity_factor("AllToAllDispatcher", capacity_factor)
+        ep = check_expert_parallel_args(self.backend, num_experts, group, group_alignment)
+        check_capacity_factor(self.backend, capacity_factor)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
         self.group = group
@@ -86,6 +84,19 @@ class AllToAllDispatcher:
     def capacity(self, num_tokens: int, top_k: int) -> int | None:
         """Copies one source rank may send each expert; None if dropless."""
         return capacity_per_expert(self.capacity_factor, num_tokens, top_k, self.num_experts)
+
+
+class AllToAllDispatcher(ExpertsOverGroup):
+    """Experts split over an EP group; token rows travel by uneven ``all_to_all_single``.
+
+    Group rank r holds experts ``[r * E / ep, (r + 1) * E / ep)``. Dropless when
+    ``capacity_factor`` is None; otherwise each source rank keeps, per expert, the first
+    ``ceil(capacity_factor * T * K / E)`` of its own copies (T: that rank's tokens), exactly as
+    ``LocalDispatcher`` would, and drops the rest before sending. With ``group_alignment`` > 1
+    each local expert's rows are padded with zero rows to a multiple of it.
+    """
+
+    backend = "AllToAllDispatcher"
 
     def dispatch(
         self,

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_dispatch.all_to_all import check_expert_parallel_args
-from moe_dispatch.capacity import capacity_per_expert, check_capacity_factor, keep_within_capacity
+from moe_dispatch.all_to_all import ExpertsOverGroup
+from moe_dispatch.capacity import keep_within_capacity
 from moe_dispatch.protocol import DispatchHandle, check_expert_output, check_routing, state_of
 from moe_dispatch.transport_a2a import exchange_rows
 from moe_kernels import Permutation, permute, unpermute
@@ -108,7 +108,7 @@ def _row_routing(
     return local_SK.masked_fill_(other_SK, -1), topk_weight_TK[token_S].masked_fill_(other_SK, 0)
 
 
-class DedupAllToAllDispatcher:
+class DedupAllToAllDispatcher(ExpertsOverGroup):
     """Experts split over an EP group like ``AllToAllDispatcher`` (group rank r holds experts
     ``[r * E / ep, (r + 1) * E / ep)``), but a token travels once per destination rank.
 
@@ -119,28 +119,7 @@ class DedupAllToAllDispatcher:
     goes to a rank if any of its kept copies lies there.
     """
 
-    def __init__(
-        self,
-        num_experts: int,
-        group: dist.ProcessGroup,
-        capacity_factor: float | None = None,
-        group_alignment: int = 1,
-    ) -> None:
-        ep = check_expert_parallel_args(
-            "DedupAllToAllDispatcher", num_experts, group, group_alignment
-        )
-        check_capacity_factor("DedupAllToAllDispatcher", capacity_factor)
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // ep
-        self.group = group
-        self.ep = ep
-        self.first_local_expert = dist.get_rank(group) * self.num_local_experts
-        self.capacity_factor = capacity_factor
-        self.group_alignment = group_alignment
-
-    def capacity(self, num_tokens: int, top_k: int) -> int | None:
-        """Copies one source rank may send each expert; None if dropless."""
-        return capacity_per_expert(self.capacity_factor, num_tokens, top_k, self.num_experts)
+    backend = "DedupAllToAllDispatcher"
 
     def _kept_copies(
         self, expert_TK: Tensor, copies_per_expert: Tensor | None

@@ -2,7 +2,7 @@
 
 UNTESTED ON A GPU: DeepEP is built from source on a CUDA host and has never been available
 here. The calls below were checked against DeepEP's source at commit
-dd758caf451848bd150e1046af3d0a73e5fff38d (main, 2026-07-14; ``deep_ep/buffers/elastic.py``,
+dd758caf451848bd150e1046af3d0a73e5fff38d (``deep_ep/buffers/elastic.py``,
 ``csrc/elastic/buffer.hpp`` and the kernels under ``deep_ep/include/deep_ep/impls``), and
 run on the CPU only against the fake ``deep_ep`` of ``tests/moe_dispatch/fake_deep_ep.py``.
 

@@ -46,7 +46,65 @@ class Segment:
         return self.param.detach().view(-1)[self.param_start : self.param_start + self.numel]
 
 
-class ShardedBucket:
+class GroupBucket:
+    """What the buckets of `DistributedAdamW` share: the parameters' gradients in one flat
+    buffer of `padded_numel` elements, reduce-scattered so that group rank r keeps the sums of
+    section ``[r * shard_numel, (r + 1) * shard_numel)``, and the updated sections gathered back.
+    Subclasses set `shard_numel`, `padded_numel` and, for low-precision parameters,
+    `grad_accum`."""
+
+    def __init__(self, group: ProcessGroup | None, params: list[nn.Parameter]) -> None:
+        self.group = group
+        self.group_size = 1 if group is None else dist.get_world_size(group)
+        self.group_rank = 0 if group is None else dist.get_rank(group)
+        self.params = params
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.shard_numel = 0
+        self.padded_numel = 0
+        self.grad_accum: Tensor | None = None
+        """FP32 gradients of the whole bucket (padded), summed over this rank's backwards,
+        for low-precision parameters; None for others (their `.grad` holds the sum)."""
+        self.grad_shard: Tensor | None = None
+        """The summed gradients of this rank's section: FP32 for low-precision parameters (a
+        view of `grad_accum`: the reduce-scatter runs in place), otherwise in the parameters'
+        dtype."""
+        self.ready_ids: set[int] = set()
+        self._flat_grads: Tensor | None = None
+        self._work: dist.Work | None = None
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradient storage the bucket holds now: the FP32 accumulation buffer, the
+        reduced section (when apart from it) and any `.grad` of its parameters."""
+        held = [self.grad_accum, self.grad_shard, *(p.grad for p in self.params)]
+        return _distinct_storage_bytes(t for t in held if t is not None)
+
+    def _reduce_scatter(self, flat: Tensor) -> None:
+        """Start reducing `flat` (the whole bucket's gradients) so that `grad_shard` holds
+        this rank's section of the sums. When `flat` is `grad_accum` it runs in place, in the
+        form NCCL documents for it (the output is this rank's block of the input), so the FP32
+        gradients take 4 bytes per parameter, not 4 + 4 / group."""
+        if self.group_size == 1:
+            self.grad_shard = flat
+            return
+        if self.grad_accum is not None:
+            low = self.group_rank * self.shard_numel
+            self.grad_shard = flat[low : low + self.shard_numel]
+        else:
+            self.grad_shard = torch.empty(self.shard_numel, dtype=flat.dtype, device=self.device)
+        self._flat_grads = flat  # the input must live until the collective completes
+        self._work = dist.reduce_scatter_tensor(
+            self.grad_shard, flat, group=self.group, async_op=True
+        )
+
+    def _all_gather(self, local: Tensor) -> tuple[Tensor, dist.Work]:
+        """Start gathering every rank's section `local` into one flat buffer."""
+        full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        work = dist.all_gather_into_tensor(full, local, group=self.group, async_op=True)
+        return full, work
+
+
+class ShardedBucket(GroupBucket):
     """One flat bucket: its layout, this rank's optimizer state, and its reduction in flight."""
 
     def __init__(
@@ -55,13 +113,8 @@ class ShardedBucket:
         named_params: list[tuple[str, nn.Parameter]],
         decays: Callable[[str, nn.Parameter], bool],
     ) -> None:
-        self.group = group
-        self.group_size = 1 if group is None else dist.get_world_size(group)
-        self.group_rank = 0 if group is None else dist.get_rank(group)
+        super().__init__(group, [p for _, p in named_params])
         group_rank = self.group_rank
-        self.params = [p for _, p in named_params]
-        self.dtype = self.params[0].dtype
-        self.device = self.params[0].device
         self.offsets: list[int] = []
         numel = 0
         for p in self.params:
@@ -97,9 +150,6 @@ class ShardedBucket:
         self.exp_avg = torch.zeros(self.shard_numel, **zeros)
         self.exp_avg_sq = torch.zeros(self.shard_numel, **zeros)
 
-        self.grad_accum: Tensor | None = None
-        """FP32 gradients of the whole bucket (padded), summed over this rank's backwards,
-        for low-precision parameters; None for others (their `.grad` holds the sum)."""
         self._sums: Fp32Sums | None = None
         if is_low_precision(self.params[0]):
             self.grad_accum = torch.zeros(self.padded_numel, **zeros)  # padding stays zero
@@ -109,25 +159,12 @@ class ShardedBucket:
                     for p, o in zip(self.params, self.offsets, strict=True)
                 }
             )
-        self.grad_shard: Tensor | None = None
-        """The summed gradient of this rank's shard: FP32 for low-precision parameters (a view
-        of `grad_accum`: the reduce-scatter runs in place), otherwise in the parameters'
-        dtype."""
-        self.ready_ids: set[int] = set()
-        self._flat_grads: Tensor | None = None
-        self._work: dist.Work | None = None
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds for the bucket: moments, and the master
         weights if kept apart from the parameters."""
         words = 2 if self.master is None else 3
         return words * 4 * self.shard_numel
-
-    def gradient_bytes(self) -> int:
-        """Bytes of gradient storage the bucket holds now: the FP32 accumulation buffer, the
-        reduced shard (when apart from it) and any `.grad` of its parameters."""
-        held = [self.grad_accum, self.grad_shard, *(p.grad for p in self.params)]
-        return _distinct_storage_bytes(t for t in held if t is not None)
 
     def accumulate(self, param: nn.Parameter) -> None:
         """Move `param.grad` into the FP32 accumulation buffer (see `Fp32Sums`)."""
@@ -191,20 +228,7 @@ class ShardedBucket:
             flat = self.grad_accum
         else:
             flat = self._pack_grads()
-        if self.group_size == 1:
-            self.grad_shard = flat
-            return
-        if self.grad_accum is not None:
-            # In place, in the form NCCL documents for it: the output is this rank's block of
-            # the input, so the FP32 gradients take 4 bytes per parameter, not 4 + 4 / group.
-            low = self.group_rank * self.shard_numel
-            self.grad_shard = flat[low : low + self.shard_numel]
-        else:
-            self.grad_shard = torch.empty(self.shard_numel, dtype=flat.dtype, device=self.device)
-        self._flat_grads = flat  # the input must live until the collective completes
-        self._work = dist.reduce_scatter_tensor(
-            self.grad_shard, flat, group=self.group, async_op=True
-        )
+        self._reduce_scatter(flat)
 
     def _pack_grads(self) -> Tensor:
         flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
@@ -242,9 +266,7 @@ class ShardedBucket:
             local = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
             for s in self.segments:
                 local[s.shard_start : s.shard_start + s.numel].copy_(s.param_view())
-        full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
-        work = dist.all_gather_into_tensor(full, local, group=self.group, async_op=True)
-        return full, work
+        return self._all_gather(local)
 
     @torch.no_grad()
     def write_params(self, full: Tensor | None) -> None:

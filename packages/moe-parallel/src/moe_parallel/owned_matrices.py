@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from moe_parallel.expert_params import is_expert_parameter
-from moe_parallel.flat_shards import _distinct_storage_bytes
+from moe_parallel.flat_shards import GroupBucket
 from moe_parallel.grad_sync import add_converted_, is_low_precision
 from moe_parallel.muon import muon_step_
 from moe_parallel.optimizer_state import StatePiece
@@ -100,10 +100,10 @@ class MatrixRun:
         )
 
 
-class OwnedMatrices:
+class OwnedMatrices(GroupBucket):
     """One bucket of Muon matrices: their owners, this rank's state, the reduction in flight.
 
-    The same interface as `flat_shards.ShardedBucket` (so `DistributedAdamW` reduces, clips,
+    A `GroupBucket`, as `flat_shards.ShardedBucket` is (so `DistributedAdamW` reduces, clips,
     gathers and checkpoints it alike): `grad_shard` is this rank's section, the summed
     gradients of the matrices it owns.
     """
@@ -114,12 +114,7 @@ class OwnedMatrices:
         named_params: list[tuple[str, nn.Parameter]],
         decays: Callable[[str, nn.Parameter], bool],
     ) -> None:
-        self.group = group
-        self.group_size = 1 if group is None else dist.get_world_size(group)
-        self.group_rank = 0 if group is None else dist.get_rank(group)
-        self.params = [p for _, p in named_params]
-        self.dtype = self.params[0].dtype
-        self.device = self.params[0].device
+        super().__init__(group, [p for _, p in named_params])
         matrices = [
             (name, p, None if not is_expert_parameter(p) else range(e, e + 1))
             for name, p in named_params
@@ -168,20 +163,12 @@ class OwnedMatrices:
         self.momentum = torch.zeros(self.shard_numel, **zeros)
         """Muon's momentum buffers of the owned matrices (this rank's section)."""
 
-        self.grad_accum: Tensor | None = None
-        """FP32 gradients of the whole bucket, summed over this rank's backwards, for
-        low-precision parameters; None for others (their `.grad` holds the sum)."""
         if is_low_precision(self.params[0]):
             self.grad_accum = torch.zeros(self.padded_numel, **zeros)
         self._runs_of: dict[int, list[MatrixRun]] = {}
         for r in runs:
             self._runs_of.setdefault(id(r.param), []).append(r)
         self._unwritten = {id(p) for p in self.params}
-        self.grad_shard: Tensor | None = None
-        """The summed gradients of this rank's section (FP32 for low-precision parameters)."""
-        self.ready_ids: set[int] = set()
-        self._flat_grads: Tensor | None = None
-        self._work: dist.Work | None = None
 
     def _section(self, section_tensor: Tensor, run: MatrixRun) -> Tensor:
         """`run`'s part of a tensor over this rank's section, shaped like the run."""
@@ -197,11 +184,6 @@ class OwnedMatrices:
         section, and its master weights if kept apart from the parameters."""
         words = 1 if self.master is None else 2
         return words * 4 * self.shard_numel
-
-    def gradient_bytes(self) -> int:
-        """Bytes of gradient storage the bucket holds now."""
-        held = [self.grad_accum, self.grad_shard, *(p.grad for p in self.params)]
-        return _distinct_storage_bytes(t for t in held if t is not None)
 
     @torch.no_grad()
     def accumulate(self, param: nn.Parameter) -> None:
@@ -291,17 +273,7 @@ class OwnedMatrices:
                     for r in self._runs_of[id(p)]:
                         self._flat(flat, r).copy_(r.of(p.grad))
                 p.grad = None
-        if self.group_size == 1:
-            self.grad_shard = flat
-            return
-        if self.grad_accum is not None:  # in place: this rank's section of the input
-            self.grad_shard = flat[self._low : self._low + self.shard_numel]
-        else:
-            self.grad_shard = torch.empty(self.shard_numel, dtype=flat.dtype, device=self.device)
-        self._flat_grads = flat  # the input must live until the collective completes
-        self._work = dist.reduce_scatter_tensor(
-            self.grad_shard, flat, group=self.group, async_op=True
-        )
+        self._reduce_scatter(flat)
 
     def wait_reduction(self) -> None:
         """Block until this bucket's reduce-scatter has completed."""
@@ -320,9 +292,7 @@ class OwnedMatrices:
             self._section(local, r).copy_(self._master(r))
         if self.group_size == 1:
             return local, None
-        full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
-        work = dist.all_gather_into_tensor(full, local, group=self.group, async_op=True)
-        return full, work
+        return self._all_gather(local)
 
     @torch.no_grad()
     def write_params(self, full: Tensor | None) -> None:

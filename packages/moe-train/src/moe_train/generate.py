@@ -27,12 +27,13 @@ import torch
 from torch import Tensor
 
 from moe_checkpoint import CheckpointError, load_into, read_trainer_state, resolve_checkpoint
-from moe_data import ByteTokenizer, ChatTemplate, HFTokenizer, RowError, load_tokenizer
+from moe_data import ByteTokenizer, ChatTemplate, HFTokenizer, RowError
 from moe_parallel import single_process_layout
 from moe_train.config import Config, ModelConfig, config_from_dict
 from moe_train.end_tokens import checkpoint_end_ids, end_of_turn_id
 from moe_train.errors import MoeTrainError
 from moe_train.model import Transformer
+from moe_train.run_tokenizer import run_tokenizer
 
 Tokenizer = ByteTokenizer | HFTokenizer
 StopReason = Literal["eos", "end_of_turn", "length"]
@@ -82,17 +83,6 @@ def load_checkpoint_model(
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def run_tokenizer(config: Config) -> tuple[Tokenizer | None, int | None]:
-    """The tokenizer the run's data was prepared with (None when unknown or not on this
-    machine) and its end-of-text id (None when unknown)."""
-    from moe_train.hf.export import tokenizer_of_run
-
-    with_tokenizer, tokenizer_file, eos_id, _ = tokenizer_of_run(config)
-    if not with_tokenizer:
-        return None, eos_id
-    return load_tokenizer(tokenizer_file), eos_id
 
 
 def parse_prompt_ids(text: str, vocab_size: int) -> list[int]:

@@ -17,6 +17,7 @@ import torch
 from moe_checkpoint import CheckpointError, read_trainer_state, resolve_checkpoint
 from moe_train.config import Config, config_from_dict, parse_overrides
 from moe_train.errors import ConfigError, MoeTrainError, on_every_rank
+from moe_train.run_tokenizer import run_tokenizer
 from moe_train.train.runtime import start_runtime
 from moe_train.train.state_slices import load_model_state
 from moe_train.train.step import StepRunner
@@ -65,8 +66,6 @@ def evaluate_checkpoint(
     runtime = start_runtime(config, device)
     clean = False
     try:
-        from moe_train.generate import run_tokenizer
-
         torch.manual_seed(config.train.seed)
         runner = StepRunner(config, runtime, run_tokenizer(config)[1])
         runtime.raise_if_any(load_model_state(ckpt, runner.model, runner.optimizer, runtime.layout))

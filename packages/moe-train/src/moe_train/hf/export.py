@@ -39,15 +39,12 @@ from moe_train.hf.model_card import model_card
 from moe_train.hf.output_dir import written_whole
 from moe_train.hf.tensor_map import HFTensor
 from moe_train.hf.tokenizer import write_tokenizer
-from moe_train.train.checkpointing import checkpoint_root
+from moe_train.run_paths import checkpoint_root
+from moe_train.run_tokenizer import tokenizer_of_run
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """`--dtype` choices."""
 INDEX_FILE = "model.safetensors.index.json"
-BUILTIN_DATA_PREFIX = "builtin:"
-
-BYTE_EOS_ID = 256
-"""The byte tokenizer's end-of-document id (moe_data.ByteTokenizer)."""
 
 
 @dataclass
@@ -222,44 +219,3 @@ def _read(ckpt: Path, stored: dict[str, tuple[int, ...]], name: str, row: int | 
     except CheckpointError as e:
         raise MoeTrainError(str(e)) from e
     return tensor if row is None else tensor[0]
-
-
-def tokenizer_of_run(config: Config) -> tuple[bool, Path | None, int | None, list[str]]:
-    """Whether to write tokenizer files, the run's tokenizer.json (None: the byte tokenizer),
-    its end-of-document id, and notes on what will not be written."""
-    specs: set[tuple[str | None, int | None]] = set()
-    for path in config.data.paths:
-        if path.startswith(BUILTIN_DATA_PREFIX):
-            specs.add(("byte", BYTE_EOS_ID))
-            continue
-        meta_path = Path(path) / "meta.json"
-        if not meta_path.is_file():
-            specs.add((None, None))  # a .npy token array, or data not on this machine
-            continue
-        try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            specs.add((None, None))
-            continue
-        specs.add((meta.get("tokenizer"), meta.get("eos_id")))
-    known = {s for s in specs if s[0] is not None}
-    if len(known) != 1 or len(specs) != 1:
-        reason = (
-            "were prepared with different tokenizers"
-            if len(known) > 1
-            else ("include pre-tokenized arrays or directories not on this machine")
-        )
-        eos_id = next(iter(known))[1] if len(known) == 1 else None
-        return False, None, eos_id, [f"wrote no tokenizer files: the run's data.paths {reason}"]
-    ((spec, eos_id),) = known
-    if spec == "byte":
-        return True, None, eos_id, []
-    tokenizer_file = Path(spec)
-    if not tokenizer_file.is_file():
-        return (
-            False,
-            None,
-            eos_id,
-            [f"wrote no tokenizer files: {tokenizer_file} is not on this machine"],
-        )
-    return True, tokenizer_file, eos_id, []

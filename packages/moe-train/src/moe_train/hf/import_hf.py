@@ -120,16 +120,22 @@ def _transformers() -> Any:
     return transformers
 
 
+def read_config_json(path: Path, error: type[MoeTrainError], dir_arg: str) -> Any:
+    """The JSON of a model directory's config.json at `path`; `error` when it is missing
+    (`dir_arg`, the argument that named the directory, must be one) or not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise error(f"{path} does not exist: {dir_arg} must be a model directory") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"{path} is not readable JSON: {e}") from e
+
+
 def read_hf_config(hf_dir: Path) -> tuple[Config, Architecture]:
     """Our config for the model in `hf_dir` (model section from config.json, the rest at
     defaults) and the table mapping its tensors; refuses what is not represented exactly."""
     path = hf_dir / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise ImportHFError(f"{path} does not exist: HF_DIR must be a model directory") from e
-    except (OSError, json.JSONDecodeError) as e:
-        raise ImportHFError(f"{path} is not readable JSON: {e}") from e
+    raw = read_config_json(path, ImportHFError, "HF_DIR")
     model_type = raw.get("model_type")
     architectures = raw.get("architectures") or []
     supported = ", ".join(f"{c} ({t})" for t, c in SUPPORTED.items())
@@ -200,9 +206,9 @@ def _rope_scaling(rope: dict[str, Any], path: Path) -> dict[str, Any]:
     return section
 
 
-def _model_section(hf: Any, path: Path, model_type: str) -> dict[str, Any]:
-    """config.json's options as our `model` section, refusing any our model computes
-    differently."""
+def check_heads_and_activation(hf: Any, path: Path) -> None:
+    """Refuse a transformers config (`hf`, read from `path`) whose head width is not
+    hidden_size / num_attention_heads or whose feed-forward activation is not silu."""
     heads, d = hf.num_attention_heads, hf.hidden_size
     head_dim = getattr(hf, "head_dim", None) or d // heads
     if head_dim * heads != d:
@@ -210,6 +216,13 @@ def _model_section(hf: Any, path: Path, model_type: str) -> dict[str, Any]:
                       f"num_attention_heads = {d} / {heads}")  # fmt: skip
     if hf.hidden_act != "silu":
         raise _refuse(path, "hidden_act", hf.hidden_act, "our feed-forwards are SwiGLU (silu)")
+
+
+def _model_section(hf: Any, path: Path, model_type: str) -> dict[str, Any]:
+    """config.json's options as our `model` section, refusing any our model computes
+    differently."""
+    check_heads_and_activation(hf, path)
+    heads, d = hf.num_attention_heads, hf.hidden_size
     if getattr(hf, "attention_bias", False):
         raise _refuse(path, "attention_bias", True, "our output projection has no bias")
     if hf.attention_dropout:
@@ -278,9 +291,14 @@ def _qwen_moe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str,
                       f"step={hf.decoder_sparse_step} the dense layers are {dense}; ours are "
                       "the first ones")  # fmt: skip
     model |= {"dense_layers": len(dense), "dense_hidden": hf.intermediate_size}
-    moe |= {
+    moe |= _routed_experts(hf, hf.moe_intermediate_size)
+
+
+def _routed_experts(hf: Any, expert_hidden: int) -> dict[str, Any]:
+    """The `model.moe` keys of the Qwen-MoE and OLMoE families' routed experts."""
+    return {
         "num_experts": hf.num_experts,
-        "expert_hidden": hf.moe_intermediate_size,
+        "expert_hidden": expert_hidden,
         "normalize_topk": bool(hf.norm_topk_prob),
         "lb_loss_weight": float(hf.router_aux_loss_coef),
     }
@@ -307,12 +325,7 @@ def _olmoe_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, An
     if getattr(hf, "clip_qkv", None) is not None:
         raise _refuse(path, "clip_qkv", hf.clip_qkv, "our attention does not clip q, k and v")
     model["qk_norm"] = "projection"
-    moe |= {
-        "num_experts": hf.num_experts,
-        "expert_hidden": hf.intermediate_size,
-        "normalize_topk": bool(hf.norm_topk_prob),
-        "lb_loss_weight": float(hf.router_aux_loss_coef),
-    }
+    moe |= _routed_experts(hf, hf.intermediate_size)
 
 
 def _flex_olmo_options(hf: Any, path: Path, model: dict[str, Any], moe: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from moe_data import split_dtype_suffix
 from moe_train.config import Config
 from moe_train.config.accounting import count_params
-from moe_train.train.manifest import files_digest
+from moe_train.files_digest import files_digest
 
 
 def model_card(trainer_state: dict[str, Any], config: Config, architecture: str, name: str) -> str:

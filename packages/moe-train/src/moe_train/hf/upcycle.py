@@ -32,7 +32,6 @@ model is not a dense model of a supported family or the options do not fit it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,8 @@ from moe_train.hf.import_hf import (
     _refuse,
     _rope_scaling,
     _transformers,
+    check_heads_and_activation,
+    read_config_json,
     write_step_zero,
 )
 from moe_train.hf.tensor_map import QWEN3, HFTensor, hub_tensors
@@ -119,12 +120,7 @@ def upcycle(hf_dir: str | Path, out: str | Path, options: UpcycleOptions) -> Upc
 def _read_raw_config(hf_dir: Path) -> tuple[dict[str, Any], str]:
     """config.json of a dense model of a supported family, and its transformers class."""
     path = hf_dir / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise UpcycleError(f"{path} does not exist: HF_DENSE_DIR must be a model directory") from e
-    except (OSError, json.JSONDecodeError) as e:
-        raise UpcycleError(f"{path} is not readable JSON: {e}") from e
+    raw = read_config_json(path, UpcycleError, "HF_DENSE_DIR")
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     architectures = raw.get("architectures") or [] if isinstance(raw, dict) else []
     supported = ", ".join(f"{c} ({t})" for t, c in SUPPORTED.items())
@@ -172,13 +168,8 @@ def _check_options(options: UpcycleOptions, width: int) -> None:
 
 def _dense_config(hf: Any, path: Path, model_type: str) -> Config:
     """Our config of the dense model: every layer a dense SwiGLU of the MLP's width."""
+    check_heads_and_activation(hf, path)
     heads, d = hf.num_attention_heads, hf.hidden_size
-    head_dim = getattr(hf, "head_dim", None) or d // heads
-    if head_dim * heads != d:
-        raise _refuse(path, "head_dim", head_dim, f"our attention has head_dim = hidden_size / "
-                      f"num_attention_heads = {d} / {heads}")  # fmt: skip
-    if hf.hidden_act != "silu":
-        raise _refuse(path, "hidden_act", hf.hidden_act, "our feed-forwards are SwiGLU (silu)")
     for key in ("attention_bias", "mlp_bias"):
         if getattr(hf, key, False):
             raise _refuse(path, key, True, "our projections have no bias")

@@ -1,4 +1,5 @@
-"""The trainer's checkpoints: where they live, when they are written, and loading them.
+"""The trainer's checkpoints: when they are written, and loading them (where they live is
+`moe_train.run_paths`).
 
 Everything the loop does with checkpoints goes through `Checkpoints`: `load` or `load_model`
 at the start (which checkpoint, and whether it may be loaded, is `resume`'s business),
@@ -27,6 +28,7 @@ from moe_parallel import TrainingOptimizer
 from moe_train.config import Config
 from moe_train.errors import MoeTrainError, TrainingDiverged
 from moe_train.model import Transformer
+from moe_train.run_paths import checkpoint_root
 from moe_train.train.runtime import Runtime
 from moe_train.train.state_slices import (
     category_of,
@@ -37,10 +39,8 @@ from moe_train.train.state_slices import (
     saved_slices,
 )
 
-
-def checkpoint_root(config: Config, run_dir: Path | str) -> Path:
-    """Where checkpoints go: checkpoint.dir, or RUN_DIR/checkpoints."""
-    return Path(config.checkpoint.dir) if config.checkpoint.dir else Path(run_dir) / "checkpoints"
+# checkpoint_root lives in moe_train.run_paths (export reads it too); named here for resume.
+__all__ = ["Checkpoints", "checkpoint_root"]
 
 
 class Checkpoints:

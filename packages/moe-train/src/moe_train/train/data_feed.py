@@ -81,8 +81,9 @@ class TokenCounts:
 class BatchFeed:
     """This rank's rows of each step's global batch, the next step's read in a thread.
 
-    A step's rows depend only on (seed, step), so reading ahead changes when they are read,
-    never what. `get(step)` returns them and starts reading step + 1 (below `end_step`);
+    Batch `index` (0-based) is the one step `index + 1` trains on; its rows depend only on
+    (seed, index), so reading ahead changes when they are read, never what. `get(index)`
+    returns them and starts reading batch index + 1 (when that is below `end_step`);
     `close` stops the thread, after an error or a stop signal too (the loop's `finally`).
     """
 
@@ -112,25 +113,25 @@ class BatchFeed:
         self.wait_s = 0.0
         """Seconds the last `get` waited for its rows."""
 
-    def read(self, step: int) -> torch.Tensor:
-        """This rank's rows of step `step` ([stop - start, seq_len + 1] int64), read now."""
+    def read(self, index: int) -> torch.Tensor:
+        """This rank's rows of batch `index` ([stop - start, seq_len + 1] int64), read now."""
         start, stop = self.rows
-        rows = self.dataset.rows(step, self.global_batch_size, self.seed, start, stop)
+        rows = self.dataset.rows(index, self.global_batch_size, self.seed, start, stop)
         return rows.pin_memory() if self.pin_memory else rows
 
-    def get(self, step: int) -> torch.Tensor:
-        """Step `step`'s rows (read ahead when the previous call asked for step - 1)."""
+    def get(self, index: int) -> torch.Tensor:
+        """Batch `index`'s rows (read ahead when the previous call asked for index - 1)."""
         began = time.perf_counter()
         pending, self._pending = self._pending, None
-        if pending is not None and pending[0] == step:
+        if pending is not None and pending[0] == index:
             rows = pending[1].result()
         else:
             if pending is not None:
                 pending[1].cancel()
-            rows = self.read(step)
+            rows = self.read(index)
         self.wait_s = time.perf_counter() - began
-        if self._executor is not None and step + 1 < self.end_step:
-            self._pending = (step + 1, self._executor.submit(self.read, step + 1))
+        if self._executor is not None and index + 1 < self.end_step:
+            self._pending = (index + 1, self._executor.submit(self.read, index + 1))
         return rows
 
     def close(self) -> None:

@@ -12,6 +12,8 @@ restored afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,22 @@ from moe_train.model import Documents, head_lm_loss
 from moe_train.train.micro_batches import model_inputs
 from moe_train.train.runtime import Runtime
 from moe_train.train.step import StepRunner
+
+
+@contextmanager
+def eval_mode_keeping_rng(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode for the block; afterwards back in training mode, with the RNG state
+    of the CPU and of every CUDA device as it was before (random routing draws from it)."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 class Evaluator:
@@ -63,8 +81,6 @@ class Evaluator:
         """Mean token loss over eval.batches global batches (the same on every rank); with
         data.label_mask, the mean over the trained targets of all of them."""
         runner, model = self.runner, self.runner.model
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         masked = self.config.data.label_mask
         # With a mask, micro-batch losses are sums (normalizer 1) and the targets are counted.
         # Under context parallelism each rank's loss is its part of the micro-batch mean.
@@ -75,18 +91,12 @@ class Evaluator:
                 float(data.micro_batch_size * data.seq_len), device=self.runtime.device
             )
         totals = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
-        model.eval()
-        try:
+        with eval_mode_keeping_rng(model):
             for index in range(self.config.eval.batches):
                 for micro, documents in runner.my_micro_batches(self.batch(index)):
                     totals[0] += self._micro_loss(micro, documents, normalizer)
                     if masked:
                         totals[1] += trained_targets(micro)
-        finally:
-            model.train()
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
         loss_sum, trained = self.runtime.sum_over_world(totals).tolist()
         if masked:  # the pp and cp ranks of a data-parallel rank count the same rows
             layout = self.runtime.layout

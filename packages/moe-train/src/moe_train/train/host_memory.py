@@ -13,19 +13,27 @@ import ctypes.util
 import functools
 import sys
 from collections.abc import Callable
+from typing import Any
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 
 
-def keep_freed_host_memory() -> bool:
-    """Serve all allocations from the heap and never trim it; True if glibc took the settings."""
+def _glibc(name: str) -> Any:
+    """glibc's function `name`; None off Linux or when the C library has no such function."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        return getattr(libc, name)
     except (OSError, AttributeError):
+        return None
+
+
+def keep_freed_host_memory() -> bool:
+    """Serve all allocations from the heap and never trim it; True if glibc took the settings."""
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -54,12 +62,8 @@ class _MallInfo2(ctypes.Structure):
 
 @functools.cache
 def _mallinfo2() -> Callable[[], _MallInfo2] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallinfo2 = libc.mallinfo2
-    except (OSError, AttributeError):
+    mallinfo2 = _glibc("mallinfo2")
+    if mallinfo2 is None:
         return None
     mallinfo2.restype = _MallInfo2
     return mallinfo2

@@ -136,14 +136,6 @@ def data_facts(entry: str, directory: Path, cache_dir: Path) -> dict[str, Any]:
     }
 
 
-def files_digest(files: list[dict[str, str]]) -> str:
-    """One sha256 over a data source's token files (`data_facts`' "files"): of the listing
-    `sha256sum` prints for them, by file name in sorted order."""
-    listing = sorted((Path(entry["file"]).name, entry["sha256"]) for entry in files)
-    text = "".join(f"{digest}  {name}\n" for name, digest in listing)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 def check_data_files(manifest: dict[str, Any]) -> list[str]:
     """Token files named by `manifest` that are missing or whose sha256 differs, one line each."""
     problems = []

@@ -24,6 +24,7 @@ from moe_data import Tokenizer
 from moe_train.config import Config
 from moe_train.errors import ConfigError, DataError, on_every_rank
 from moe_train.model import head_token_logprobs
+from moe_train.run_tokenizer import run_tokenizer
 from moe_train.tasks import (
     MultipleChoiceTask,
     Request,
@@ -35,7 +36,7 @@ from moe_train.tasks import (
     text_metrics,
     text_requests,
 )
-from moe_train.train.evaluate import pipeline_forward
+from moe_train.train.evaluate import eval_mode_keeping_rng, pipeline_forward
 from moe_train.train.micro_batches import model_inputs
 from moe_train.train.step import StepRunner
 
@@ -54,8 +55,6 @@ class TaskResult:
 def open_task_scorer(config: Config, runner: StepRunner) -> TaskScorer:
     """The scorer of eval.tasks, with the tokenizer of data.paths (every rank reads the same
     files, so a bad one stops every rank alike)."""
-    from moe_train.generate import run_tokenizer
-
     tokenizer, _ = run_tokenizer(config)
     if tokenizer is None:
         raise on_every_rank(
@@ -127,10 +126,7 @@ class TaskScorer:
         totals = torch.zeros(batches * size, dtype=torch.float64, device=device)
         first, stop = runner.my_rows
         mbs = runner.config.data.micro_batch_size
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        model.eval()
-        try:
+        with eval_mode_keeping_rng(model):
             for batch in range(batches):
                 for start in range(batch * size + first, batch * size + stop, mbs):
                     rows = slice(start, start + mbs)
@@ -140,11 +136,6 @@ class TaskScorer:
                         scored = scored_BW[rows].to(device)
                         scored = scored if context is None else context.local(scored)
                         totals[rows] = torch.where(scored, logprobs.double(), 0.0).sum(dim=1)
-        finally:
-            model.train()
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
         return runner.runtime.sum_over_world(totals)[: len(requests)].tolist()
 
     def _target_logprobs(self, inputs: Tensor, targets: Tensor) -> Tensor | None:

@@ -19,10 +19,11 @@ import torch
 from moe_train.config import Config, dump_config
 from moe_train.errors import TrainingDiverged
 from moe_train.model import Transformer, flops_per_token
+from moe_train.run_paths import checkpoint_root
 from moe_train.signals import StopRequests
 from moe_train.train.banner import RunFacts, banner_rows
 from moe_train.train.cadence import Cadence
-from moe_train.train.checkpointing import Checkpoints, checkpoint_root
+from moe_train.train.checkpointing import Checkpoints
 from moe_train.train.console import Console
 from moe_train.train.data_feed import BatchFeed, TokenCounts, open_dataset
 from moe_train.train.evaluate import Evaluator
