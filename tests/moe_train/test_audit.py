@@ -15,7 +15,7 @@ import torch
 from launch import run_cli, run_torchrun
 from moe_checkpoint import read_trainer_state
 from moe_train.config import config_from_dict
-from moe_train.errors import DataError, MoeTrainError
+from moe_train.errors import ConfigError, DataError, MoeTrainError
 from moe_train.train import train
 from moe_train.verify import verify
 from training import ROOT, save_byte_tokens, small_config_data
@@ -119,6 +119,51 @@ def test_verify_refuses_pairs_of_different_runs_in_one_line(tmp_path, token_file
         verify(a, other_seed / "step_00000006")
     with pytest.raises(MoeTrainError, match="give the earlier checkpoint first"):
         verify(other_lr / "step_00000006", a)
+
+
+def _resumed_at_micro_batch_2(tmp_path: Path, token_file: Path, name: str, lb_scope: str) -> Path:
+    """A run of micro-batches of 4 to step 3, resumed at micro-batches of 2 to step 6 (a
+    resume takes the change); its checkpoints root."""
+    moe = {"model": {"moe": {"lb_scope": lb_scope}}}
+    root = _run(tmp_path, token_file, name, stop_at=3, **moe)
+    resumed = small_config_data(
+        tmp_path / name,
+        token_file,
+        data={"micro_batch_size": 2},
+        checkpoint={"interval": 3, "keep_last": 5, "resume": "auto"},
+        **moe,
+    )
+    train(config_from_dict(resumed))
+    return root
+
+
+def test_verify_takes_a_micro_batch_size_where_the_numbers_do_not_depend_on_it(
+    tmp_path, token_file
+):
+    """Under lb_scope=global_batch B may have another micro-batch size than A, and so may the
+    replay: within the tolerance of another layout, bitwise at B's; under micro_batch both are
+    refused in one line that says why."""
+    root = _resumed_at_micro_batch_2(tmp_path, token_file, "global", "global_batch")
+    a, b = root / "step_00000003", root / "step_00000006"
+    verdict, _, _ = verify(a, b)  # A's micro-batches of 4 against B's of 2
+    assert verdict.ok and not verdict.same_layout and verdict.diffs
+    verdict, _, _ = verify(a, b, layout=["--data.micro_batch_size=2"])
+    assert verdict.ok and verdict.same_layout and not verdict.diffs
+
+    why = "model.moe.lb_scope=micro_batch balances the experts over each micro-batch"
+    root = _resumed_at_micro_batch_2(tmp_path, token_file, "micro", "micro_batch")
+    a, b = root / "step_00000003", root / "step_00000006"
+    with pytest.raises(MoeTrainError) as refused:
+        verify(a, b)
+    assert str(refused.value).endswith(f"data.micro_batch_size is 2 in B, 4 in A ({why})")
+    root = _run(tmp_path, token_file, "micro_whole")
+    with pytest.raises(ConfigError) as refused:
+        verify(root / "step_00000003", root / "step_00000006", layout=["--data.micro_batch_size=2"])
+    assert str(refused.value) == (
+        "--data.micro_batch_size=2: verify replays A's config and takes only the layout "
+        "(--parallel.key=value, and --data.micro_batch_size where the numbers do not depend "
+        f"on it): {why}"
+    )
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from moe_checkpoint import CheckpointError, read_trainer_state, resolve_checkpoint
 from moe_train.config import Config, config_changes, config_from_dict, parse_overrides
-from moe_train.config.key_rules import verify_allows
+from moe_train.config.key_rules import LAYOUT, verify_allows, what_changes, why_numbers
 from moe_train.config.start_check import check_start
 from moe_train.errors import ConfigError, DataError, MoeTrainError
 from moe_train.train.manifest import check_data_files
@@ -82,16 +82,19 @@ def read_pair(path_a: Path, path_b: Path) -> tuple[Path, Path, dict[str, Any], d
             f"{a} is at step {state_a['step']}, not before {b} (step {state_b['step']}); "
             "give the earlier checkpoint first"
         )
+    config_a = config_from_dict(state_a["config"])
     changed = [
         c
         for c in config_changes(state_a["config"], state_b["config"])
-        if not verify_allows(c.key)  # logging, where files go, the layout
+        if not verify_allows(c.key, config_a)  # logging, where files go, the layout
     ]
     if changed:
         first = changed[0]
+        why = why_numbers(first.key, config_a)
         raise MoeTrainError(
             f"{b} was trained with another config than {a}: "
             f"{first.key} is {first.now!r} in B, {first.saved!r} in A"
+            + (f" ({why})" if why else "")
         )
     return a, b, state_a, state_b
 
@@ -99,18 +102,23 @@ def read_pair(path_a: Path, path_b: Path) -> tuple[Path, Path, dict[str, Any], d
 def replay_config(
     state_a: dict[str, Any], a: Path, step_b: int, work_dir: Path, layout: list[str]
 ) -> Config:
-    """A's config (with the `layout` overrides of parallel.* keys), set to resume from A in
-    `work_dir` and save at `step_b` only (no tracking, no evaluation)."""
+    """A's config (with the `layout` overrides of keys that change only the layout: parallel.*,
+    and data.micro_batch_size where A's model does not count by micro-batch), set to resume
+    from A in `work_dir` and save at `step_b` only (no tracking, no evaluation)."""
+    config = config_from_dict(state_a["config"])
     for override in layout:
-        if not override.startswith("--parallel."):
+        key = override.removeprefix("--").split("=", 1)[0]
+        if what_changes(key, config) != LAYOUT:
+            why = why_numbers(key, config)
             raise ConfigError(
                 f"{override}: verify replays A's config and takes only the layout "
-                "(--parallel.key=value)"
+                "(--parallel.key=value, and --data.micro_batch_size where the numbers do not "
+                "depend on it)" + (f": {why}" if why else "")
             )
-    config = config_from_dict(state_a["config"])
     if layout:
         data = config.to_dict()
-        data["parallel"].update(parse_overrides(layout)["parallel"])
+        for section, values in parse_overrides(layout).items():
+            data[section].update(values)
         config = config_from_dict(data)
     return dataclasses.replace(
         config,
@@ -167,7 +175,9 @@ def verify(
         if result.checkpoint is None or result.end_step != step_b:
             raise MoeTrainError(f"the replay stopped at step {result.end_step}, not {step_b}")
         replayed_state = read_trainer_state(result.checkpoint)
-        same_layout = replayed_state.get("topology") == state_b.get("topology")
+        same_layout = replayed_state.get("topology") == state_b.get("topology") and (
+            config.data.micro_batch_size == state_b["config"]["data"]["micro_batch_size"]
+        )
         verdict = compare(result.checkpoint, b, int(state_a["step"]), step_b, same_layout)
         return verdict, a, b
     finally:

@@ -35,7 +35,9 @@ VERIFY = Command(
     "seeds (refused when a data file's sha256 no longer matches A's manifest) and compare "
     "every tensor with CKPT_B: bitwise on the layout that wrote B, within a stated "
     "tolerance on another. Run it as training runs (torchrun for several ranks); "
-    "--parallel.key=value sets the replay's layout.",
+    "--parallel.key=value sets the replay's layout, and so does --data.micro_batch_size "
+    "where the model's numbers do not depend on it (model.moe.lb_scope sequence or "
+    "global_batch, no capacity_factor).",
     add_arguments=_add_arguments,
     handle=_handle,
     takes_overrides=True,
