@@ -35,6 +35,7 @@ keep_rank_processes()
 
 LONGEST_FIRST = (
     "moe_train/test_checkpointing.py",
+    "moe_train/test_planned_layouts.py",
     "moe_train/test_distributed_training.py",
     "moe_train/test_training_choices.py",
     "moe_train/test_expert_parallel_gradients.py",
