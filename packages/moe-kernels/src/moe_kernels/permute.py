@@ -254,26 +254,11 @@ def permute(
     _check_permute_args(x_TD, topk_idx_TK, num_experts, keep_TK, group_alignment, backend)
 
     num_tokens, top_k = topk_idx_TK.shape
-    num_copies = num_tokens * top_k
-    device = topk_idx_TK.device
-    expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
-    kept_copies_F = None
-    if keep_TK is not None:
-        kept_copies_F = keep_TK.reshape(-1)
-        # Dropped copies go to an extra bucket E, sorted after all real experts.
-        expert_of_copy_F = torch.where(
-            kept_copies_F, expert_of_copy_F, torch.full_like(expert_of_copy_F, num_experts)
-        )
-
+    expert_of_copy_F, kept_copies_F = _bucket_of_copies(topk_idx_TK, num_experts, keep_TK)
     copy_of_sorted_S = torch.argsort(expert_of_copy_F, stable=True)
-    if tokens_per_expert_E is None:
-        copies_per_bucket = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-        copies_per_bucket.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
-        tokens_per_expert_E = copies_per_bucket[:num_experts].clone()
-    else:
-        tokens_per_expert_E = tokens_per_expert_E.to(torch.int64)
-        dropped = (num_copies - tokens_per_expert_E.sum()).reshape(1)
-        copies_per_bucket = torch.cat([tokens_per_expert_E, dropped])
+    copies_per_bucket, tokens_per_expert_E = _count_copies(
+        expert_of_copy_F, num_experts, num_tokens * top_k, tokens_per_expert_E
+    )
     row_of_copy_F, rows_per_expert_E, source_token_P = _rows_of_copies(
         expert_of_copy_F,
         copy_of_sorted_S,
@@ -283,13 +268,7 @@ def permute(
         top_k,
         group_alignment,
     )
-
-    if backend == "triton":
-        x_perm_PD = import_kernels("triton_permute", "permute").gather_rows(
-            x_TD, source_token_P, row_of_copy_F, top_k
-        )
-    else:
-        x_perm_PD = _GatherRows.apply(x_TD, source_token_P, row_of_copy_F, top_k)
+    x_perm_PD = _gather_rows(x_TD, source_token_P, row_of_copy_F, top_k, backend)
 
     permutation = Permutation(
         source_token=source_token_P,
@@ -330,6 +309,58 @@ def _check_permute_args(
     if group_alignment < 1:
         raise ValueError(f"permute: group_alignment={group_alignment} must be at least 1")
     _check_backend("permute", backend)
+
+
+def _bucket_of_copies(
+    topk_idx_TK: Tensor, num_experts: int, keep_TK: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """The [T*K] bucket of each copy (its expert, or E when dropped) and the flat keep mask."""
+    expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
+    kept_copies_F = None
+    if keep_TK is not None:
+        kept_copies_F = keep_TK.reshape(-1)
+        # Dropped copies go to an extra bucket E, sorted after all real experts.
+        expert_of_copy_F = torch.where(
+            kept_copies_F, expert_of_copy_F, torch.full_like(expert_of_copy_F, num_experts)
+        )
+    return expert_of_copy_F, kept_copies_F
+
+
+def _count_copies(
+    expert_of_copy_F: Tensor,
+    num_experts: int,
+    num_copies: int,
+    tokens_per_expert_E: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Copies per bucket [E+1] (the last one dropped) and kept copies per expert [E] (int64).
+
+    Counts the buckets unless the caller passed ``tokens_per_expert_E``.
+    """
+    if tokens_per_expert_E is None:
+        device = expert_of_copy_F.device
+        copies_per_bucket = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+        copies_per_bucket.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
+        tokens_per_expert_E = copies_per_bucket[:num_experts].clone()
+    else:
+        tokens_per_expert_E = tokens_per_expert_E.to(torch.int64)
+        dropped = (num_copies - tokens_per_expert_E.sum()).reshape(1)
+        copies_per_bucket = torch.cat([tokens_per_expert_E, dropped])
+    return copies_per_bucket, tokens_per_expert_E
+
+
+def _gather_rows(
+    x_TD: Tensor,
+    source_token_P: Tensor,
+    row_of_copy_F: Tensor,
+    top_k: int,
+    backend: PermuteBackend,
+) -> Tensor:
+    """The [P, D] permuted rows of ``x_TD``, moved by ``backend``; differentiable."""
+    if backend == "triton":
+        return import_kernels("triton_permute", "permute").gather_rows(
+            x_TD, source_token_P, row_of_copy_F, top_k
+        )
+    return _GatherRows.apply(x_TD, source_token_P, row_of_copy_F, top_k)
 
 
 def _rows_of_copies(
