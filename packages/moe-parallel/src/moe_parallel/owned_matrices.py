@@ -100,6 +100,32 @@ class MatrixRun:
         )
 
 
+def _place_runs(
+    matrices: list[tuple[str, nn.Parameter, range | None]],
+    owners: list[int],
+    sizes: list[int],
+    shard_numel: int,
+    group_size: int,
+    decays: Callable[[str, nn.Parameter], bool],
+) -> tuple[list[MatrixRun], list[int]]:
+    """Place each matrix in its owner's section of the flat buffer, merging consecutive experts.
+
+    Returns the runs and, per rank, where the filled part of its section ends.
+    """
+    filled = [rank * shard_numel for rank in range(group_size)]
+    runs: list[MatrixRun] = []
+    for (name, p, experts), owner, size in zip(matrices, owners, sizes, strict=True):
+        run = MatrixRun(name, p, experts, owner, filled[owner], decays(name, p))
+        filled[owner] += size
+        if runs and run.follows(runs[-1]):
+            last = runs.pop()
+            run = MatrixRun(
+                name, p, range(last.experts.start, experts.stop), owner, last.offset, run.decays
+            )
+        runs.append(run)
+    return runs, filled
+
+
 class OwnedMatrices(GroupBucket):
     """One bucket of Muon matrices: their owners, this rank's state, the reduction in flight.
 
@@ -129,17 +155,9 @@ class OwnedMatrices(GroupBucket):
         self.shard_numel = max(loads)
         """Elements of a section: the most loaded owner's."""
         self.padded_numel = self.shard_numel * self.group_size
-        filled = [rank * self.shard_numel for rank in range(self.group_size)]
-        runs: list[MatrixRun] = []
-        for (name, p, experts), owner, size in zip(matrices, owners, sizes, strict=True):
-            run = MatrixRun(name, p, experts, owner, filled[owner], decays(name, p))
-            filled[owner] += size
-            if runs and run.follows(runs[-1]):
-                last = runs.pop()
-                run = MatrixRun(
-                    name, p, range(last.experts.start, experts.stop), owner, last.offset, run.decays
-                )
-            runs.append(run)
+        runs, filled = _place_runs(
+            matrices, owners, sizes, self.shard_numel, self.group_size, decays
+        )
         self.runs = runs
         """Every matrix of the bucket, in runs (consecutive experts merged)."""
         self.owned = [r for r in runs if r.owner == self.group_rank]
@@ -150,7 +168,14 @@ class OwnedMatrices(GroupBucket):
             if filled[rank] < (rank + 1) * self.shard_numel
         ]
         self._low = self.group_rank * self.shard_numel
+        self._init_state()
+        self._runs_of: dict[int, list[MatrixRun]] = {}
+        for r in runs:
+            self._runs_of.setdefault(id(r.param), []).append(r)
+        self._unwritten = {id(p) for p in self.params}
 
+    def _init_state(self) -> None:
+        """Allocate this rank's FP32 state: master weights if needed, momentum, gradient sums."""
         zeros = {"dtype": torch.float32, "device": self.device}
         self.master: Tensor | None = None
         """FP32 master weights of this rank's section; None when the parameters are FP32 and
@@ -165,10 +190,6 @@ class OwnedMatrices(GroupBucket):
 
         if is_low_precision(self.params[0]):
             self.grad_accum = torch.zeros(self.padded_numel, **zeros)
-        self._runs_of: dict[int, list[MatrixRun]] = {}
-        for r in runs:
-            self._runs_of.setdefault(id(r.param), []).append(r)
-        self._unwritten = {id(p) for p in self.params}
 
     def _section(self, section_tensor: Tensor, run: MatrixRun) -> Tensor:
         """`run`'s part of a tensor over this rank's section, shaped like the run."""
