@@ -125,17 +125,14 @@ class ShardedBucket(GroupBucket):
         self.padded_numel = self.shard_numel * self.group_size
         low = group_rank * self.shard_numel
         high = low + self.shard_numel
-        self.segments: list[Segment] = []
-        for (name, p), offset in zip(named_params, self.offsets, strict=True):
-            start, stop = max(offset, low), min(offset + p.numel(), high)
-            if start < stop:
-                self.segments.append(
-                    Segment(name, p, start - offset, start - low, stop - start, decays(name, p))
-                )
+        self.segments = _segments_in(named_params, self.offsets, low, high, decays)
         self.runs = _decay_runs(self.segments, self.shard_numel)
         """[start, stop, decays] ranges that cover the shard, by whether weight decay applies
         (used when a master shard is kept)."""
+        self._init_state()
 
+    def _init_state(self) -> None:
+        """Allocate this rank's FP32 state: master weights if needed, moments, gradient sums."""
         zeros = {"dtype": torch.float32, "device": self.device}
         self.master: Tensor | None = None
         """FP32 master weights of the shard; None when the parameters are FP32 and contiguous,
@@ -287,6 +284,24 @@ def _cut(shard_tensors: tuple[Tensor, ...], segment: Segment) -> tuple[Tensor, .
     """The range of `segment` in each of `shard_tensors` (tensors over the whole shard)."""
     part = slice(segment.shard_start, segment.shard_start + segment.numel)
     return tuple(t[part] for t in shard_tensors)
+
+
+def _segments_in(
+    named_params: list[tuple[str, nn.Parameter]],
+    offsets: list[int],
+    low: int,
+    high: int,
+    decays: Callable[[str, nn.Parameter], bool],
+) -> list[Segment]:
+    """The pieces of the parameters (at `offsets` in the flat bucket) within [low, high)."""
+    segments: list[Segment] = []
+    for (name, p), offset in zip(named_params, offsets, strict=True):
+        start, stop = max(offset, low), min(offset + p.numel(), high)
+        if start < stop:
+            segments.append(
+                Segment(name, p, start - offset, start - low, stop - start, decays(name, p))
+            )
+    return segments
 
 
 def _decay_runs(segments: list[Segment], shard_numel: int) -> list[tuple[int, int, bool]]:
