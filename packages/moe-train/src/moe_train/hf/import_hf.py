@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -374,16 +375,34 @@ def _read_weights(
     hf_dir: Path, config: Config, architecture: Architecture
 ) -> tuple[dict[str, Tensor], list[str]]:
     """Our model tensors (float32), each assembled from the hub tensors cut from it."""
-    from safetensors import SafetensorError, safe_open
-
     files = _shard_files(hf_dir)
     shapes = checkpoint_shapes(config.model)
     by_source: dict[str, list[HFTensor]] = defaultdict(list)
     for t in architecture.tensors:
         if t.source is not None:
             by_source[t.source].append(t)
+    ignored = _ignored_hub_tensors(hf_dir, files, architecture, config.model.n_layers)
+
+    tensors: dict[str, Tensor] = {}
+    with ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+
+        def read(t: HFTensor) -> Tensor:
+            return _read_hub_tensor(hf_dir, files, stack, opened, t)
+
+        for t in architecture.tensors:
+            if t.source is None:  # GLM-4-MoE's empty shared-expert MLP: present, no elements
+                read(t)
+        for name, shape in shapes.items():
+            tensors[name] = _assemble(name, shape, by_source, files, read)
+    return tensors, ignored
+
+
+def _ignored_hub_tensors(
+    hf_dir: Path, files: dict[str, Path], architecture: Architecture, n_layers: int
+) -> list[str]:
+    """The hub tensors we leave out (multi-token prediction); raise for any other extra one."""
     wanted = {t.name for t in architecture.tensors}
-    n_layers = config.model.n_layers
     unexpected, ignored = [], []
     for name in files:
         if name in wanted:
@@ -400,44 +419,50 @@ def _read_weights(
             f"{hf_dir}: tensor {unexpected[0]}{more} has no place in our model "
             f"({architecture.name} as our model represents it)"
         )
+    return ignored
 
-    tensors: dict[str, Tensor] = {}
-    with ExitStack() as stack:
-        opened: dict[Path, Any] = {}
 
-        def read(t: HFTensor) -> Tensor:
-            if t.name not in files:
-                raise ImportHFError(f"{hf_dir}: tensor {t.name} is missing")
-            file = files[t.name]
-            try:
-                if file not in opened:
-                    opened[file] = stack.enter_context(safe_open(file, "pt"))
-                value = opened[file].get_tensor(t.name)
-            except (OSError, SafetensorError) as e:
-                raise ImportHFError(f"{file}: cannot read tensor {t.name}: {e}") from e
-            if tuple(value.shape) != t.shape:
-                raise ImportHFError(
-                    f"{file}: tensor {t.name} has shape {tuple(value.shape)}, config.json "
-                    f"gives {t.shape}"
-                )
-            return value
+def _read_hub_tensor(
+    hf_dir: Path, files: dict[str, Path], stack: ExitStack, opened: dict[Path, Any], t: HFTensor
+) -> Tensor:
+    """Read hub tensor `t` from its shard (opened once, kept open in `stack`); check its shape."""
+    from safetensors import SafetensorError, safe_open
 
-        for t in architecture.tensors:
-            if t.source is None:  # GLM-4-MoE's empty shared-expert MLP: present, no elements
-                read(t)
-        for name, shape in shapes.items():
-            target = torch.zeros(shape, dtype=torch.float32)
-            covered = torch.zeros(shape, dtype=torch.uint8)
-            for t in by_source.get(name, []):
-                value = read(t)
-                if not value.is_floating_point():
-                    raise ImportHFError(f"{files[t.name]}: tensor {t.name} is {value.dtype}")
-                rows = (target, covered) if t.row is None else (target[t.row], covered[t.row])
-                t.take(rows[0]).copy_(value)
-                t.take(rows[1]).add_(1)
-            # Only GLM-4-MoE stores a selection bias; a softmax router's stays zero.
-            bias_zero = name.endswith(".router.expert_bias") and name not in by_source
-            if not bias_zero and not bool((covered == 1).all()):
-                raise AssertionError(f"the mapping does not tile {name} exactly once")
-            tensors[name] = target
-    return tensors, ignored
+    if t.name not in files:
+        raise ImportHFError(f"{hf_dir}: tensor {t.name} is missing")
+    file = files[t.name]
+    try:
+        if file not in opened:
+            opened[file] = stack.enter_context(safe_open(file, "pt"))
+        value = opened[file].get_tensor(t.name)
+    except (OSError, SafetensorError) as e:
+        raise ImportHFError(f"{file}: cannot read tensor {t.name}: {e}") from e
+    if tuple(value.shape) != t.shape:
+        raise ImportHFError(
+            f"{file}: tensor {t.name} has shape {tuple(value.shape)}, config.json gives {t.shape}"
+        )
+    return value
+
+
+def _assemble(
+    name: str,
+    shape: tuple[int, ...],
+    by_source: dict[str, list[HFTensor]],
+    files: dict[str, Path],
+    read: Callable[[HFTensor], Tensor],
+) -> Tensor:
+    """Our tensor `name` (float32), filled from the hub tensors cut from it, each place once."""
+    target = torch.zeros(shape, dtype=torch.float32)
+    covered = torch.zeros(shape, dtype=torch.uint8)
+    for t in by_source.get(name, []):
+        value = read(t)
+        if not value.is_floating_point():
+            raise ImportHFError(f"{files[t.name]}: tensor {t.name} is {value.dtype}")
+        rows = (target, covered) if t.row is None else (target[t.row], covered[t.row])
+        t.take(rows[0]).copy_(value)
+        t.take(rows[1]).add_(1)
+    # Only GLM-4-MoE stores a selection bias; a softmax router's stays zero.
+    bias_zero = name.endswith(".router.expert_bias") and name not in by_source
+    if not bias_zero and not bool((covered == 1).all()):
+        raise AssertionError(f"the mapping does not tile {name} exactly once")
+    return target
