@@ -97,16 +97,17 @@ class TokenDataset:
             _check_masks(self.sources)
             self.packed = [_pack(s, seq_len + 1, split_long_examples) for s in self.sources]
 
-        eos_ids = sorted({s.eos_id for s in self.sources if s.eos_id is not None})
-        if len(eos_ids) > 1:
-            listing = ", ".join(f"{s.path} (eos_id={s.eos_id})" for s in self.sources)
-            raise DataError(
-                f"data.paths were prepared with different tokenizers: {listing}; "
-                "prepare them all with the same tokenizer"
-            )
-        self.eos_id: int | None = eos_ids[0] if eos_ids else None
+        self.eos_id: int | None = _common_eos_id(self.sources)
         """End-of-document id, when any source declares one."""
+        self._lay_out_windows()
+        self._index_dtype = np.int32 if self.num_sequences < 2**31 else np.int64
+        self._permutations: dict[tuple[int, int], np.ndarray] = {}
+        # Batches may be read ahead in a thread while the loop counts tokens.
+        self._permutations_lock = threading.Lock()
 
+    def _lay_out_windows(self) -> None:
+        """Number the windows of one epoch across the sources; raise DataError if there are none."""
+        seq_len = self.seq_len
         windows_per_source = np.array(
             [len(p.starts) for p in self.packed]
             if self.packed is not None
@@ -129,10 +130,6 @@ class TokenDataset:
                 f"{max(s.num_tokens for s in self.sources)}), fewer than data.seq_len+1 = "
                 f"{seq_len + 1} in any one source; add data or lower data.seq_len"
             )
-        self._index_dtype = np.int32 if self.num_sequences < 2**31 else np.int64
-        self._permutations: dict[tuple[int, int], np.ndarray] = {}
-        # Batches may be read ahead in a thread while the loop counts tokens.
-        self._permutations_lock = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
@@ -298,6 +295,18 @@ def check_batch_args(step: int, global_batch_size: int, seed: int) -> None:
         raise DataError(f"data.global_batch_size={global_batch_size} must be >= 1")
     if seed < 0:
         raise DataError(f"train.seed={seed} must be >= 0")
+
+
+def _common_eos_id(sources: Sequence[TokenSource]) -> int | None:
+    """The end-of-document id the sources declare (None if none does); raise if they differ."""
+    eos_ids = sorted({s.eos_id for s in sources if s.eos_id is not None})
+    if len(eos_ids) > 1:
+        listing = ", ".join(f"{s.path} (eos_id={s.eos_id})" for s in sources)
+        raise DataError(
+            f"data.paths were prepared with different tokenizers: {listing}; "
+            "prepare them all with the same tokenizer"
+        )
+    return eos_ids[0] if eos_ids else None
 
 
 def _check_masks(sources: Sequence[TokenSource]) -> None:
