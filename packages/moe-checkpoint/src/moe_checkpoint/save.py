@@ -259,6 +259,22 @@ def save_checkpoint(
         comm, final_dir, step, slices, categories, trainer_state, max_file_bytes,
         checksum_chunk_bytes,
     )  # fmt: skip
+    _create_files_together(comm, tmp_dir, plan)
+    _phase("files_created")
+
+    handle = SaveHandle(step, final_dir, tmp_dir, plan, comm, trainer_state_json)
+    placements = _placements(slices, plan)
+    if asynchronous:
+        _in_flight = handle
+        _stage_and_write_in_background(handle, placements)
+        return handle
+    handle._start_writing(placements, background=False)
+    handle.wait()
+    return handle
+
+
+def _create_files_together(comm: Communicator, tmp_dir: Path, plan: SavePlan) -> None:
+    """Rank 0 creates the plan's files in `tmp_dir`; every rank raises if that failed."""
     error = None
     if comm.rank == 0:
         try:
@@ -266,26 +282,21 @@ def save_checkpoint(
         except OSError as e:
             error = f"creating {e.filename or tmp_dir}: {e.strerror or e}"
     comm.exchange(error=error)
-    _phase("files_created")
 
-    handle = SaveHandle(step, final_dir, tmp_dir, plan, comm, trainer_state_json)
-    placements = _placements(slices, plan)
-    if asynchronous:
-        _in_flight = handle
-        try:
-            staged = _staging.stage([(p.data, p.dtype) for p in placements])
-        except (RuntimeError, MemoryError) as e:  # reported to every rank by wait()
-            handle._write_error = f"staging a copy of the owned data: {e}"
-            return handle
-        placements = [
-            Placement(p.file_index, p.offset, data, p.dtype)
-            for p, data in zip(placements, staged, strict=True)
-        ]
-        handle._start_writing(placements, background=True)
-        return handle
-    handle._start_writing(placements, background=False)
-    handle.wait()
-    return handle
+
+def _stage_and_write_in_background(handle: SaveHandle, placements: list[Placement]) -> None:
+    """Copy the owned data aside and start writing it in a thread; a failure to copy is kept
+    for `handle.wait()` to report to every rank."""
+    try:
+        staged = _staging.stage([(p.data, p.dtype) for p in placements])
+    except (RuntimeError, MemoryError) as e:  # reported to every rank by wait()
+        handle._write_error = f"staging a copy of the owned data: {e}"
+        return
+    placements = [
+        Placement(p.file_index, p.offset, data, p.dtype)
+        for p, data in zip(placements, staged, strict=True)
+    ]
+    handle._start_writing(placements, background=True)
 
 
 def _agree_on_plan(
