@@ -21,11 +21,9 @@ from moe_train.files_digest import files_digest
 
 def model_card(trainer_state: dict[str, Any], config: Config, architecture: str, name: str) -> str:
     """Markdown with a Hugging Face metadata header."""
-    model, data, optim = config.model, config.data, config.optim
-    moe = model.moe
     step = int(trainer_state["step"])
-    tokens = step * data.global_batch_size * data.seq_len
-    params = count_params(model)
+    tokens = step * config.data.global_batch_size * config.data.seq_len
+    params = count_params(config.model)
     manifest = trainer_state.get("manifest") or {}
     lines = [
         "---",
@@ -41,36 +39,10 @@ def model_card(trainer_state: dict[str, Any], config: Config, architecture: str,
         f"({_count(params.active)} active per token), trained with moe-stack for {step:,} "
         f"steps on {tokens:,} tokens and exported as `{architecture}`.",
         "",
-        "## Architecture",
-        "",
-        "| | |",
-        "| --- | --- |",
-        f"| layers | {model.n_layers} ({model.dense_layers} dense first) |",
-        f"| model width | {model.d_model} |",
-        f"| attention heads (key/value) | {model.n_heads} ({model.n_kv_heads}) |",
-        f"| experts per layer | {moe.num_experts} routed, top-{moe.top_k} "
-        f"({moe.router}), {moe.shared_experts} shared, width {moe.expert_hidden} |",
-        f"| vocabulary | {model.vocab_size} |",
-        f"| context | {data.seq_len} tokens |",
-        f"| parameters | {params.total:,} ({params.active:,} active matmul) |",
-        "",
-        "## Training",
-        "",
-        "| | |",
-        "| --- | --- |",
-        f"| steps | {step:,} of {config.train.max_steps:,} |",
-        f"| tokens | {tokens:,} ({data.global_batch_size} x {data.seq_len} per step) |",
-        f"| optimizer | AdamW, lr {optim.lr:g}, betas {optim.betas}, weight decay "
-        f"{optim.weight_decay:g}, {optim.schedule} schedule, {optim.warmup_steps} warmup steps |",
-        f"| precision | compute {config.precision.compute_dtype}, parameters "
-        f"{config.precision.param_dtype}, expert GEMMs {config.precision.expert_gemm} |",
-        f"| seed | {config.train.seed} |",
-        f"| layout | {_layout(trainer_state.get('topology'))} |",
-        f"| last evaluation loss | {_eval_loss(trainer_state)} |",
-        "",
-        "## Data",
-        "",
     ]
+    lines += _architecture_lines(config, params.total, params.active)
+    lines += _training_lines(trainer_state, config, step, tokens)
+    lines += ["", "## Data", ""]
     lines += _data_lines(manifest.get("data"), _tokens_seen(trainer_state, tokens))
     lines += ["", "## Code", ""]
     lines += _code_lines(manifest)
@@ -84,6 +56,49 @@ def model_card(trainer_state: dict[str, Any], config: Config, architecture: str,
         "",
     ]
     return "\n".join(lines)
+
+
+def _architecture_lines(config: Config, total: int, active: int) -> list[str]:
+    """The "Architecture" section: the model's shape and its `total` and `active` parameters."""
+    model, data = config.model, config.data
+    moe = model.moe
+    return [
+        "## Architecture",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| layers | {model.n_layers} ({model.dense_layers} dense first) |",
+        f"| model width | {model.d_model} |",
+        f"| attention heads (key/value) | {model.n_heads} ({model.n_kv_heads}) |",
+        f"| experts per layer | {moe.num_experts} routed, top-{moe.top_k} "
+        f"({moe.router}), {moe.shared_experts} shared, width {moe.expert_hidden} |",
+        f"| vocabulary | {model.vocab_size} |",
+        f"| context | {data.seq_len} tokens |",
+        f"| parameters | {total:,} ({active:,} active matmul) |",
+        "",
+    ]
+
+
+def _training_lines(
+    trainer_state: dict[str, Any], config: Config, step: int, tokens: int
+) -> list[str]:
+    """The "Training" section: how far, on what, with which optimizer, precision and layout."""
+    data, optim = config.data, config.optim
+    return [
+        "## Training",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| steps | {step:,} of {config.train.max_steps:,} |",
+        f"| tokens | {tokens:,} ({data.global_batch_size} x {data.seq_len} per step) |",
+        f"| optimizer | AdamW, lr {optim.lr:g}, betas {optim.betas}, weight decay "
+        f"{optim.weight_decay:g}, {optim.schedule} schedule, {optim.warmup_steps} warmup steps |",
+        f"| precision | compute {config.precision.compute_dtype}, parameters "
+        f"{config.precision.param_dtype}, expert GEMMs {config.precision.expert_gemm} |",
+        f"| seed | {config.train.seed} |",
+        f"| layout | {_layout(trainer_state.get('topology'))} |",
+        f"| last evaluation loss | {_eval_loss(trainer_state)} |",
+    ]
 
 
 def _tokens_seen(trainer_state: dict[str, Any], tokens: int) -> dict[str, int]:
