@@ -85,24 +85,8 @@ def export_checkpoint(
     ExportError (before anything is written) when no architecture transformers has computes
     exactly the same logits."""
     out = Path(out)
-    if dtype not in EXPORT_DTYPES:
-        raise ExportError(f"--dtype={dtype} must be one of {', '.join(EXPORT_DTYPES)}")
-    if name is not None and (not name.strip() or len(name.splitlines()) != 1):
-        raise ExportError(f"--name={name!r} must be a non-empty name on one line")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"--out {out} already exists and is not an empty directory")
-    try:
-        ckpt = resolve_checkpoint(checkpoint)
-        trainer_state = read_trainer_state(ckpt)
-        config = config_from_dict(trainer_state["config"])
-        stored = {
-            name: tuple(t["shape"])
-            for name, t in checkpoint_summary(ckpt, verify=False)["tensors"].items()
-        }
-        bias_names = [n for n in stored if n.endswith(".ffn.router.expert_bias")]
-        biases = load_slices(ckpt, [SliceRequest.whole(n, stored[n]) for n in bias_names])
-    except CheckpointError as e:
-        raise MoeTrainError(str(e)) from e
+    _check_export_args(out, dtype, name)
+    ckpt, trainer_state, config, stored, biases = _read_checkpoint(checkpoint)
     architecture = choose_architecture(config, any(bool(b.any()) for b in biases))
     transformers = _transformers()
     with_tokenizer, tokenizer_file, eos_id, notes = tokenizer_of_run(config)
@@ -121,15 +105,7 @@ def export_checkpoint(
 
     with written_whole(out, "export") as scratch:
         _write_weights(ckpt, stored, architecture, scratch, EXPORT_DTYPES[dtype], max_shard_bytes)
-        hf_config = getattr(transformers, architecture.config_class)(
-            **architecture.config_kwargs, eos_token_id=eos_id, bos_token_id=None, pad_token_id=None
-        )
-        hf_config.architectures = [architecture.name]
-        hf_config.dtype = dtype
-        hf_config.save_pretrained(scratch)
-        transformers.GenerationConfig(
-            eos_token_id=generation_eos(generation_end), pad_token_id=eos_id, do_sample=False
-        ).save_pretrained(scratch)
+        _write_configs(transformers, architecture, dtype, eos_id, generation_end, scratch)
         if with_tokenizer:
             write_tokenizer(transformers, tokenizer_file, eos_id, scratch)
         title = run_name(config, ckpt) if name is None else name.strip()
@@ -137,6 +113,56 @@ def export_checkpoint(
         (scratch / "README.md").write_text(card)
     files = sorted(p.name for p in out.iterdir())
     return ExportResult(out, ckpt, architecture.name, files, notes)
+
+
+def _check_export_args(out: Path, dtype: str, name: str | None) -> None:
+    """Raise ExportError for a dtype, card name or output directory export cannot take."""
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"--dtype={dtype} must be one of {', '.join(EXPORT_DTYPES)}")
+    if name is not None and (not name.strip() or len(name.splitlines()) != 1):
+        raise ExportError(f"--name={name!r} must be a non-empty name on one line")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"--out {out} already exists and is not an empty directory")
+
+
+def _read_checkpoint(
+    checkpoint: str | Path,
+) -> tuple[Path, dict[str, Any], Config, dict[str, tuple[int, ...]], list[Tensor]]:
+    """The checkpoint directory, its trainer state and config, its tensors' shapes and its
+    routers' selection biases; a CheckpointError becomes a MoeTrainError."""
+    try:
+        ckpt = resolve_checkpoint(checkpoint)
+        trainer_state = read_trainer_state(ckpt)
+        config = config_from_dict(trainer_state["config"])
+        stored = {
+            name: tuple(t["shape"])
+            for name, t in checkpoint_summary(ckpt, verify=False)["tensors"].items()
+        }
+        bias_names = [n for n in stored if n.endswith(".ffn.router.expert_bias")]
+        biases = load_slices(ckpt, [SliceRequest.whole(n, stored[n]) for n in bias_names])
+    except CheckpointError as e:
+        raise MoeTrainError(str(e)) from e
+    return ckpt, trainer_state, config, stored, biases
+
+
+def _write_configs(
+    transformers: Any,
+    architecture: Architecture,
+    dtype: str,
+    eos_id: int | None,
+    generation_end: list[int],
+    scratch: Path,
+) -> None:
+    """Write config.json and generation_config.json for `architecture` into `scratch`."""
+    hf_config = getattr(transformers, architecture.config_class)(
+        **architecture.config_kwargs, eos_token_id=eos_id, bos_token_id=None, pad_token_id=None
+    )
+    hf_config.architectures = [architecture.name]
+    hf_config.dtype = dtype
+    hf_config.save_pretrained(scratch)
+    transformers.GenerationConfig(
+        eos_token_id=generation_eos(generation_end), pad_token_id=eos_id, do_sample=False
+    ).save_pretrained(scratch)
 
 
 def run_name(config: Config, ckpt: Path) -> str:
