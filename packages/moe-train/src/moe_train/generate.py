@@ -221,16 +221,7 @@ def generate(
     stops at the end tokens of `moe_train.end_tokens.checkpoint_end_ids`. `chat`: the prompt
     text is a user message put through the run's chat template (`chat_prompt`), and
     generation also stops at the template's end-of-turn token."""
-    if (prompt is None) == (prompt_ids is None):
-        raise MoeTrainError("give a prompt as --prompt TEXT or as --prompt-ids 1,2,3")
-    if chat and prompt is None:
-        raise MoeTrainError("--chat takes the prompt as text (--prompt TEXT), a user message")
-    if max_new_tokens < 0:
-        raise MoeTrainError(f"--max-new-tokens={max_new_tokens} must be at least 0")
-    if not temperature >= 0:
-        raise MoeTrainError(f"--temperature={temperature} must be at least 0 (0: greedy)")
-    if top_k < 0:
-        raise MoeTrainError(f"--top-k={top_k} must be at least 0 (0: the whole vocabulary)")
+    _check_generate_args(prompt, prompt_ids, chat, max_new_tokens, temperature, top_k)
     model, config, ckpt = load_checkpoint_model(checkpoint, device)
     tokenizer, eos_id = run_tokenizer(config)
     vocab_size = config.model.vocab_size
@@ -258,11 +249,37 @@ def generate(
         eos_id=stop_ids,
     )
     new_ids = [int(i) for i in new_BN[0]]
-    last = new_ids[-1] if new_ids else None
-    stop_reason: StopReason = "length"
-    if last is not None and last == end_of_turn:
-        stop_reason = "end_of_turn"
-    elif last is not None and last in stop_ids:
-        stop_reason = "eos"
+    stop_reason = _stop_reason(new_ids, end_of_turn, stop_ids)
     text = tokenizer.decode(new_ids) if tokenizer is not None else None
     return Generated(ckpt, ids, new_ids, text, stop_reason)
+
+
+def _check_generate_args(
+    prompt: str | None,
+    prompt_ids: Sequence[int] | str | None,
+    chat: bool,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+) -> None:
+    """Raise MoeTrainError (naming the CLI flag) for arguments `generate` cannot take."""
+    if (prompt is None) == (prompt_ids is None):
+        raise MoeTrainError("give a prompt as --prompt TEXT or as --prompt-ids 1,2,3")
+    if chat and prompt is None:
+        raise MoeTrainError("--chat takes the prompt as text (--prompt TEXT), a user message")
+    if max_new_tokens < 0:
+        raise MoeTrainError(f"--max-new-tokens={max_new_tokens} must be at least 0")
+    if not temperature >= 0:
+        raise MoeTrainError(f"--temperature={temperature} must be at least 0 (0: greedy)")
+    if top_k < 0:
+        raise MoeTrainError(f"--top-k={top_k} must be at least 0 (0: the whole vocabulary)")
+
+
+def _stop_reason(new_ids: list[int], end_of_turn: int | None, stop_ids: list[int]) -> StopReason:
+    """Why generation stopped: on the end-of-turn token, on another end token, or at the length."""
+    last = new_ids[-1] if new_ids else None
+    if last is not None and last == end_of_turn:
+        return "end_of_turn"
+    if last is not None and last in stop_ids:
+        return "eos"
+    return "length"
