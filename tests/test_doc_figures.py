@@ -7,14 +7,17 @@
   memory per device that command prints for the config's own layout.
 - docs/planner.md's *Over memory here* figures are the memory the planner predicts.
 - docs/interop.md names the keys `generate --json` prints and the stop reasons it can give.
+- docs/package-graph.png draws the packages and arrows of packages/*/pyproject.toml.
 - The quickstart's model, steps and shipped-config sizes are those of the configs, and its
   example error line (and the README's) is what the config loader says.
 """
 
 import functools
+import importlib.util
 import json
 import re
 import shlex
+import sys
 import typing
 from pathlib import Path
 
@@ -271,3 +274,29 @@ def test_the_error_line_of_readme_and_quickstart_is_the_configs():
     line = f"error: {error.value}"
     for page in (ROOT / "README.md", ROOT / "docs" / "quickstart.md"):
         assert f"`{line}`" in " ".join(page.read_text().split()), page.name
+
+
+def _package_graph_script():
+    spec = importlib.util.spec_from_file_location(
+        "package_graph", ROOT / "scripts/package_graph.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_package_picture_draws_the_pyproject_dependencies(tmp_path):
+    graph = _package_graph_script()
+    packages = graph.read_packages()
+    assert len(packages) == len(list((ROOT / "packages").glob("*/pyproject.toml")))
+    assert graph.drawn_graph(graph.PICTURE) == graph.described(packages), (
+        "docs/package-graph.png is out of date: run `uv run python scripts/package_graph.py`"
+    )
+    # A package gaining an arrow makes the stored graph differ.
+    first = packages[0]
+    changed = [first.__class__(first.name, first.module, (*first.siblings, "moestack-x"), False)]
+    assert graph.described(changed + packages[1:]) != graph.described(packages)
+    # What draw() stores is what drawn_graph() reads back.
+    graph.draw(packages[:2], tmp_path / "two.png")
+    assert graph.drawn_graph(tmp_path / "two.png") == graph.described(packages[:2])
