@@ -136,6 +136,12 @@ def test_rows_read_only_the_asked_part_of_a_batch(sources):
         assert not whole.equal(dataset.batch(step, 16, seed=4))
 
 
+def test_a_mixture_names_each_source_s_share_once_whatever_its_paths(sources):
+    two_paths = MixtureSource("web+code", [str(sources["web"]), str(sources["code"])], 3)
+    dataset = MixedDataset([two_paths, MixtureSource("books", [str(sources["books"])], 1)], 32)
+    assert repr(dataset) == "MixedDataset({web+code: 0.75, books: 0.25}, seq_len=32)"
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

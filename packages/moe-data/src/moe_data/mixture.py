@@ -160,7 +160,7 @@ class MixedDataset:
     def __repr__(self) -> str:
         shares = ", ".join(
             f"{name}: {share:.3g}"
-            for name, share in zip(self.source_names, self.weights, strict=True)
+            for name, share in zip(self.mixture_names, self.weights, strict=True)
         )
         return f"MixedDataset({{{shares}}}, seq_len={self.seq_len})"
 
