@@ -3,6 +3,7 @@
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from moe_train.cli.command import Command
 from moe_train.errors import DataError
@@ -59,10 +60,17 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
+    meta, contents = _prepare_text(args) if args.format == "text" else _prepare_conversations(args)
+    print(
+        f"wrote {meta['num_tokens']:,} tokens of {meta['num_documents']:,} {contents} to {args.out}"
+    )
+    return 0
+
+
+def _prepare_text(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """--format text, documents for pretraining: the written meta and what it holds, in words."""
     from moe_data import prepare_data, usable_cores
 
-    if args.format != "text":
-        return _handle_conversations(args)
     if args.train_on != "assistant":
         raise DataError("--train-on applies to --format chat and prompt-completion only")
     meta = prepare_data(
@@ -75,14 +83,12 @@ def _handle(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         progress=sys.stderr,
     )
-    print(
-        f"wrote {meta['num_tokens']:,} tokens of {meta['num_documents']:,} documents "
-        f"({meta['dtype']}, {len(meta['shards'])} shards) to {args.out}"
-    )
-    return 0
+    return meta, f"documents ({meta['dtype']}, {len(meta['shards'])} shards)"
 
 
-def _handle_conversations(args: argparse.Namespace) -> int:
+def _prepare_conversations(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """--format chat or prompt-completion, conversations with a label mask: the written meta
+    and what it holds, in words."""
     from moe_data import prepare_conversations
 
     for flag, value, default in (
@@ -104,12 +110,8 @@ def _handle_conversations(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         progress=sys.stderr,
     )
-    print(
-        f"wrote {meta['num_tokens']:,} tokens of {meta['num_documents']:,} conversations "
-        f"({meta['trained_tokens']:,} trained on, {meta['dtype']}) with a label mask to "
-        f"{args.out}"
-    )
-    return 0
+    trained = f"{meta['trained_tokens']:,} trained on, {meta['dtype']}"
+    return meta, f"conversations ({trained}) with a label mask"
 
 
 PREPARE_DATA = Command(

@@ -140,13 +140,7 @@ def _flex_olmo(config: Config) -> Architecture:
             "projections (model.qk_norm: projection)"
         )
     _refuse_dense_layers(model, "FlexOlmo")
-    kwargs = _base_config(config) | {
-        "intermediate_size": moe.expert_hidden,
-        "num_experts": moe.num_experts,
-        "norm_topk_prob": moe.normalize_topk,
-        "router_aux_loss_coef": moe.lb_loss_weight,
-        "attention_bias": False,
-    }
+    kwargs = _olmoe_config(config)
     tensors = hub_tensors(model, OLMOE)
     return Architecture("FlexOlmoForCausalLM", "FlexOlmoConfig", kwargs, tensors)
 
@@ -243,6 +237,18 @@ def _common_config(config: Config) -> dict[str, Any]:
     }
 
 
+def _olmoe_config(config: Config) -> dict[str, Any]:
+    """The options OLMoE and FlexOlmo, which share attention and experts, add to the base ones."""
+    moe = config.model.moe
+    return _base_config(config) | {
+        "intermediate_size": moe.expert_hidden,
+        "num_experts": moe.num_experts,
+        "norm_topk_prob": moe.normalize_topk,
+        "router_aux_loss_coef": moe.lb_loss_weight,
+        "attention_bias": False,
+    }
+
+
 def rope_parameters(model: ModelConfig) -> dict[str, Any]:
     """config.json's `rope_parameters` for the model's RoPE (and its scaling)."""
     scaling = model.rope_scaling
@@ -302,16 +308,9 @@ def _glm4_moe(config: Config) -> Architecture:
 
 
 def _olmoe(config: Config) -> Architecture:
-    model = config.model
-    kwargs = _base_config(config) | {
-        "intermediate_size": model.moe.expert_hidden,
-        "num_experts": model.moe.num_experts,
-        "norm_topk_prob": model.moe.normalize_topk,
-        "router_aux_loss_coef": model.moe.lb_loss_weight,
-        "attention_bias": False,
-        "clip_qkv": None,
-    }
-    return Architecture("OlmoeForCausalLM", "OlmoeConfig", kwargs, hub_tensors(model, OLMOE))
+    kwargs = _olmoe_config(config) | {"clip_qkv": None}
+    tensors = hub_tensors(config.model, OLMOE)
+    return Architecture("OlmoeForCausalLM", "OlmoeConfig", kwargs, tensors)
 
 
 def _mixtral(config: Config) -> Architecture:
