@@ -21,7 +21,13 @@ from moe_dispatch.capacity import (
     check_capacity_factor,
     keep_within_capacity,
 )
-from moe_dispatch.protocol import DispatchHandle, check_expert_output, check_routing, state_of
+from moe_dispatch.protocol import (
+    DispatchHandle,
+    RoutedDispatcher,
+    Routing,
+    check_expert_output,
+    state_of,
+)
 from moe_dispatch.transport_a2a import exchange_rows
 from moe_kernels import Permutation, permute, unpermute
 
@@ -56,13 +62,12 @@ class _AllToAllState:
     topk_weight_TK: Tensor
 
 
-class ExpertsOverGroup:
+class ExpertsOverGroup(RoutedDispatcher):
     """What the dispatchers that exchange rows over one EP group share: group rank r holds
     experts ``[r * E / ep, (r + 1) * E / ep)``, and each source rank keeps per expert the
     copies ``capacity`` allows (all when ``capacity_factor`` is None)."""
 
     backend = "ExpertsOverGroup"
-    """The class name argument errors start with."""
 
     def __init__(
         self,
@@ -98,21 +103,14 @@ class AllToAllDispatcher(ExpertsOverGroup):
 
     backend = "AllToAllDispatcher"
 
-    def dispatch(
-        self,
-        x_TD: Tensor,
-        topk_idx_TK: Tensor,
-        topk_weight_TK: Tensor,
-        copies_per_expert: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, DispatchHandle]:
+    def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Send each kept copy to its expert's rank; rows grouped by local expert."""
-        check_routing("AllToAllDispatcher", topk_idx_TK, topk_weight_TK)
         ep, num_local = self.ep, self.num_local_experts
         keep_TK, kept_E = keep_within_capacity(
-            topk_idx_TK, self.num_experts, self.capacity_factor, copies_per_expert
+            routing.topk_idx_TK, self.num_experts, self.capacity_factor, routing.copies_per_expert
         )
         x_sorted_FD, send_permutation = permute(
-            x_TD, topk_idx_TK, self.num_experts, keep_TK, tokens_per_expert_E=kept_E
+            x_TD, routing.topk_idx_TK, self.num_experts, keep_TK, tokens_per_expert_E=kept_E
         )
 
         # Global expert e = r * L + l, so the [E] counts are already [ep, L] by destination.
@@ -146,10 +144,10 @@ class AllToAllDispatcher(ExpertsOverGroup):
             recv_permutation=recv_permutation,
             send_splits=send_splits,
             recv_splits=recv_splits,
-            topk_weight_TK=topk_weight_TK,
+            topk_weight_TK=routing.topk_weight_TK,
         )
         handle = DispatchHandle.from_kept(
-            state, send_counts_E, topk_idx_TK.numel(), recv_permutation.offsets
+            state, send_counts_E, routing.num_copies, recv_permutation.offsets
         )
         return expert_input_PD, recv_permutation.rows_per_expert, handle
 

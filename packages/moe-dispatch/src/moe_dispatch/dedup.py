@@ -25,7 +25,7 @@ from torch import Tensor
 
 from moe_dispatch.all_to_all import ExpertsOverGroup
 from moe_dispatch.capacity import keep_within_capacity
-from moe_dispatch.protocol import DispatchHandle, check_expert_output, check_routing, state_of
+from moe_dispatch.protocol import DispatchHandle, Routing, check_expert_output, state_of
 from moe_dispatch.transport_a2a import exchange_rows
 from moe_kernels import Permutation, permute, unpermute
 
@@ -179,23 +179,16 @@ class DedupAllToAllDispatcher(ExpertsOverGroup):
         )
         return expert_input_CD, recv_permutation, expert_rows
 
-    def dispatch(
-        self,
-        x_TD: Tensor,
-        topk_idx_TK: Tensor,
-        topk_weight_TK: Tensor,
-        copies_per_expert: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, DispatchHandle]:
+    def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Send each token once to each rank holding a kept copy; rows grouped by local
         expert on arrival (one row per copy)."""
-        num_tokens, _ = check_routing("DedupAllToAllDispatcher", topk_idx_TK, topk_weight_TK)
-        expert_TK = topk_idx_TK.to(torch.int64)
-        keep_TK, kept_E = self._kept_copies(expert_TK, copies_per_expert)
+        expert_TK = routing.topk_idx_TK.to(torch.int64)
+        keep_TK, kept_E = self._kept_copies(expert_TK, routing.copies_per_expert)
         destinations = _destinations(expert_TK // self.num_local_experts, keep_TK, self.ep)
         send_splits, recv_splits, copies_L = self._exchange_counts(kept_E, destinations.rows_P)
         peer_S, token_S = _rows_to_send(destinations, sum(send_splits))
         local_SK, weight_SK = _row_routing(
-            expert_TK, keep_TK, topk_weight_TK, peer_S, token_S, self.num_local_experts
+            expert_TK, keep_TK, routing.topk_weight_TK, peer_S, token_S, self.num_local_experts
         )
         recv_x_RD, recv_local_RK, recv_weight_RK = self._send_rows(
             x_TD[token_S], local_SK, weight_SK, (send_splits, recv_splits)
@@ -210,10 +203,10 @@ class DedupAllToAllDispatcher(ExpertsOverGroup):
             send_splits=send_splits,
             recv_splits=recv_splits,
             expert_rows=expert_rows,
-            num_tokens=num_tokens,
+            num_tokens=routing.num_tokens,
         )
         handle = DispatchHandle.from_kept(
-            state, kept_E, topk_idx_TK.numel(), recv_permutation.offsets
+            state, kept_E, routing.num_copies, recv_permutation.offsets
         )
         # The copies of other ranks' experts sat after the groups: not handed to the experts.
         return expert_input_CD[:expert_rows], recv_permutation.rows_per_expert, handle

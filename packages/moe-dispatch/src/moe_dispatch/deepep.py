@@ -45,8 +45,9 @@ from moe_dispatch.all_to_all import check_expert_parallel_args
 from moe_dispatch.protocol import (
     BackendUnavailable,
     DispatchHandle,
+    RoutedDispatcher,
+    Routing,
     check_expert_output,
-    check_routing,
     state_of,
 )
 from moe_kernels import Permutation, permute, unpermute
@@ -147,15 +148,13 @@ class _BufferSize:
         )
 
 
-def _copies_per_expert(
-    topk_idx_TK: Tensor, num_experts: int, copies_per_expert: Tensor | None
-) -> Tensor:
-    """[E] int64 histogram of `topk_idx_TK` (the caller's, if it counted it): DeepEP drops
-    nothing, so every copy is kept."""
-    if copies_per_expert is not None:
-        return copies_per_expert
-    expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx_TK.device)
+def _copies_per_expert(routing: Routing, num_experts: int) -> Tensor:
+    """[E] int64 histogram of the routing's experts (the caller's, if it counted it): DeepEP
+    drops nothing, so every copy is kept."""
+    if routing.copies_per_expert is not None:
+        return routing.copies_per_expert
+    expert_of_copy_F = routing.topk_idx_TK.reshape(-1).to(torch.int64)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_of_copy_F.device)
     return counts_E.scatter_add_(0, expert_of_copy_F, torch.ones_like(expert_of_copy_F))
 
 
@@ -169,7 +168,7 @@ def _check_row_width(caller: str, what: str, width: int) -> None:
         )
 
 
-class DeepEPDispatcher:
+class DeepEPDispatcher(RoutedDispatcher):
     """Expert parallelism through DeepEP (GPU, bf16, dropless). Untested: see module doc.
 
     Group rank r holds experts ``[r * E / ep, (r + 1) * E / ep)``. A token's top-k experts
@@ -180,6 +179,8 @@ class DeepEPDispatcher:
     call. ``max_hidden``: the widest rows dispatched or combined; None sizes the buffer for the
     dispatched width, so pass it when expert outputs are wider than the model width.
     """
+
+    backend = "DeepEPDispatcher"
 
     def __init__(
         self,
@@ -246,16 +247,10 @@ class DeepEPDispatcher:
             self._buffer_size = size
         return self._buffer, self._buffer_size
 
-    def dispatch(
-        self,
-        x_TD: Tensor,
-        topk_idx_TK: Tensor,
-        topk_weight_TK: Tensor,
-        copies_per_expert: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, DispatchHandle]:
+    def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:
         """DeepEP dispatch, then a local permutation into local-expert groups (DeepEP counts
         the copies per rank itself: `copies_per_expert` is not needed)."""
-        num_tokens, top_k = check_routing("DeepEPDispatcher", topk_idx_TK, topk_weight_TK)
+        num_tokens, top_k = routing.num_tokens, routing.top_k
         if x_TD.dim() != 2 or x_TD.shape[0] != num_tokens:
             raise ValueError(
                 f"DeepEPDispatcher.dispatch: x must be [T, D] with T={num_tokens} (from "
@@ -267,8 +262,8 @@ class DeepEPDispatcher:
         buffer, buffer_size = self._get_buffer(num_tokens, x_TD.shape[1], top_k, x_TD.device)
         recv_x_RD, recv_weight_RK, recv_idx_RK, ep_handle = _DeepEPDispatch.apply(
             x_TD.to(torch.bfloat16).contiguous(),
-            topk_weight_TK.to(torch.float32).contiguous(),
-            topk_idx_TK.to(self._deep_ep.topk_idx_t).contiguous(),
+            routing.topk_weight_TK.to(torch.float32).contiguous(),
+            routing.topk_idx_TK.to(self._deep_ep.topk_idx_t).contiguous(),
             buffer,
             self.num_experts,
         )
@@ -284,8 +279,8 @@ class DeepEPDispatcher:
         handle = DispatchHandle(
             state=_DeepEPState(buffer, ep_handle, permutation, recv_weight_RK, buffer_size.hidden),
             dropped_copies=torch.zeros((), dtype=torch.int64, device=x_TD.device),
-            num_copies=topk_idx_TK.numel(),
-            kept_per_expert=_copies_per_expert(topk_idx_TK, self.num_experts, copies_per_expert),
+            num_copies=routing.num_copies,
+            kept_per_expert=_copies_per_expert(routing, self.num_experts),
             group_ends=permutation.offsets,
         )
         return expert_input_PD, permutation.rows_per_expert, handle

@@ -12,7 +12,7 @@ from moe_dispatch.capacity import (
     check_capacity_factor,
     keep_within_capacity,
 )
-from moe_dispatch.protocol import DispatchHandle, check_routing, state_of
+from moe_dispatch.protocol import DispatchHandle, RoutedDispatcher, Routing, state_of
 from moe_kernels import Permutation, permute, unpermute
 
 __all__ = ["LocalDispatcher", "capacity_keep_mask"]
@@ -24,7 +24,7 @@ class _LocalState:
     topk_weight_TK: Tensor
 
 
-class LocalDispatcher:
+class LocalDispatcher(RoutedDispatcher):
     """No expert parallelism: dispatch is a permutation into expert-contiguous rows.
 
     Dropless when ``capacity_factor`` is None. Otherwise each expert takes at most
@@ -33,6 +33,8 @@ class LocalDispatcher:
     With ``group_alignment`` > 1 each expert's rows are padded with zero rows to a multiple of
     it, and the returned rows per expert include that padding.
     """
+
+    backend = "LocalDispatcher"
 
     def __init__(
         self, num_experts: int, capacity_factor: float | None = None, group_alignment: int = 1
@@ -54,30 +56,23 @@ class LocalDispatcher:
         """Copies each expert may take for ``num_tokens`` tokens at ``top_k``; None if dropless."""
         return capacity_per_expert(self.capacity_factor, num_tokens, top_k, self.num_experts)
 
-    def dispatch(
-        self,
-        x_TD: Tensor,
-        topk_idx_TK: Tensor,
-        topk_weight_TK: Tensor,
-        copies_per_expert: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, DispatchHandle]:
+    def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Permute token copies into expert order (T*K rows; dropped copies after the kept ones)."""
-        check_routing("LocalDispatcher", topk_idx_TK, topk_weight_TK)
         keep_TK, kept_E = keep_within_capacity(
-            topk_idx_TK, self.num_experts, self.capacity_factor, copies_per_expert
+            routing.topk_idx_TK, self.num_experts, self.capacity_factor, routing.copies_per_expert
         )
         expert_input_PD, permutation = permute(
             x_TD,
-            topk_idx_TK,
+            routing.topk_idx_TK,
             self.num_experts,
             keep_TK,
             self.group_alignment,
             tokens_per_expert_E=kept_E,
         )
         handle = DispatchHandle.from_kept(
-            _LocalState(permutation=permutation, topk_weight_TK=topk_weight_TK),
+            _LocalState(permutation=permutation, topk_weight_TK=routing.topk_weight_TK),
             permutation.tokens_per_expert,
-            topk_idx_TK.numel(),
+            routing.num_copies,
             permutation.offsets,
         )
         return expert_input_PD, permutation.rows_per_expert, handle

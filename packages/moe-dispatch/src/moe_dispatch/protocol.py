@@ -11,6 +11,8 @@ __all__ = [
     "BackendUnavailable",
     "DispatchHandle",
     "Dispatcher",
+    "RoutedDispatcher",
+    "Routing",
     "check_routing",
     "state_of",
 ]
@@ -104,6 +106,52 @@ def check_routing(backend: str, topk_idx_TK: Tensor, topk_weight_TK: Tensor) -> 
             f"{tuple(topk_idx_TK.shape)} and {tuple(topk_weight_TK.shape)}"
         )
     return topk_idx_TK.shape[0], topk_idx_TK.shape[1]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One dispatch call's routing, checked to be [T, K]."""
+
+    topk_idx_TK: Tensor
+    topk_weight_TK: Tensor
+    copies_per_expert: Tensor | None
+    """The [num_experts] int64 histogram of ``topk_idx_TK``, if the caller counted it."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.topk_idx_TK.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.topk_idx_TK.shape[1]
+
+    @property
+    def num_copies(self) -> int:
+        """T * K: the token copies routed."""
+        return self.topk_idx_TK.numel()
+
+
+class RoutedDispatcher:
+    """What the dispatchers of this package share: ``dispatch`` checks the routing and hands
+    it to the backend's ``_dispatch``."""
+
+    backend = "RoutedDispatcher"
+    """The class name argument errors start with."""
+
+    def dispatch(
+        self,
+        x_TD: Tensor,
+        topk_idx_TK: Tensor,
+        topk_weight_TK: Tensor,
+        copies_per_expert: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, DispatchHandle]:
+        """Send each token copy to its expert (see ``Dispatcher.dispatch``)."""
+        check_routing(self.backend, topk_idx_TK, topk_weight_TK)
+        return self._dispatch(x_TD, Routing(topk_idx_TK, topk_weight_TK, copies_per_expert))
+
+    def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:
+        """``dispatch`` of the backend, on a checked routing."""
+        raise NotImplementedError
 
 
 def check_expert_output(backend: str, expert_output: Tensor, num_rows: int) -> None:

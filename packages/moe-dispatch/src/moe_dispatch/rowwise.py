@@ -22,7 +22,13 @@ from torch import Tensor
 
 from moe_dispatch.all_to_all import check_expert_parallel_args
 from moe_dispatch.capacity import capacity_per_expert, position_in_expert
-from moe_dispatch.protocol import DispatchHandle, check_expert_output, check_routing, state_of
+from moe_dispatch.protocol import (
+    DispatchHandle,
+    RoutedDispatcher,
+    Routing,
+    check_expert_output,
+    state_of,
+)
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
 from moe_dispatch.transport_nvshmem import NvshmemTransport
 from moe_dispatch.transport_symm import SymmetricMemoryTransport
@@ -242,7 +248,7 @@ class _RowwiseState:
     topk_weight_TK: Tensor
 
 
-class RowwiseDispatcher:
+class RowwiseDispatcher(RoutedDispatcher):
     """Experts split over an EP group; static per-expert buffers, no host sync at all.
 
     ``capacity`` (per source rank and expert) is ``ceil(capacity_factor * T_max * K / E)`` with
@@ -257,6 +263,8 @@ class RowwiseDispatcher:
     shared memory for CPU tensors; peers on one node), or a transport built by
     ``make_row_transport`` and shared with other layers (one buffer set instead of one each).
     """
+
+    backend = "RowwiseDispatcher"
 
     def __init__(
         self,
@@ -301,15 +309,9 @@ class RowwiseDispatcher:
         rows = self.ep * self.capacity(num_tokens, top_k)
         return -(-rows // self.group_alignment) * self.group_alignment
 
-    def dispatch(
-        self,
-        x_TD: Tensor,
-        topk_idx_TK: Tensor,
-        topk_weight_TK: Tensor,
-        copies_per_expert: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, DispatchHandle]:
+    def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Write each kept copy into its slot of its expert's buffer on the owner rank."""
-        num_tokens, top_k = check_routing("RowwiseDispatcher", topk_idx_TK, topk_weight_TK)
+        num_tokens, top_k = routing.num_tokens, routing.top_k
         if self.max_tokens_per_rank is not None and num_tokens > self.max_tokens_per_rank:
             raise ValueError(
                 f"RowwiseDispatcher.dispatch: {num_tokens} tokens exceed max_tokens_per_rank="
@@ -319,8 +321,8 @@ class RowwiseDispatcher:
         capacity = self.capacity(num_tokens, top_k)
         device = x_TD.device
 
-        expert_of_copy_F = topk_idx_TK.reshape(-1).to(torch.int64)
-        position_F = position_in_expert(expert_of_copy_F, num_experts, copies_per_expert)
+        expert_of_copy_F = routing.topk_idx_TK.reshape(-1).to(torch.int64)
+        position_F = position_in_expert(expert_of_copy_F, num_experts, routing.copies_per_expert)
         kept_F = position_F < capacity
         slot_of_copy_F = torch.where(kept_F, expert_of_copy_F * capacity + position_F, 0)
         # Each slot's copy; dropped copies go to a trash slot past the end, cut off after.
@@ -347,11 +349,11 @@ class RowwiseDispatcher:
             (num_local,), rows_per_expert, dtype=torch.int64, device=device
         )
         handle = DispatchHandle(
-            state=_RowwiseState(plan=plan, topk_weight_TK=topk_weight_TK),
+            state=_RowwiseState(plan=plan, topk_weight_TK=routing.topk_weight_TK),
             dropped_copies=num_copies - kept_F.sum(),
             num_copies=num_copies,
             kept_per_expert=_kept_per_expert(
-                expert_of_copy_F, kept_F, num_experts, capacity, copies_per_expert
+                expert_of_copy_F, kept_F, num_experts, capacity, routing.copies_per_expert
             ),
         )
         return expert_input_PD, tokens_per_expert_L, handle

@@ -3,11 +3,11 @@ transport of the rowwise dispatcher (CPU, and the GPU fallback)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from moe_dispatch.transport_base import BlockTransport
 
 __all__ = ["PaddedAllToAllTransport", "exchange_rows"]
 
@@ -61,7 +61,23 @@ def exchange_rows(
     return _ExchangeRows.apply(send_SD, output_split_sizes, input_split_sizes, group)
 
 
-class PaddedAllToAllTransport:
+class _EvenExchange:
+    """Blocks written into a local send buffer, delivered by one even ``all_to_all_single``."""
+
+    def __init__(self, send_PB: Tensor, group: dist.ProcessGroup) -> None:
+        self.send_PB = send_PB
+        self.group = group
+
+    def destination(self, peer: int) -> Tensor:
+        return self.send_PB[peer]
+
+    def deliver(self) -> Tensor:
+        recv_PB = torch.empty_like(self.send_PB)
+        dist.all_to_all_single(recv_PB, self.send_PB, group=self.group)
+        return recv_PB
+
+
+class PaddedAllToAllTransport(BlockTransport):
     """Fixed-size blocks over ``all_to_all_single`` with even splits: never syncs the host.
 
     The blocks are written into a local send buffer, exchanged, and read from the receive
@@ -70,25 +86,11 @@ class PaddedAllToAllTransport:
 
     name = "all_to_all"
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.ep = group.size()
-
     def connect(self, device: torch.device) -> None:
         """Nothing to set up: the process group is the transport."""
 
-    def exchange_blocks(
-        self,
-        block_shape: tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device,
-        write_block: Callable[[int, Tensor], None],
-        read: Callable[[Tensor], Tensor],
-    ) -> Tensor:
-        """``write_block(p, send[p])`` for every rank p, exchange, ``read(received)``."""
+    def _begin(
+        self, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> _EvenExchange:
         send_PB = torch.empty((self.ep, *block_shape), dtype=dtype, device=device)
-        for peer in range(self.ep):
-            write_block(peer, send_PB[peer])
-        recv_PB = torch.empty_like(send_PB)
-        dist.all_to_all_single(recv_PB, send_PB, group=self.group)
-        return read(recv_PB)
+        return _EvenExchange(send_PB, self.group)

@@ -218,20 +218,19 @@ class NvshmemTransport(SymmetricMemoryTransport):
 
     name = "nvshmem"
 
+    def _new_buffers(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> _PeerBuffers:
+        """Buffers of ``shape`` on NVSHMEM's heap, started first (collectives)."""
+        self._start(device)
+        return _NvshmemBuffers(self.group, shape, dtype, device)
+
     def _next_buffer(
         self, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> tuple[_PeerBuffers, int]:
-        shape = (2, self.ep, *block_shape)
-        key = (shape, dtype, device)
-        if key not in self._buffers:
-            self._start(device)
-            self._buffers[key] = _NvshmemBuffers(self.group, shape, dtype, device)
-            self._exchanges[key] = 0
-        which = self._exchanges[key] % 2
-        self._exchanges[key] += 1
-        buffers = self._buffers[key]
+        buffers, which = super()._next_buffer(block_shape, dtype, device)
         assert isinstance(buffers, _NvshmemBuffers)
-        buffers.which = which
+        buffers.which = which  # the half its staged blocks are put into
         return buffers, which
 
     def _start(self, device: torch.device) -> None:

@@ -24,13 +24,14 @@ import math
 import os
 import tempfile
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from moe_dispatch.transport_base import BlockTransport
 
 __all__ = ["SymmetricMemoryTransport", "symm_mem_available"]
 
@@ -176,7 +177,24 @@ class _HostSharedBuffers:
         dist.barrier(group=self.group)
 
 
-class SymmetricMemoryTransport:
+class _SymmetricExchange:
+    """Blocks written straight into rank p's buffer ``which`` (block ``my_rank``), delivered
+    by the barrier: this rank's buffer ``which`` then holds every rank's block."""
+
+    def __init__(self, buffers: _PeerBuffers, which: int, rank: int) -> None:
+        self.buffers = buffers
+        self.which = which
+        self.rank = rank
+
+    def destination(self, peer: int) -> Tensor:
+        return self.buffers.peer(peer)[self.which, self.rank]
+
+    def deliver(self) -> Tensor:
+        self.buffers.barrier()
+        return self.buffers.local_PB[self.which]
+
+
+class SymmetricMemoryTransport(BlockTransport):
     """Fixed-size blocks written straight into peers' buffers: torch symmetric memory for CUDA
     tensors (untested on a GPU), shared-memory files for CPU tensors. Peers share a node.
 
@@ -189,8 +207,7 @@ class SymmetricMemoryTransport:
     name = "symmetric_memory"
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.ep = group.size()
+        super().__init__(group)
         self.rank = dist.get_rank(group)
         self._buffers: dict[tuple, _PeerBuffers] = {}
         """(shape, dtype, device) -> buffers ``[2, ep, *block_shape]`` on every rank."""
@@ -204,24 +221,29 @@ class SymmetricMemoryTransport:
         shape = (2, self.ep, *block_shape)
         key = (shape, dtype, device)
         if key not in self._buffers:
-            if device.type == "cuda":
-                if not symm_mem_available():
-                    raise RuntimeError(
-                        "rowwise transport symmetric_memory needs torch.distributed."
-                        "_symmetric_memory for CUDA tensors; use the all_to_all transport"
-                    )
-                self._buffers[key] = _CudaSymmetricBuffers(self.group, shape, dtype, device)
-            elif device.type == "cpu":
-                self._buffers[key] = _HostSharedBuffers(self.group, shape, dtype)
-            else:
-                raise RuntimeError(
-                    f"rowwise transport symmetric_memory moves cuda or cpu tensors, not "
-                    f"{device.type}; use the all_to_all transport"
-                )
+            self._buffers[key] = self._new_buffers(shape, dtype, device)
             self._exchanges[key] = 0
         which = self._exchanges[key] % 2
         self._exchanges[key] += 1
         return self._buffers[key], which
+
+    def _new_buffers(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> _PeerBuffers:
+        """Buffers of ``shape`` on every rank (a host-blocking collective)."""
+        if device.type == "cuda":
+            if not symm_mem_available():
+                raise RuntimeError(
+                    "rowwise transport symmetric_memory needs torch.distributed."
+                    "_symmetric_memory for CUDA tensors; use the all_to_all transport"
+                )
+            return _CudaSymmetricBuffers(self.group, shape, dtype, device)
+        if device.type == "cpu":
+            return _HostSharedBuffers(self.group, shape, dtype)
+        raise RuntimeError(
+            f"rowwise transport symmetric_memory moves cuda or cpu tensors, not "
+            f"{device.type}; use the all_to_all transport"
+        )
 
     def connect(self, device: torch.device) -> None:
         """Exchange one value per rank now (collective; reads it back on the host): ranks that
@@ -242,18 +264,8 @@ class SymmetricMemoryTransport:
                 f"{list(range(self.ep))}; use the all_to_all transport"
             )
 
-    def exchange_blocks(
-        self,
-        block_shape: tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device,
-        write_block: Callable[[int, Tensor], None],
-        read: Callable[[Tensor], Tensor],
-    ) -> Tensor:
-        """``write_block(p, dest)`` straight into rank p's buffer (block ``my_rank``), then
-        ``read(this rank's buffer)`` once every rank's writes have landed."""
-        buffers, which = self._next_buffer(block_shape, dtype, torch.device(device))
-        for peer in range(self.ep):
-            write_block(peer, buffers.peer(peer)[which, self.rank])
-        buffers.barrier()
-        return read(buffers.local_PB[which])
+    def _begin(
+        self, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> _SymmetricExchange:
+        buffers, which = self._next_buffer(block_shape, dtype, device)
+        return _SymmetricExchange(buffers, which, self.rank)

@@ -12,84 +12,39 @@ expert-data-parallel group, so with ep = dp they never leave the rank that holds
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from moe_parallel.distributed_optimizer import DistributedAdamW, decay_matrices
+from moe_parallel.distributed_optimizer import DistributedAdamW
 from moe_parallel.flat_shards import ShardedBucket
-from moe_parallel.grad_sync import DEFAULT_BUCKET_BYTES
-from moe_parallel.layout import Layout
-from moe_parallel.muon import NS_STEPS
+from moe_parallel.muon_settings import MuonSettings
 from moe_parallel.owned_matrices import OwnedMatrices
-from moe_parallel.replicated_muon import check_matrix
 
 
-class DistributedMuon(DistributedAdamW):
+class DistributedMuon(MuonSettings, DistributedAdamW):
     """Muon where `orthogonalized(name, param)` is true, AdamW elsewhere, state sharded over
     the reduction groups of `layout`.
 
-    The step protocol, the gradient reduction and the checkpoint pieces are those of
-    `DistributedAdamW`; its Muon pieces hold a `momentum` (whole matrices, or runs of an
-    expert weight's matrices). AdamW runs at `lr * adamw_lr_ratio`. All Muon matrices of a
-    reduction group and dtype form one bucket, reduced once the last of their gradients is
-    final (in a backward: the first layer's).
+    The arguments are `MuonSettings`' and `DistributedAdamW`'s. The step protocol, the
+    gradient reduction and the checkpoint pieces are those of `DistributedAdamW`; its Muon
+    pieces hold a `momentum` (whole matrices, or runs of an expert weight's matrices). AdamW
+    runs at `lr * adamw_lr_ratio`. All Muon matrices of a reduction group and dtype form one
+    bucket, reduced once the last of their gradients is final (in a backward: the first
+    layer's).
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        layout: Layout,
-        *,
-        lr: float,
-        orthogonalized: Callable[[str, nn.Parameter], bool],
-        momentum: float = 0.95,
-        ns_steps: int = NS_STEPS,
-        ns_dtype: torch.dtype = torch.bfloat16,
-        adamw_lr_ratio: float = 1.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        decays: Callable[[str, nn.Parameter], bool] = decay_matrices,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> None:
-        self._orthogonalized = orthogonalized
-        for name, p in module.named_parameters():
-            if p.requires_grad and orthogonalized(name, p):
-                check_matrix(name, p)
-        super().__init__(
-            module,
-            layout,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            decays=decays,
-            bucket_bytes=bucket_bytes,
-        )
-        self.momentum = momentum
-        self.ns_steps = ns_steps
-        self.ns_dtype = ns_dtype
-        self.adamw_lr_ratio = adamw_lr_ratio
-
     def _make_buckets(
-        self,
-        group: ProcessGroup | None,
-        named: list[tuple[str, nn.Parameter]],
-        decays: Callable[[str, nn.Parameter], bool],
-        bucket_bytes: int,
+        self, group: ProcessGroup | None, named: list[tuple[str, nn.Parameter]]
     ) -> list[ShardedBucket | OwnedMatrices]:
         """AdamW's parameters in even shards, Muon's matrices owned whole, one bucket per
         dtype."""
         muon = [(n, p) for n, p in named if self._orthogonalized(n, p)]
         adamw = [(n, p) for n, p in named if not self._orthogonalized(n, p)]
         buckets: list[ShardedBucket | OwnedMatrices] = []
-        buckets.extend(super()._make_buckets(group, adamw, decays, bucket_bytes))
+        buckets.extend(super()._make_buckets(group, adamw))
         for dtype in dict.fromkeys(p.dtype for _, p in muon):
             buckets.append(
-                OwnedMatrices(group, [(n, p) for n, p in muon if p.dtype == dtype], decays)
+                OwnedMatrices(group, [(n, p) for n, p in muon if p.dtype == dtype], self._decays)
             )
         return buckets
 

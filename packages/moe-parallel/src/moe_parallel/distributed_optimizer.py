@@ -82,6 +82,8 @@ class DistributedAdamW:
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = eps
         self.weight_decay = weight_decay
+        self._decays = decays
+        self._bucket_bytes = bucket_bytes
         self.step_count = 0
         """Optimizer steps taken (AdamW's `step`, the same for every parameter)."""
 
@@ -105,7 +107,7 @@ class DistributedAdamW:
         buckets: list[ShardedBucket] = []
         for group, expert in ((dense_group, False), (expert_group, True)):
             members = [(n, p) for n, p in named if is_expert_parameter(p) == expert]
-            buckets.extend(self._make_buckets(group, members, decays, bucket_bytes))
+            buckets.extend(self._make_buckets(group, members))
         # One launch order on every rank: by when a bucket's last gradient is expected.
         buckets.sort(key=lambda b: max(position[id(p)] for p in b.params))
         self._buckets = buckets
@@ -119,18 +121,14 @@ class DistributedAdamW:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _make_buckets(
-        self,
-        group: ProcessGroup | None,
-        named: list[tuple[str, nn.Parameter]],
-        decays: Callable[[str, nn.Parameter], bool],
-        bucket_bytes: int,
+        self, group: ProcessGroup | None, named: list[tuple[str, nn.Parameter]]
     ) -> list[ShardedBucket]:
         """The buckets of the parameters `named` of one reduction group: consecutive runs
         of about `bucket_bytes`, each sharded evenly over the group."""
         name_of = {id(p): n for n, p in named}
         return [
-            ShardedBucket(group, [(name_of[id(p)], p) for p in run], decays)
-            for run in _runs([p for _, p in named], bucket_bytes)
+            ShardedBucket(group, [(name_of[id(p)], p) for p in run], self._decays)
+            for run in _runs([p for _, p in named], self._bucket_bytes)
         ]
 
     # Gradient reduction (the GradientReducer protocol).

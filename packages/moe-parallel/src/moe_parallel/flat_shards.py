@@ -50,16 +50,21 @@ class GroupBucket:
     """What the buckets of `DistributedAdamW` share: the parameters' gradients in one flat
     buffer of `padded_numel` elements, reduce-scattered so that group rank r keeps the sums of
     section ``[r * shard_numel, (r + 1) * shard_numel)``, and the updated sections gathered back.
-    Subclasses set `shard_numel`, `padded_numel` and, for low-precision parameters,
-    `grad_accum`."""
+    Subclasses lay the parameters out (`_lay_out`: `shard_numel`, `padded_numel`) and
+    allocate this rank's state (`_init_state`: for low-precision parameters `grad_accum`)."""
 
-    def __init__(self, group: ProcessGroup | None, params: list[nn.Parameter]) -> None:
+    def __init__(
+        self,
+        group: ProcessGroup | None,
+        named_params: list[tuple[str, nn.Parameter]],
+        decays: Callable[[str, nn.Parameter], bool],
+    ) -> None:
         self.group = group
         self.group_size = 1 if group is None else dist.get_world_size(group)
         self.group_rank = 0 if group is None else dist.get_rank(group)
-        self.params = params
-        self.dtype = params[0].dtype
-        self.device = params[0].device
+        self.params = [p for _, p in named_params]
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
         self.shard_numel = 0
         self.padded_numel = 0
         self.grad_accum: Tensor | None = None
@@ -72,6 +77,20 @@ class GroupBucket:
         self.ready_ids: set[int] = set()
         self._flat_grads: Tensor | None = None
         self._work: dist.Work | None = None
+        self._lay_out(named_params, decays)
+        self._init_state()
+
+    def _lay_out(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        decays: Callable[[str, nn.Parameter], bool],
+    ) -> None:
+        """Place the parameters in the flat buffer and this rank's section of it."""
+        raise NotImplementedError
+
+    def _init_state(self) -> None:
+        """Allocate this rank's FP32 state."""
+        raise NotImplementedError
 
     def gradient_bytes(self) -> int:
         """Bytes of gradient storage the bucket holds now: the FP32 accumulation buffer, the
@@ -107,13 +126,12 @@ class GroupBucket:
 class ShardedBucket(GroupBucket):
     """One flat bucket: its layout, this rank's optimizer state, and its reduction in flight."""
 
-    def __init__(
+    def _lay_out(
         self,
-        group: ProcessGroup | None,
         named_params: list[tuple[str, nn.Parameter]],
         decays: Callable[[str, nn.Parameter], bool],
     ) -> None:
-        super().__init__(group, [p for _, p in named_params])
+        """Parameters back to back, cut into even sections (the last padded)."""
         group_rank = self.group_rank
         self.offsets: list[int] = []
         numel = 0
@@ -129,7 +147,6 @@ class ShardedBucket(GroupBucket):
         self.runs = _decay_runs(self.segments, self.shard_numel)
         """[start, stop, decays] ranges that cover the shard, by whether weight decay applies
         (used when a master shard is kept)."""
-        self._init_state()
 
     def _init_state(self) -> None:
         """Allocate this rank's FP32 state: master weights if needed, moments, gradient sums."""

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
 from moe_parallel.expert_params import is_expert_parameter
 from moe_parallel.flat_shards import GroupBucket
@@ -134,13 +133,12 @@ class OwnedMatrices(GroupBucket):
     gradients of the matrices it owns.
     """
 
-    def __init__(
+    def _lay_out(
         self,
-        group: ProcessGroup | None,
         named_params: list[tuple[str, nn.Parameter]],
         decays: Callable[[str, nn.Parameter], bool],
     ) -> None:
-        super().__init__(group, [p for _, p in named_params])
+        """Each matrix whole in its owner's section, owners balanced by size."""
         matrices = [
             (name, p, None if not is_expert_parameter(p) else range(e, e + 1))
             for name, p in named_params
@@ -168,7 +166,6 @@ class OwnedMatrices(GroupBucket):
             if filled[rank] < (rank + 1) * self.shard_numel
         ]
         self._low = self.group_rank * self.shard_numel
-        self._init_state()
         self._runs_of: dict[int, list[MatrixRun]] = {}
         for r in runs:
             self._runs_of.setdefault(id(r.param), []).append(r)

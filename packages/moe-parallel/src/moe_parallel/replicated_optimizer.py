@@ -86,6 +86,10 @@ class ReplicatedAdamW:
                 "ReplicatedAdamW needs at least one"
             )
         self._reducer = GradientReducer(module, layout.dp_group, layout.edp_group, bucket_bytes)
+        self._weight_decay_of = {
+            id(p): weight_decay if decays(n, p) else 0.0 for n, p in self._named
+        }
+        """Decoupled weight decay of each parameter: `weight_decay` where `decays`, else 0."""
         self._masters = _fp32_masters(self._named, self._reducer)
         self._low = [(p, self._masters[id(p)]) for _, p in self._named if id(p) in self._masters]
         updated = {id(p): self._masters.get(id(p), p) for _, p in self._named}
