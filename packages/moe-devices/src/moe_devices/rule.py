@@ -11,23 +11,6 @@ import functools
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
-__all__ = [
-    "FP8_LINEAR_MIN_CAPABILITY",
-    "MXFP8_CAPABILITY_MAJOR",
-    "MXFP8_MIN_CUDA",
-    "SCALED_GROUPED_MM_MIN_CAPABILITY",
-    "Capability",
-    "Choice",
-    "ExpertGemmPath",
-    "Fp8LinearKernel",
-    "Fp8RowwiseKernel",
-    "GroupedMmKernel",
-    "KernelPaths",
-    "Mxfp8Kernel",
-    "Software",
-    "kernel_paths",
-]
-
 Capability = tuple[int, int]
 """A CUDA device's compute capability (major, minor): (9, 0) is sm_90, an H100."""
 
