@@ -48,7 +48,7 @@ for dist, mod in expected.items():
     version = importlib.import_module(mod).__version__
     if version != md.version(dist):
         sys.exit(f"{package} ({mode}): {mod}.__version__={version}, metadata {md.version(dist)}")
-others = {"moe_kernels", "moe_dispatch", "moe_parallel", "moe_checkpoint", "moe_data", "moe_train"}
+others = {"moe_devices", "moe_kernels", "moe_dispatch", "moe_parallel", "moe_checkpoint", "moe_data", "moe_train"}
 others -= set(expected.values())
 present = [m for m in sorted(others) if importlib.util.find_spec(m) is not None]
 if present:

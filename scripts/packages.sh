@@ -1,8 +1,9 @@
 # The workspace's packages, for scripts that build and install them (sourced, not run).
 # shellcheck shell=bash
-packages=(moestack-kernels moestack-checkpoint moestack-dispatch moestack-parallel moestack-data
-  moestack-train)
+packages=(moestack-devices moestack-kernels moestack-checkpoint moestack-dispatch
+  moestack-parallel moestack-data moestack-train)
 declare -A module_of=(
+  [moestack-devices]=moe_devices
   [moestack-kernels]=moe_kernels
   [moestack-checkpoint]=moe_checkpoint
   [moestack-dispatch]=moe_dispatch
@@ -12,11 +13,12 @@ declare -A module_of=(
 )
 # The sibling wheels each package needs (its moestack-* dependencies, transitively).
 declare -A wheel_deps=(
-  [moestack-kernels]=""
+  [moestack-devices]=""
+  [moestack-kernels]="moestack-devices"
   [moestack-checkpoint]=""
-  [moestack-dispatch]="moestack-kernels"
+  [moestack-dispatch]="moestack-devices moestack-kernels"
   [moestack-parallel]=""
   [moestack-data]=""
-  [moestack-train]="moestack-kernels moestack-dispatch moestack-parallel moestack-checkpoint
-    moestack-data"
+  [moestack-train]="moestack-devices moestack-kernels moestack-dispatch moestack-parallel
+    moestack-checkpoint moestack-data"
 )

@@ -348,7 +348,7 @@ def test_bad_arguments_are_named():
     offsets = torch.tensor([2, 4])
     with pytest.raises(ValueError, match="kernel='cuda' is not one of auto, emulated, scaled_mm"):
         fp8_rowwise_grouped_mm(x, w, offsets, kernel="cuda")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="kernel='scaled_mm' cannot run because x is on cpu"):
+    with pytest.raises(ValueError, match="kernel='scaled_mm' cannot run because the device is a CPU"):
         fp8_rowwise_grouped_mm(x, w, offsets, kernel="scaled_mm")
     with pytest.raises(ValueError, match=r"x has dtype torch\.float16"):
         fp8_rowwise_grouped_mm(x.half(), w.half(), offsets)

@@ -55,6 +55,10 @@ def test_the_manifest_records_config_data_code_and_each_launch(tmp_path, token_f
     assert (segment["start_step"], segment["end_step"]) == (0, 3)
     assert segment["completed"] is not None
     assert segment["environment"]["packages"]["torch"] == torch.__version__
+    assert segment["kernels"] == {
+        "expert_gemm": "torch (as configured)",
+        "linear": "in the compute dtype",
+    }
     assert segment["source"]["commit"] == _git("rev-parse", "HEAD")
     assert segment["source"]["dirty"] == bool(_git("status", "--porcelain", "--untracked-files=no"))
     # Every checkpoint carries the manifest as of its step.

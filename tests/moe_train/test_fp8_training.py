@@ -43,7 +43,10 @@ def test_fp8_choices_reach_the_built_model(make_config, tmp_path):
         assert converted and all(".attn." in n or ".ffn." in n for n in converted), converted
         assert not any(".router." in n or n == "head" for n in converted), converted
         assert all(m.config.emulate for m in model.modules() if isinstance(m, Float8Linear))
-        assert runner.expert_gemm == "fp8_rowwise (as configured)"
+        assert runner.kernels == {
+            "expert_gemm": "fp8_rowwise (emulated: the device is a CPU)",
+            "linear": "fp8_rowwise (emulated: the device is a CPU)",
+        }
     finally:
         runtime.close(clean=True)
     # The experts' GEMMs are the FP8 ones: their output is fp8_rowwise_grouped_mm's.

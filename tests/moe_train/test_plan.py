@@ -396,6 +396,34 @@ def test_device_figures_are_checked():
         device_with("a100")
 
 
+def test_a_device_kinds_fp8_kernels_are_the_runtime_rule_of_its_capability(capsys):
+    """The planner asks moe-devices' rule (the one moe-kernels applies at run time) about each
+    device kind's capability: MXFP8 on the B200 and B300, rowwise FP8 on the H100 and H200; a
+    device of figures takes --gpu-capability, or 9.0 with an FP8 rate and 8.0 without."""
+    from moe_devices import kernel_paths
+    from moe_train.cli import main
+    from moe_train.cli.plan import plan_json_of
+
+    for name, device in DEVICES.items():
+        assert device.kernel_paths == kernel_paths(device.capability), name
+        assert device.mxfp8 == (name in ("b200", "b300")), name
+    figures = {"memory_gib": 80, "tflops": 989, "intra_node_gbps": 450, "inter_node_gbps": 50}
+    assert device_with(None, **figures).capability == (8, 0)
+    assert device_with(None, **figures, fp8_tflops=1979).capability == (9, 0)
+    assert device_with(None, **figures, fp8_tflops=4500, capability=(10, 0)).mxfp8
+    assert not device_with("b300", capability=(9, 0)).mxfp8
+    tiny = str(ROOT / "configs/tiny.yaml")
+    flags = ["--gpu-memory-gib", "80", "--gpu-tflops", "989", "--intra-node-gbps", "450"]
+    flags += ["--inter-node-gbps", "50", "--gpu-fp8-tflops", "4500", "--gpu-capability", "10.0"]
+    answer = plan_json_of([tiny, "--gpus", "1", *flags], search=False)
+    assert answer["device"]["mxfp8"] and list(answer["device"]["capability"]) == [10, 0]
+    capsys.readouterr()
+    assert main(["plan", tiny, "--gpus", "1", "--gpu-capability", "sm_90"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --gpu-capability 'sm_90' must be MAJOR.MINOR, e.g. 9.0 or 10.0\n"
+    )
+
+
 def _plan(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "moe_train.cli", "plan", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)

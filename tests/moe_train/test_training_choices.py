@@ -2,7 +2,6 @@
 recompute and train.compile, in the trainer and the MoE layer."""
 
 import copy
-import importlib.util
 import os
 
 import pytest
@@ -250,35 +249,47 @@ def test_compiled_model_gives_the_eager_logits_and_gradients(qk_norm):
 @pytest.mark.parametrize(
     ("capability", "torchao", "applied"),
     [
-        ((10, 0), True, "mxfp8 (auto: MXFP8 on sm_100)"),
-        ((10, 0), False, "fp8_rowwise (auto: rowwise FP8 on sm_100)"),
-        ((9, 0), True, "fp8_rowwise (auto: rowwise FP8 on sm_90)"),
-        ((8, 0), True, "auto (auto: bf16 grouped GEMM on sm_80 (no FP8 tensor cores))"),
+        ((10, 0), True, "mxfp8 (auto: torchao, torchao's MXFP8 kernels on sm_100)"),
+        (
+            (10, 0),
+            False,
+            "fp8_rowwise (auto: scaled_mm, torch._scaled_grouped_mm on sm_100)",
+        ),
+        ((9, 0), True, "fp8_rowwise (auto: scaled_mm, torch._scaled_grouped_mm on sm_90)"),
+        (
+            (8, 0),
+            True,
+            "auto (auto: measured, no native FP8 grouped GEMM: the GPU is sm_80; scaled_mm "
+            "needs sm_90 or newer)",
+        ),
     ],
     ids=["sm100", "sm100_without_torchao", "sm90", "sm80"],
 )
 def test_auto_expert_gemm_picks_per_gpu_and_says_which(monkeypatch, capability, torchao, applied):
     """precision.expert_gemm=auto with bf16 compute: MXFP8 on SM100 (with torchao's kernels),
-    rowwise FP8 on SM90, bf16 before; what apply_training_choices returns is the banner's
-    `expert GEMMs` text. fp32 compute keeps the fp32 grouped GEMM on any GPU."""
+    rowwise FP8 on SM90, bf16 before, as moe-devices' rule applied by moe-kernels says; what
+    apply_training_choices returns is the banner's `expert GEMMs` text. fp32 compute keeps
+    the fp32 grouped GEMM on any GPU."""
+    from moe_devices import Software
+    from moe_kernels import device_paths
     from moe_train.config import config_from_dict
     from moe_train.model import resolve_expert_gemm
     from moe_train.train.rank_build import apply_training_choices
 
-    find_spec = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *args: None if name == "torchao" and not torchao else find_spec(name, *args),
-    )
+    monkeypatch.setattr(device_paths, "installed_software", lambda: Software(torchao=torchao))
+    monkeypatch.setattr(device_paths, "_torchao_has_mxfp8_kernels", lambda: True)
     cuda = torch.device("cuda")
     config = config_from_dict(_config_data(compute_dtype="bfloat16", expert_gemm="auto"))
     model = Transformer(config.model)
-    assert apply_training_choices(model, config, cuda) == applied
+    kernels = apply_training_choices(model, config, cuda)
+    assert kernels["expert_gemm"] == applied
     gemm = applied.split()[0]
     assert {layer.experts.gemm for layer in model.moe_layers().values()} == {gemm}
     assert resolve_expert_gemm("auto", torch.float32, cuda) == (
         "auto",
-        "auto: torch.float32 grouped GEMM on cuda",
+        "auto: measured, float32 compute; the FP8 GEMMs take bfloat16",
+    )
+    assert resolve_expert_gemm("mxfp8", torch.bfloat16, cuda)[1].startswith(
+        "torchao: " if gemm == "mxfp8" else "emulated: "
     )

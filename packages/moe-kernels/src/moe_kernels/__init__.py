@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from moe_kernels.device_paths import device_kernel_paths, installed_software
 from moe_kernels.fp8_rowwise import (
     FP8_ROWWISE_KERNELS,
     Fp8RowwiseKernel,
@@ -56,9 +57,11 @@ __all__ = [
     "__version__",
     "dequantize_fp8_rowwise",
     "dequantize_mxfp8",
+    "device_kernel_paths",
     "fp8_rowwise_grouped_mm",
     "fp8_rowwise_scaled_mm_supported",
     "grouped_mm",
+    "installed_software",
     "mxfp8_grouped_mm",
     "permute",
     "quiet_torchao_import",

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moe_devices import Choice
+from moe_kernels.device_paths import device_kernel_paths, warn_fallback
 from moe_kernels.grouped_mm import (
     _check_inputs,
     _zero_empty_groups_,
@@ -289,16 +291,13 @@ class _ScaledFp8RowwiseGroupedMm(torch.autograd.Function):
 
 
 def fp8_rowwise_scaled_mm_supported(x: Tensor) -> str | None:
-    """Why ``torch._scaled_grouped_mm`` cannot run the recipe on ``x``, or None if it can."""
-    if x.device.type != "cuda":
-        return f"x is on {x.device}"
+    """Why ``torch._scaled_grouped_mm`` cannot run the recipe on ``x``, or None if it can
+    (the device's kernel paths, and bf16 inputs)."""
+    choice = device_kernel_paths(x.device).fp8_rowwise
+    if choice.name != "scaled_mm":
+        return choice.reason
     if x.dtype != torch.bfloat16:
         return f"x is {x.dtype} (the FP8 kernels write bf16)"
-    major, minor = torch.cuda.get_device_capability(x.device)
-    if major < 9:
-        return f"the GPU is sm_{major}{minor} (needs sm_90 or newer)"
-    if not hasattr(torch, "_scaled_grouped_mm"):
-        return f"torch {torch.__version__} has no _scaled_grouped_mm"
     return None
 
 
@@ -320,7 +319,7 @@ def fp8_rowwise_grouped_mm(
             gradients on token groups padded to 16 rows). ``"emulated"``: the operands are
             quantized, dequantized exactly to fp32 and multiplied by ``grouped_mm`` in fp32
             (the same numbers, up to the GPU's accumulation order). ``"auto"``: scaled_mm where
-            it runs, the emulation elsewhere.
+            it runs, the emulation elsewhere (on a GPU with one warning saying why).
 
     Returns:
         [T, N] in the dtype of ``x``, differentiable wrt ``x`` and ``w``. Rows past
@@ -341,6 +340,8 @@ def fp8_rowwise_grouped_mm(
             f"fp8_rowwise_grouped_mm: kernel='scaled_mm' cannot run because {reason}; "
             "use kernel='emulated' or 'auto'"
         )
+    if kernel == "auto" and reason is not None:
+        warn_fallback("fp8_rowwise_grouped_mm", x_TK.device, Choice("emulated", reason))
     if kernel == "emulated" or reason is not None:
         return _EmulatedFp8RowwiseGroupedMm.apply(x_TK.contiguous(), w_EKN, offsets_E)
     size_k, size_n = w_EKN.shape[1], w_EKN.shape[2]

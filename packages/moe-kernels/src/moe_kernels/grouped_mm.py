@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moe_kernels.device_paths import device_kernel_paths
 from moe_kernels.triton_support import import_kernels
 
 __all__ = ["GROUPED_MM_BACKENDS", "GROUPED_MM_DTYPES", "GroupedMmBackend", "grouped_mm"]
@@ -189,17 +190,14 @@ def _measure_faster_backend(
 
 
 def _auto_backend(x_TK: Tensor, w_EKN: Tensor, with_backward: bool) -> str:
-    """The backend measured faster for this shape class on this CUDA device; torch elsewhere.
+    """The backend measured faster for this shape class on this CUDA device; torch where the
+    device's kernel paths say so (a CPU, or no triton).
 
     The first call per shape class times both backends on balanced synthetic groups of the
     same shape (this syncs the host once); later calls read the cached choice. T is rounded up
     to a power of two for the shape class.
     """
-    if x_TK.device.type != "cuda":
-        return "torch"  # On CPU Triton runs only under its interpreter, a test vehicle.
-    try:
-        import_kernels("triton_grouped_mm", "grouped_mm")
-    except ImportError:
+    if device_kernel_paths(x_TK.device).grouped_mm.name == "torch":
         return "torch"
     w_transposed = w_EKN.stride(1) == 1 and w_EKN.stride(2) != 1
     shape_class = (

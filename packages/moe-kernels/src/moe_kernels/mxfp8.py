@@ -24,7 +24,6 @@ rceil blocks with ``amax / 448 <= 2^-127`` (amax below about 2^-118: torchao the
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Literal, get_args
 
@@ -32,13 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moe_devices import Choice
+from moe_kernels.device_paths import device_kernel_paths, installed_software, warn_fallback
 from moe_kernels.grouped_mm import _check_inputs, grouped_mm
-from moe_kernels.mxfp8_torchao import (
-    _torchao_grouped_mm,
-    _torchao_moe_training,
-    _torchao_unsupported_reason,
-)
-from moe_kernels.torchao_import import quiet_torchao_import
+from moe_kernels.mxfp8_torchao import _torchao_grouped_mm, _torchao_moe_training
 from moe_kernels.triton_support import import_kernels
 
 __all__ = [
@@ -266,7 +262,7 @@ def dequantize_mxfp8(
 
 def _quantize_backend(x: Tensor) -> Mxfp8Backend:
     """The Triton quantizer on CUDA when triton is installed, torch elsewhere."""
-    if x.is_cuda and importlib.util.find_spec("triton") is not None:
+    if x.is_cuda and installed_software().triton:
         return "triton"
     return "torch"
 
@@ -348,25 +344,24 @@ class _EmulatedMxfp8GroupedMm(torch.autograd.Function):
 
 
 def _use_torchao(kernel: Mxfp8Kernel, x_TK: Tensor) -> bool:
+    """Whether torchao's kernels run: where the device's kernel paths say so (bf16 inputs)."""
     if kernel == "emulated":
         return False
+    choice = device_kernel_paths(x_TK.device).mxfp8
     if kernel == "torchao":
         _torchao_moe_training()
-        reason = _torchao_unsupported_reason(x_TK)
-        if reason is not None:
+        if choice.name != "torchao":
             raise ValueError(
-                f"mxfp8_grouped_mm: kernel='torchao' needs an SM100 GPU and CUDA >= 12.8, but "
-                f"{reason}; use kernel='emulated' or 'auto'"
+                f"mxfp8_grouped_mm: kernel='torchao' cannot run because {choice.reason}; "
+                "use kernel='emulated' or 'auto'"
             )
         return True
-    if x_TK.dtype != torch.bfloat16 or _torchao_unsupported_reason(x_TK) is not None:
+    if choice.name == "torchao" and x_TK.dtype != torch.bfloat16:
+        choice = Choice("emulated", f"x is {x_TK.dtype}; torchao's MXFP8 takes bfloat16")
+    if choice.name != "torchao":
+        warn_fallback("mxfp8_grouped_mm", x_TK.device, choice)
         return False
-    if importlib.util.find_spec("torchao") is None:
-        return False
-    with quiet_torchao_import():
-        from torchao.prototype.moe_training import mxfp8_grouped_mm as torchao_mxfp8
-
-    return bool(getattr(torchao_mxfp8, "_SM100_KERNELS_AVAILABLE", False))
+    return True
 
 
 def mxfp8_grouped_mm(
@@ -392,9 +387,10 @@ def mxfp8_grouped_mm(
         offsets_E: [E] cumulative row ends, as for ``grouped_mm``.
         scale_mode: ``"rceil"`` (default, torchao's training default) or ``"floor"``.
         kernel: ``"torchao"``: torchao's MXFP8 grouped GEMM (needs the ``mxfp8`` extra, an SM100
-            GPU and CUDA >= 12.8). ``"emulated"``: the operands are quantized and dequantized
+            GPU and CUDA >= 12.8: ``moe_devices.kernel_paths``' rule). ``"emulated"``: the operands are quantized and dequantized
             exactly, then multiplied by ``grouped_mm`` in the input dtype (fp32 accumulation).
-            ``"auto"``: torchao where it runs (bf16 inputs), the emulation elsewhere.
+            ``"auto"``: torchao where it runs (bf16 inputs), the emulation elsewhere (on a GPU
+            with one warning saying why).
 
     Returns:
         [T, N] in the dtype of ``x``, differentiable wrt ``x`` and ``w``. Rows past

@@ -36,19 +36,6 @@ def _torchao_moe_training() -> ModuleType:
     return moe_training
 
 
-def _torchao_unsupported_reason(x_TK: Tensor) -> str | None:
-    """Why torchao's MXFP8 grouped GEMM cannot run on ``x``'s device, or None if it can."""
-    if x_TK.device.type != "cuda":
-        return f"x is on {x_TK.device}"
-    major, minor = torch.cuda.get_device_capability(x_TK.device)
-    if major != 10:
-        return f"the GPU is sm_{major}{minor}"
-    cuda_version = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
-    if cuda_version < (12, 8):
-        return f"torch is built with CUDA {torch.version.cuda}"
-    return None
-
-
 class _TorchaoContext:
     """Stands in for an autograd context when torchao's MXFP8 forward and backward are called:
     records what the forward saves and sets, and gives the backward the tensors rebuilt."""

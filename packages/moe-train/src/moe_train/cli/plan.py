@@ -32,6 +32,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="dense FP8 (e4m3); 0: no native FP8 (a custom device's default)",
     )
+    parser.add_argument(
+        "--gpu-capability",
+        default=None,
+        metavar="MAJOR.MINOR",
+        help="CUDA compute capability, which says the FP8 kernels that run (a custom device's "
+        "default: 9.0 with an FP8 rate, else 8.0)",
+    )
     parser.add_argument("--intra-node-gbps", type=float, default=None, metavar="B", help="GB/s")
     parser.add_argument("--inter-node-gbps", type=float, default=None, metavar="B", help="GB/s")
     parser.add_argument(
@@ -96,6 +103,7 @@ def plan_of(args: argparse.Namespace, *, search: bool = True, ranked: int | None
     from moe_train.config import load_config
     from moe_train.errors import ConfigError
     from moe_train.plan import device_with, make_plan
+    from moe_train.plan.hardware import parse_capability
 
     if args.config is None:
         raise ConfigError("give a CONFIG file (or --serve for the page)")
@@ -114,6 +122,9 @@ def plan_of(args: argparse.Namespace, *, search: bool = True, ranked: int | None
             inter_node_gbps=args.inter_node_gbps,
             gpus_per_node=args.gpus_per_node,
             fp8_tflops=args.gpu_fp8_tflops,
+            capability=None
+            if args.gpu_capability is None
+            else parse_capability(args.gpu_capability),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e

@@ -20,6 +20,7 @@ from moe_train.model.training_choices import (
     apply_linear_precision,
     apply_param_dtype,
     apply_recompute,
+    describe_linear_precision,
     resolve_expert_gemm,
 )
 from moe_train.model.transformer import Transformer
@@ -46,6 +47,7 @@ __all__ = [
     "apply_recompute",
     "causal_attention",
     "count_params",
+    "describe_linear_precision",
     "flops_per_token",
     "head_lm_loss",
     "head_token_logprobs",

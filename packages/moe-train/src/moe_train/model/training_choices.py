@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import typing
 from collections.abc import Callable
 from types import ModuleType
@@ -19,7 +18,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from moe_kernels import quiet_torchao_import
+from moe_devices import Choice
+from moe_kernels import device_kernel_paths, quiet_torchao_import
 from moe_train.model.attention import Attention, RMSNorm
 from moe_train.model.fused import norm_rotate_formula, rms_norm_formula, swiglu_formula
 from moe_train.model.moe import ExpertGemm, Experts, SwiGLU
@@ -62,21 +62,34 @@ def apply_expert_gemm(model: nn.Module, gemm: ExpertGemm) -> None:
 def resolve_expert_gemm(
     gemm: ExpertGemm, compute_dtype: torch.dtype, device: torch.device
 ) -> tuple[ExpertGemm, str]:
-    """The expert GEMM to apply for `gemm` on `device`, and why, in words for the banner.
+    """The expert GEMM to apply for `gemm` on `device`, and the kernel that runs it and why,
+    in words for the banner (`moe_kernels.device_kernel_paths`: what the kernels run).
 
-    auto with bf16 compute picks mxfp8 on SM100 with torchao's MXFP8 kernels installed,
-    fp8_rowwise on other SM90-and-newer GPUs, and elsewhere the bf16 grouped GEMM measured
-    faster per shape (grouped_mm's auto: torch on a CPU). Other names are kept as given."""
-    if gemm != "auto":
+    auto picks what moe-devices' rule leaves to the device (MXFP8 where torchao's kernels
+    run, else rowwise FP8 where `torch._scaled_grouped_mm` does, with bf16 compute), else the
+    grouped GEMM's own auto (the faster of torch and Triton per shape; torch on a CPU). Other
+    names are kept as given."""
+    paths = device_kernel_paths(device)
+    dtype = str(compute_dtype).removeprefix("torch.")
+    if gemm == "auto":
+        choice = paths.auto_expert_gemm(dtype)
+        applied: ExpertGemm = "auto" if choice.name == "grouped_mm" else choice.name
+        kernel = paths.gemm_kernel(choice.name)
+        return applied, f"auto: {kernel.name}, {choice.reason}"
+    if gemm not in ("mxfp8", "fp8_rowwise"):
         return gemm, "as configured"
-    if device.type != "cuda" or compute_dtype != torch.bfloat16:
-        return "auto", f"auto: {compute_dtype} grouped GEMM on {device.type}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major == 10 and importlib.util.find_spec("torchao") is not None:
-        return "mxfp8", f"auto: MXFP8 on sm_{major}{minor}"
-    if major >= 9:
-        return "fp8_rowwise", f"auto: rowwise FP8 on sm_{major}{minor}"
-    return "auto", f"auto: bf16 grouped GEMM on sm_{major}{minor} (no FP8 tensor cores)"
+    kernel = paths.gemm_kernel(gemm)
+    if dtype != "bfloat16":  # the FP8 kernels take bf16 inputs only
+        kernel = Choice("emulated", paths.auto_expert_gemm(dtype).reason)
+    return gemm, f"{kernel.name}: {kernel.reason}"
+
+
+def describe_linear_precision(precision: LinearPrecision, device: torch.device) -> str:
+    """How the linear layers `apply_linear_precision` converts run on `device`, in words."""
+    if precision == "bf16":
+        return "in the compute dtype"
+    choice = device_kernel_paths(device).fp8_linear
+    return f"{precision} ({choice.name}: {choice.reason})"
 
 
 def _torchao_float8() -> ModuleType:
@@ -106,7 +119,8 @@ def apply_linear_precision(
     (dense layers and shared experts: gate_up, down) to torchao's `Float8Linear` with the
     recipe `precision` names; the router and the head stay as they are. The parameters stay
     the same objects. On a CPU, or a GPU before SM89, torchao's emulation runs (the same
-    quantization, products of the dequantized operands in fp32). Returns the converted
+    quantization, products of the dequantized operands in fp32; `moe_kernels.device_kernel_paths`
+    decides). Returns the converted
     modules' names (none for bf16)."""
     if precision not in LINEAR_PRECISIONS:
         raise ValueError(
@@ -114,7 +128,7 @@ def apply_linear_precision(
         )
     if precision == "bf16":
         return []
-    emulate = device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)
+    emulate = device_kernel_paths(device).fp8_linear.name == "emulated"
     config = fp8_linear_config(precision, emulate)
     targets = {
         id(linear)

@@ -1,13 +1,17 @@
 """The devices `moe-train plan` knows, from their makers' published figures.
 
 Each can be overridden from the command line; for another device, give all four figures (and
-its FP8 rate, if it runs FP8 natively).
+its FP8 rate and compute capability, if it runs FP8 natively). Which FP8 kernels a device runs
+is moe-devices' rule of its capability, the one the kernels apply at run time.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
+
+from moe_devices import Capability, KernelPaths, kernel_paths
 
 
 @dataclass(frozen=True)
@@ -19,8 +23,8 @@ class Device:
     """Memory a training process can use."""
     bf16_tflops: float
     """Dense bf16 matrix-multiply peak (no sparsity)."""
-    mxfp8: bool
-    """Whether MXFP8 matrix multiplies run natively (at twice the bf16 peak)."""
+    capability: Capability
+    """CUDA compute capability: which FP8 kernels run (`moe_devices.kernel_paths`)."""
     intra_node_gbps: float
     """GB/s one device sends to its node's peers (NVLink, one direction)."""
     inter_node_gbps: float
@@ -32,6 +36,16 @@ class Device:
     memory_tbps: float = 0.0
     """Memory (HBM) bandwidth in TB/s, for the memory-bound kernels; 0 leaves them out."""
 
+    @property
+    def kernel_paths(self) -> KernelPaths:
+        """The kernels this kind of device runs, with the software they need installed."""
+        return kernel_paths(self.capability)
+
+    @property
+    def mxfp8(self) -> bool:
+        """Whether MXFP8 matrix multiplies run natively (at the FP8 rate)."""
+        return self.kernel_paths.mxfp8.name == "torchao"
+
 
 FLAGS = {
     "memory_gib": "--gpu-memory-gib",
@@ -39,6 +53,7 @@ FLAGS = {
     "intra_node_gbps": "--intra-node-gbps",
     "inter_node_gbps": "--inter-node-gbps",
     "fp8_tflops": "--gpu-fp8-tflops",
+    "capability": "--gpu-capability",
 }
 """The command-line flag of each figure."""
 
@@ -47,12 +62,25 @@ DEVICES: dict[str, Device] = {
     # and NVLink 5 1.8 TB/s both directions together; one 400 Gb/s adapter per H100, H200 and
     # B200, one 800 Gb/s adapter per B300. Dense FP8 peaks: 1979 TFLOP/s (H100, H200),
     # 4500 (B200, B300), MXFP8 on B200 and B300 at the same rate. Memory bandwidth: 3.35 TB/s
-    # (H100 SXM), 4.8 (H200), 8 (B200, B300).
-    "h100": Device("H100 SXM", 79.6, 989.0, False, 450.0, 50.0, 8, 1979.0, 3.35),
-    "h200": Device("H200 SXM", 139.8, 989.0, False, 450.0, 50.0, 8, 1979.0, 4.8),
-    "b200": Device("B200", 178.0, 2250.0, True, 900.0, 50.0, 8, 4500.0, 8.0),
-    "b300": Device("B300", 268.0, 2250.0, True, 900.0, 100.0, 8, 4500.0, 8.0),
+    # (H100 SXM), 4.8 (H200), 8 (B200, B300). Compute capability 9.0 (H100, H200), 10.0
+    # (B200), 10.3 (B300).
+    "h100": Device("H100 SXM", 79.6, 989.0, (9, 0), 450.0, 50.0, 8, 1979.0, 3.35),
+    "h200": Device("H200 SXM", 139.8, 989.0, (9, 0), 450.0, 50.0, 8, 1979.0, 4.8),
+    "b200": Device("B200", 178.0, 2250.0, (10, 0), 900.0, 50.0, 8, 4500.0, 8.0),
+    "b300": Device("B300", 268.0, 2250.0, (10, 3), 900.0, 100.0, 8, 4500.0, 8.0),
 }
+
+CUSTOM_CAPABILITY: dict[bool, Capability] = {True: (9, 0), False: (8, 0)}
+"""The capability a device of figures is taken to have without --gpu-capability, by whether
+it has an FP8 rate: the oldest with native FP8 grouped GEMMs, or the oldest without."""
+
+
+def parse_capability(text: str) -> Capability:
+    """`MAJOR.MINOR` (e.g. 9.0) as a capability; ValueError naming the flag otherwise."""
+    match = re.fullmatch(r"(\d+)\.(\d+)", text.strip())
+    if match is None:
+        raise ValueError(f"--gpu-capability {text!r} must be MAJOR.MINOR, e.g. 9.0 or 10.0")
+    return int(match[1]), int(match[2])
 
 
 def device_with(
@@ -64,10 +92,12 @@ def device_with(
     inter_node_gbps: float | None = None,
     gpus_per_node: int | None = None,
     fp8_tflops: float | None = None,
+    capability: Capability | None = None,
 ) -> Device:
     """A known device with some figures overridden, or (name None) one made of the figures,
-    all of which but `fp8_tflops` (0, no native FP8, unless given) must then be given. Raises
-    ValueError naming what is missing or wrong."""
+    all of which but `fp8_tflops` (0, no native FP8, unless given) and `capability` (from
+    `CUSTOM_CAPABILITY` unless given) must then be given. Raises ValueError naming what is
+    missing or wrong."""
     figures = {
         "memory_gib": memory_gib,
         "bf16_tflops": tflops,
@@ -84,7 +114,7 @@ def device_with(
         if missing:
             flags = ", ".join(FLAGS[k] for k in missing)
             raise ValueError(f"without --gpu, give every device figure; missing {flags}")
-        device = Device("custom", 0.0, 0.0, False, 0.0, 0.0)
+        device = Device("custom", 0.0, 0.0, CUSTOM_CAPABILITY[bool(fp8_tflops)], 0.0, 0.0)
     elif name not in DEVICES:
         raise ValueError(f"--gpu {name!r} is not one of {', '.join(DEVICES)}")
     else:
@@ -97,4 +127,6 @@ def device_with(
             raise ValueError(f"{FLAGS.get(key, '--gpus-per-node')} {value} must be positive")
     if fp8_tflops is not None:
         changes["fp8_tflops"] = fp8_tflops
+    if capability is not None:
+        changes["capability"] = capability
     return replace(device, **changes)

@@ -395,7 +395,7 @@ def plan_json_with(
     are rejected (the page's answer sends the first of them, and summaries)."""
     out: dict[str, Any] = {
         "world_size": plan.world_size,
-        "device": plan.device.__dict__,
+        "device": {**plan.device.__dict__, "mxfp8": plan.device.mxfp8},
         "tokens": tokens,
         "own": layout_row(plan, plan.own, tokens),
         "fitting": fitting,

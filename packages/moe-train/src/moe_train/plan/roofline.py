@@ -384,19 +384,21 @@ def _memory_bound_bytes(config: Config, experts_fp8: bool, linears_fp8: bool) ->
 
 
 def expert_gemm_runs_in_fp8(config: Config, device: Device) -> bool:
-    """Whether the config's expert GEMMs run at `device`'s FP8 rate: mxfp8 where MXFP8 is
-    native, fp8_rowwise where FP8 is, and auto (bf16 compute) where either is."""
+    """Whether the config's expert GEMMs run at `device`'s FP8 rate: where moe-devices' rule
+    runs them on FP8 tensor cores (auto: what it leaves to the device for the compute dtype)."""
     gemm, precision = config.precision.expert_gemm, config.precision
     if device.fp8_tflops <= 0:
         return False
+    paths = device.kernel_paths
     if gemm == "auto":
-        return precision.compute_dtype == "bfloat16"
-    return gemm == "fp8_rowwise" or (gemm == "mxfp8" and device.mxfp8)
+        return paths.runs_in_fp8(paths.auto_expert_gemm(precision.compute_dtype).name)
+    return gemm in ("mxfp8", "fp8_rowwise") and paths.runs_in_fp8(gemm)
 
 
 def linears_run_in_fp8(config: Config, device: Device) -> bool:
     """Whether the other linear layers (precision.linear) run at `device`'s FP8 rate."""
-    return config.precision.linear != "bf16" and device.fp8_tflops > 0
+    native = device.kernel_paths.fp8_linear.name == "native"
+    return config.precision.linear != "bf16" and device.fp8_tflops > 0 and native
 
 
 def _seconds(config: Config, world_size: int, device: Device, kind: str, wire: float) -> float:

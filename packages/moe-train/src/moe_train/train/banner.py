@@ -29,7 +29,9 @@ class RunFacts:
     peak_source: str
     """Where the peak came from (measured, the config, a known device)."""
     expert_gemm: str
-    """The expert GEMM applied, and why."""
+    """The expert GEMM applied, the kernel that runs it, and why."""
+    linear: str
+    """How the linear layers run (precision.linear), and why."""
     dataset: TokenDataset | MixedDataset
     task_scorer: TaskScorer | None
 
@@ -39,7 +41,6 @@ def banner_rows(config: Config, runtime: Runtime, facts: RunFacts) -> list[tuple
     layout = runtime.layout
     model, moe, data, ckpt = config.model, config.model.moe, config.data, config.checkpoint
     params = count_params(model)
-    linear = config.precision.linear
     saves = []
     if ckpt.interval:
         saves.append(f"every {ckpt.interval} steps")
@@ -72,8 +73,7 @@ def banner_rows(config: Config, runtime: Runtime, facts: RunFacts) -> list[tuple
         (
             "precision",
             f"{config.precision.param_dtype} params, {config.precision.compute_dtype} "
-            f"compute; expert GEMMs {facts.expert_gemm}; linears "
-            f"{'in the compute dtype' if linear == 'bf16' else linear}",
+            f"compute; expert GEMMs {facts.expert_gemm}; linears {facts.linear}",
         ),
         ("optimizer", optimizer_banner(config)),
         (

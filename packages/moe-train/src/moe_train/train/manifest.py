@@ -5,7 +5,7 @@ checkpoint carries the manifest as of its step. It records the resolved config, 
 every data source with the facts its meta.json holds and the sha256 of each token file
 training reads, and one segment per launch of the run (a resume adds one): the steps it ran,
 the versions of the code and of the libraries that affect the numbers, the source tree's
-commit (when run from a git checkout), the command, the layout and the device.
+commit (when run from a git checkout), the command, the layout, the device and the kernels that ran.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ MANIFEST_FORMAT = "moe-stack-manifest-v1"
 
 PACKAGES = (
     "moestack-train",
+    "moestack-devices",
     "moestack-kernels",
     "moestack-dispatch",
     "moestack-parallel",
@@ -176,10 +177,12 @@ def start_manifest(
     device: torch.device,
     start_step: int,
     previous: dict[str, Any] | None,
+    kernels: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The manifest of a run starting (or, with the `previous` manifest of the checkpoint it
     resumes from, continuing) at `start_step`: the config and data as they are now, and the
-    segments of the run so far plus this one (code, environment, layout, steps)."""
+    segments of the run so far plus this one (code, environment, layout, the `kernels` the
+    expert GEMMs and linears ran, steps)."""
     segment = {
         "start_step": start_step,
         "end_step": start_step,
@@ -189,6 +192,7 @@ def start_manifest(
         "source": source_tree(),
         "environment": environment(device),
         "topology": topology,
+        "kernels": kernels or {},
     }
     earlier = list(previous.get("segments", [])) if previous else []
     return {

@@ -30,6 +30,7 @@ from moe_train.model import (
     apply_linear_precision,
     apply_param_dtype,
     apply_recompute,
+    describe_linear_precision,
     resolve_expert_gemm,
 )
 from moe_train.parallelize import (
@@ -109,10 +110,13 @@ def build_rank_model(
     return model
 
 
-def apply_training_choices(model: Transformer, config: Config, device: torch.device) -> str:
+def apply_training_choices(
+    model: Transformer, config: Config, device: torch.device
+) -> dict[str, str]:
     """What backward recomputes, the expert GEMMs, FP8 linears and compilation, on the built
-    model. Returns the expert GEMM applied and why (precision.expert_gemm=auto picks per
-    device), for the banner."""
+    model. Returns the kernels that run, in words, for the banner and the manifest:
+    `expert_gemm` (the expert GEMM applied, the kernel that runs it and why;
+    precision.expert_gemm=auto picks per device) and `linear` (how the linears run)."""
     apply_recompute(model, config.parallel.recompute)
     precision = config.precision
     gemm, why = resolve_expert_gemm(precision.expert_gemm, DTYPES[precision.compute_dtype], device)
@@ -124,7 +128,10 @@ def apply_training_choices(model: Transformer, config: Config, device: torch.dev
     if config.train.compile:
         check_compile_available(device)
         apply_compile(model)
-    return f"{gemm} ({why})"
+    return {
+        "expert_gemm": f"{gemm} ({why})",
+        "linear": describe_linear_precision(precision.linear, device),
+    }
 
 
 def _lower_precision_params(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -211,8 +211,8 @@ class StepRunner:
             device,
             self.context,
         )
-        self.expert_gemm = apply_training_choices(self.model, config, device)
-        """The expert GEMM applied, and why (for the banner)."""
+        self.kernels = apply_training_choices(self.model, config, device)
+        """The kernels the expert GEMMs and linears run, and why (banner and manifest)."""
         self.model.set_aux_loss_scale(1.0 / self.num_micro)
         self.optimizer = build_rank_optimizer(self.model, config, layout, self.param_dtype)
         self.pipeline = (

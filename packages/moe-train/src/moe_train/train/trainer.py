@@ -200,7 +200,7 @@ class Trainer:
             previous = self.start.saved("manifest")
             topology = runtime.layout.describe()
             self.manifest = start_manifest(
-                config, topology, runtime.device, self.start_step, previous
+                config, topology, runtime.device, self.start_step, previous, self.runner.kernels
             )
             write_manifest(self.run_dir, self.manifest)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl") if runtime.is_main else None
@@ -229,7 +229,8 @@ class Trainer:
             checkpoint_dir=self.checkpoints.root,
             peak_flops=self.peak,
             peak_source=self.peak_source,
-            expert_gemm=self.runner.expert_gemm,
+            expert_gemm=self.runner.kernels["expert_gemm"],
+            linear=self.runner.kernels["linear"],
             dataset=self.dataset,
             task_scorer=self.task_scorer,
         )
