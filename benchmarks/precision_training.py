@@ -11,7 +11,7 @@ gap over the seeds, and the table shows each seed's gap beside it. The rows fp32
 bf16-init, without a target, show how large such gaps are when nothing is quantized: a
 variant's mean gap means something only where it stands out of theirs; one seed's gap
 spreads by about 2% (sample deviation), so the default is eight seeds. Off SM100 GPUs the
-MXFP8 run (off SM90+ GPUs the rowwise FP8 runs) uses the exact emulation, so its throughput
+MXFP8 run (off SM90 GPUs the rowwise FP8 runs) uses the exact emulation, so its throughput
 shows the cost of the emulation, not FP8 hardware's speed-up. Each run trains in a process
 of its own, --jobs at once (the losses do not depend on it; the tokens/s of runs that share
 a machine do, so compare their ratios with care).

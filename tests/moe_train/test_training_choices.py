@@ -253,21 +253,23 @@ def test_compiled_model_gives_the_eager_logits_and_gradients(qk_norm):
         (
             (10, 0),
             False,
-            "fp8_rowwise (auto: scaled_mm, torch._scaled_grouped_mm on sm_100)",
+            "auto (auto: measured, no native FP8 grouped GEMM: the GPU is sm_100; scaled_mm "
+            "needs sm_90)",
         ),
         ((9, 0), True, "fp8_rowwise (auto: scaled_mm, torch._scaled_grouped_mm on sm_90)"),
         (
             (8, 0),
             True,
             "auto (auto: measured, no native FP8 grouped GEMM: the GPU is sm_80; scaled_mm "
-            "needs sm_90 or newer)",
+            "needs sm_90)",
         ),
     ],
     ids=["sm100", "sm100_without_torchao", "sm90", "sm80"],
 )
 def test_auto_expert_gemm_picks_per_gpu_and_says_which(monkeypatch, capability, torchao, applied):
     """precision.expert_gemm=auto with bf16 compute: MXFP8 on SM100 (with torchao's kernels),
-    rowwise FP8 on SM90, bf16 before, as moe-devices' rule applied by moe-kernels says; what
+    rowwise FP8 on SM90 only (torch builds its rowwise FP8 grouped GEMM for Hopper),
+    bf16 elsewhere, as moe-devices' rule applied by moe-kernels says; what
     apply_training_choices returns is the banner's `expert GEMMs` text. fp32 compute keeps
     the fp32 grouped GEMM on any GPU."""
     from moe_devices import Software

@@ -18,8 +18,10 @@ MXFP8_CAPABILITY_MAJOR = 10
 """torchao's MXFP8 grouped GEMM kernels run on sm_100 devices (B200, B300) only."""
 MXFP8_MIN_CUDA: tuple[int, int] = (12, 8)
 """The oldest CUDA that torch must be built with for torchao's MXFP8 kernels."""
-SCALED_GROUPED_MM_MIN_CAPABILITY: Capability = (9, 0)
-"""``torch._scaled_grouped_mm`` (the rowwise FP8 grouped GEMM) needs sm_90 or newer."""
+SCALED_GROUPED_MM_CAPABILITY_MAJOR = 9
+"""``torch._scaled_grouped_mm`` with rowwise FP8 operands runs on sm_90 devices (H100, H200)
+only: torch builds it for Hopper, not for sm_100 or later (its own tests gate the kernel on
+``SM90OrLater and not SM100OrLater``); an sm_100 device runs FP8 experts as MXFP8."""
 FP8_LINEAR_MIN_CAPABILITY: Capability = (8, 9)
 """FP8 tensor cores (``torch._scaled_mm``, torchao's FP8 linears) need sm_89 or newer."""
 
@@ -119,8 +121,8 @@ def _mxfp8(capability: Capability | None, software: Software) -> Choice[Mxfp8Ker
 def _fp8_rowwise(capability: Capability | None, software: Software) -> Choice[Fp8RowwiseKernel]:
     if capability is None:
         return Choice("emulated", "the device is a CPU")
-    if capability < SCALED_GROUPED_MM_MIN_CAPABILITY:
-        return Choice("emulated", f"the GPU is {_sm(capability)}; scaled_mm needs sm_90 or newer")
+    if capability[0] != SCALED_GROUPED_MM_CAPABILITY_MAJOR:
+        return Choice("emulated", f"the GPU is {_sm(capability)}; scaled_mm needs sm_90")
     if not software.scaled_grouped_mm:
         return Choice("emulated", "this torch has no _scaled_grouped_mm")
     return Choice("scaled_mm", f"torch._scaled_grouped_mm on {_sm(capability)}")

@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 Fp8RowwiseKernel = Literal["auto", "emulated", "scaled_mm"]
-"""``fp8_rowwise_grouped_mm`` GEMM: ``torch._scaled_grouped_mm`` (SM90+), the emulation, or
+"""``fp8_rowwise_grouped_mm`` GEMM: ``torch._scaled_grouped_mm`` (SM90 only), the emulation, or
 the one that runs (``auto``)."""
 FP8_ROWWISE_KERNELS: tuple[str, ...] = get_args(Fp8RowwiseKernel)
 
@@ -233,7 +233,7 @@ def _pad_token_groups(
 
 
 class _ScaledFp8RowwiseGroupedMm(torch.autograd.Function):
-    """The recipe on ``torch._scaled_grouped_mm`` (e4m3 tensor cores, SM90 and newer)."""
+    """The recipe on ``torch._scaled_grouped_mm`` (e4m3 tensor cores; torch builds it for SM90 only)."""
 
     @staticmethod
     def forward(ctx, x_TK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:  # type: ignore[override]
@@ -315,7 +315,7 @@ def fp8_rowwise_grouped_mm(
         x_TK: [T, K] fp32 or bf16 rows, grouped by expert.
         w_EKN: [E, K, N] weights, same dtype (a transposed view is fine).
         offsets_E: [E] cumulative row ends, as for ``grouped_mm``.
-        kernel: ``"scaled_mm"``: ``torch._scaled_grouped_mm`` (bf16 on an SM90+ GPU; weight
+        kernel: ``"scaled_mm"``: ``torch._scaled_grouped_mm`` (bf16 on an SM90 GPU; weight
             gradients on token groups padded to 16 rows). ``"emulated"``: the operands are
             quantized, dequantized exactly to fp32 and multiplied by ``grouped_mm`` in fp32
             (the same numbers, up to the GPU's accumulation order). ``"auto"``: scaled_mm where

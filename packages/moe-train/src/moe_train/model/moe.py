@@ -195,7 +195,7 @@ class Experts(nn.Module):
     built model with `apply_expert_gemm`). With mxfp8, forward, input and weight gradients
     each quantize their operands to MXFP8 from the compute-dtype weights (torchao's kernels on
     SM100, an exact emulation elsewhere); with fp8_rowwise to e4m3 with rowwise scales
-    (`torch._scaled_grouped_mm` on SM90 and newer, an exact emulation elsewhere).
+    (`torch._scaled_grouped_mm` on SM90, an exact emulation elsewhere).
     """
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, first_expert: int = 0) -> None:
