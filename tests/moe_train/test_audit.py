@@ -14,7 +14,7 @@ import torch
 
 from launch import run_cli, run_torchrun
 from moe_checkpoint import read_trainer_state
-from moe_train.config import config_from_dict
+from moe_plan.config import config_from_dict
 from moe_train.errors import ConfigError, DataError, MoeTrainError
 from moe_train.train import train
 from moe_train.verify import verify

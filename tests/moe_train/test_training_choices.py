@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moe_dispatch import make_dispatcher
-from moe_train.config import (
+from moe_plan.config import (
     ModelConfig,
     MoEConfig,
     PrecisionConfig,
@@ -261,7 +261,7 @@ def test_auto_expert_gemm_picks_per_gpu_and_says_which(monkeypatch, capability, 
     """precision.expert_gemm=auto with bf16 compute: MXFP8 on SM100 (with torchao's kernels),
     rowwise FP8 on SM90, bf16 before; what apply_training_choices returns is the banner's
     `expert GEMMs` text. fp32 compute keeps the fp32 grouped GEMM on any GPU."""
-    from moe_train.config import config_from_dict
+    from moe_plan.config import config_from_dict
     from moe_train.model import resolve_expert_gemm
     from moe_train.train.rank_build import apply_training_choices
 
