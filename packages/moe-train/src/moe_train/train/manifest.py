@@ -36,6 +36,8 @@ PACKAGES = (
     "moestack-dispatch",
     "moestack-parallel",
     "moestack-checkpoint",
+    "moestack-data",
+    "moestack-plan",
     "torch",
     "triton",
     "numpy",
