@@ -1,13 +1,14 @@
 # The workspace's packages, for scripts that build and install them (sourced, not run).
 # shellcheck shell=bash
 packages=(moestack-kernels moestack-checkpoint moestack-dispatch moestack-parallel moestack-data
-  moestack-train)
+  moestack-plan moestack-train)
 declare -A module_of=(
   [moestack-kernels]=moe_kernels
   [moestack-checkpoint]=moe_checkpoint
   [moestack-dispatch]=moe_dispatch
   [moestack-parallel]=moe_parallel
   [moestack-data]=moe_data
+  [moestack-plan]=moe_plan
   [moestack-train]=moe_train
 )
 # The sibling wheels each package needs (its moestack-* dependencies, transitively).
@@ -17,6 +18,7 @@ declare -A wheel_deps=(
   [moestack-dispatch]="moestack-kernels"
   [moestack-parallel]=""
   [moestack-data]=""
+  [moestack-plan]="moestack-data"
   [moestack-train]="moestack-kernels moestack-dispatch moestack-parallel moestack-checkpoint
-    moestack-data"
+    moestack-data moestack-plan"
 )

@@ -381,6 +381,7 @@ def test_the_page_in_chromium_shows_the_clis_figures_and_its_config_trains(tmp_p
     if not CHROMIUM.exists():
         pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; .ci/run does)")
     sync_api = pytest.importorskip("playwright.sync_api")
+    pytest.importorskip("moe_train")  # trains the config the page downloads
     server = subprocess.Popen(
         [
             sys.executable,

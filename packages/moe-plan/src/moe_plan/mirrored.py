@@ -1,6 +1,6 @@
 """Rules of the torch packages below (moe-dispatch, moe-parallel) that the planner models,
 mirrored here so that the planner imports no torch: those packages cannot import moe-train,
-and their package roots import torch. Each rule keeps its home there; tests/moe_plan/
+and their package roots import torch. Each rule keeps its home there; tests/moe_train/
 test_plan_mirrored.py checks every mirror against its home on many inputs."""
 
 from __future__ import annotations
