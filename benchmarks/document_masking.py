@@ -21,7 +21,7 @@ from pathlib import Path
 from harness.output import print_table, write_json
 from harness.processes import train_in_fresh_process
 from moe_data import TokenDataset
-from moe_train.config import load_config
+from moe_plan.config import load_config
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 

@@ -16,7 +16,7 @@ from gpu_check_support import Row, amount, host_sync_forbidden, one_line, synchr
 from grouped_mm_backends import bench_shape
 from moe_dispatch import make_dispatcher, make_row_transport
 from moe_kernels import fp8_rowwise_grouped_mm, fp8_rowwise_scaled_mm_supported, grouped_mm
-from moe_train.config import Config
+from moe_plan.config import Config
 
 # ---- grouped GEMM -------------------------------------------------------------------------
 

@@ -83,7 +83,7 @@ from gpu_check_support import (
 )
 from harness.output import write_json
 from harness.processes import benchmark_run_overrides
-from moe_train.config import Config, load_config
+from moe_plan.config import Config, load_config
 from moe_train.model import count_params
 from moe_train.parallelize import layer_dispatchers
 from moe_train.train import peak_flops, read_metrics, train

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from harness.output import print_table, write_json
 from harness.ranks import run_distributed
-from moe_train.config import ModelConfig, MoEConfig
+from moe_plan.config import ModelConfig, MoEConfig
 from moe_train.model import Documents, Transformer
 from moe_train.parallelize import ContextShard, apply_context_parallel
 

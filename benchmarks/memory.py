@@ -49,7 +49,7 @@ from typing import Any
 from harness.output import print_table, write_json
 from harness.ranks import run_distributed
 from memory_probe import CPU, probe_memory
-from moe_train.config import Config, load_config
+from moe_plan.config import Config, load_config
 from moe_train.train import read_metrics, train
 from moe_train.train.step import DTYPES
 

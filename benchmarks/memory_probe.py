@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_data import TokenDataset
-from moe_train.config import Config
+from moe_plan.config import Config
 from moe_train.train.host_memory import (
     _MallInfo2,
     keep_freed_host_memory,

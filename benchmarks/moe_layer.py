@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from harness.output import print_table, write_json
 from harness.timing import interleaved_medians
-from moe_train.config import ModelConfig, MoEConfig
+from moe_plan.config import ModelConfig, MoEConfig
 from moe_train.model import local_dispatcher
 from moe_train.model.moe import MoEFeedForward, SwiGLU
 from moe_train.train.host_memory import keep_freed_host_memory

@@ -61,7 +61,7 @@ from types import ModuleType
 import torch
 
 from harness.output import print_table, write_json
-from moe_train.config import Config, config_from_dict
+from moe_plan.config import Config, config_from_dict
 from moe_train.train.host_memory import keep_freed_host_memory
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner

@@ -29,7 +29,7 @@ import torch
 
 from harness.output import print_table, write_json
 from harness.processes import benchmark_run_overrides
-from moe_train.config import Config, load_config
+from moe_plan.config import Config, load_config
 from moe_train.train import train
 
 CONFIGS = Path(__file__).parents[1] / "configs"

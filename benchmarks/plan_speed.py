@@ -1,11 +1,11 @@
 """How long the planner's page waits for an answer: each shipped config through the server's
-own request handler, beside the whole `moe-train plan --json` of the same inputs.
+own request handler, beside the whole `moe-plan --json` of the same inputs.
 
 For every `configs/*.yaml` two requests are timed: the page's default one (8 H100 GPUs, 8 per
 node, a budget of 1e12 tokens) and, for a config whose header names a device count in its
 `# Planner:` or `# Calibration:` line, that count and device. "page" is one call of
 `Planner.plan` (a fresh planner, so no answer is cached: the request's fields turned into
-`moe-train plan` words, parsed, planned, the shown rows made JSON-ready; the planner's caches
+`moe-plan` words, parsed, planned, the shown rows made JSON-ready; the planner's caches
 of memory pieces emptied first) plus the `json.dumps`
 the handler sends; "--json" is `plan_json_of` of the same words plus `json.dumps`: every
 layout's full figures, which is what the page received before its answer carried only the rows
@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.output import print_table, write_json
-from moe_train.cli.plan import plan_json_of, plan_words_of
-from moe_train.plan.memory import clear_caches
-from moe_train.plan.serve import DEVICE_DEFAULTS, BadRequest, Planner, shipped_configs
+from moe_plan.cli import plan_json_of, plan_words_of
+from moe_plan.memory import clear_caches
+from moe_plan.serve import DEVICE_DEFAULTS, BadRequest, Planner, shipped_configs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PAGE_DEFAULT = DEVICE_DEFAULTS
@@ -94,7 +94,7 @@ def run(names: list[str] | None, repeats: int) -> list[dict[str, Any]]:
     for _ in range(repeats):
         for i, (_, _, request) in enumerate(cases):
             page[i].append(answer_once(configs, request))
-            argv = page[i][-1]["body"]["argv"][2:-1]  # the words of the command shown
+            argv = page[i][-1]["body"]["argv"][1:-1]  # the words of the command shown
             full[i].append(full_once(argv))
     rows = []
     for i, (name, label, _) in enumerate(cases):

@@ -24,7 +24,7 @@ import torch
 
 from harness.output import print_table, write_json
 from harness.timing import interleaved_medians, median_seconds
-from moe_train.config import load_config
+from moe_plan.config import load_config
 from moe_train.signals import StopRequests
 from moe_train.train import run_lock
 from moe_train.train.runtime import start_runtime

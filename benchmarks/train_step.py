@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from harness import output
 from harness.processes import benchmark_run_overrides, json_from_fresh_process
-from moe_train.config import Config, load_config
+from moe_plan.config import Config, load_config
 from moe_train.model import count_params, flops_per_token
 from moe_train.train import measure_matmul_peak, read_metrics, train
 from moe_train.train.host_memory import allocated_host_bytes, keep_freed_host_memory

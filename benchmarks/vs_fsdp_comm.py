@@ -12,7 +12,7 @@ collectives it issues come back to the mode as plain ops and are counted once.
 Per call and rank:
 - payload: the bytes of the input the rank hands over (all-gather: its shard; reduce-scatter:
   the full input; all-reduce and broadcast: the tensor; all-to-all: the whole send buffer, its
-  own block included), the measure of `moe_train.plan`'s traffic prediction;
+  own block included), the measure of `moe_plan`'s traffic prediction;
 - wire: the bytes that leave the rank over its links: the blocks of an all-to-all meant for
   other ranks (exact, uneven splits included), and for the others what the ring algorithms
   send: an all-gather (g - 1) shards, a reduce-scatter (g - 1) / g of its input, an

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from moe_data import TokenDataset
 from moe_parallel import decay_matrices
-from moe_train.config import Config, config_from_dict
+from moe_plan.config import Config, config_from_dict
 from moe_train.model import Transformer, apply_expert_gemm
 from moe_train.train.host_memory import allocated_host_bytes, keep_freed_host_memory
 from moe_train.train.micro_batches import MicroBatches

@@ -9,6 +9,9 @@
 #     (as `moe-kernels` is) or a missing or stray sibling dependency fails here: the check
 #     compares the installed moestack-* distributions with the expected set and checks that each
 #     one holds our module.
+#  3. the planner without torch: a fresh venv holding only the moestack-plan wheel and its
+#     dependencies plans a shipped config with `moe-plan`, serves the page with
+#     `moe-plan --serve`, and cannot import torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
@@ -48,7 +51,8 @@ for dist, mod in expected.items():
     version = importlib.import_module(mod).__version__
     if version != md.version(dist):
         sys.exit(f"{package} ({mode}): {mod}.__version__={version}, metadata {md.version(dist)}")
-others = {"moe_devices", "moe_kernels", "moe_dispatch", "moe_parallel", "moe_checkpoint", "moe_data", "moe_train"}
+others = {"moe_devices", "moe_kernels", "moe_dispatch", "moe_parallel", "moe_checkpoint", "moe_data",
+          "moe_plan", "moe_train"}
 others -= set(expected.values())
 present = [m for m in sorted(others) if importlib.util.find_spec(m) is not None]
 if present:
@@ -75,3 +79,48 @@ for package in "${packages[@]}"; do
     --find-links "$work/dist" -c "$work/constraints.txt" "$(wheel_of "$package")"
   check_venv "$venv" "$package" "resolved with the package index, $((SECONDS - start)) s"
 done
+
+# 3. The planner without torch: only the moestack-plan wheel and its dependencies.
+venv="$work/venv-plan"
+uv venv --quiet --python 3.11 "$venv"
+wheels=()
+for name in moestack-plan ${wheel_deps[moestack-plan]}; do wheels+=("$(wheel_of "$name")"); done
+uv pip install --quiet --python "$venv/bin/python" -c "$work/constraints.txt" "${wheels[@]}"
+if "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  echo "moestack-plan: torch is importable in a venv of the moe-plan wheel alone" >&2
+  exit 1
+fi
+"$venv/bin/moe-plan" configs/published-47b-a3b.yaml --gpus 8 --gpu b300 >"$work/plan.txt"
+grep -q "^this config: " "$work/plan.txt" ||
+  { cat "$work/plan.txt" >&2; echo "moestack-plan: moe-plan printed no plan" >&2; exit 1; }
+port=$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$venv/bin/moe-plan" --serve --port "$port" >"$work/serve.log" 2>&1 &
+server=$!
+"$venv/bin/python" - "$port" <<'PY' || { kill "$server"; cat "$work/serve.log" >&2; exit 1; }
+import json
+import sys
+import time
+import urllib.request
+
+url = f"http://127.0.0.1:{sys.argv[1]}"
+for _ in range(300):  # until it listens
+    try:
+        page = urllib.request.urlopen(f"{url}/", timeout=10).read()
+        break
+    except OSError:
+        time.sleep(0.2)
+else:
+    sys.exit(f"moestack-plan: moe-plan --serve did not answer at {url}/")
+script = urllib.request.urlopen(f"{url}/page.js", timeout=10).read()
+request = urllib.request.Request(
+    f"{url}/api/plan",
+    data=json.dumps({"config": "published-47b-a3b.yaml", "gpu": "b300", "gpus": "8"}).encode(),
+    method="POST",
+)
+answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
+if b"<title>moe-plan</title>" not in page or not script or not answer["plan"]["fitting"]:
+    sys.exit("moestack-plan: the page of moe-plan --serve is not as expected")
+print(f"moe_plan: plans and serves its page without torch ({len(page)} bytes of page)")
+PY
+kill "$server"
+wait "$server" 2>/dev/null || true

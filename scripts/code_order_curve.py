@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-from moe_train.config import load_config
+from moe_plan.config import load_config
 from moe_train.run_tokenizer import run_tokenizer
 from moe_train.train import read_metrics
 from moe_train.train.runtime import start_runtime

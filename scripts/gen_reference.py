@@ -20,8 +20,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from moe_plan.config import Config
 from moe_train.cli import COMMANDS, build_parser
-from moe_train.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_PAGE = Path("docs/reference/config.md")
@@ -123,7 +123,7 @@ def _cell(text: str) -> str:
 
 def config_page() -> str:
     """The configuration reference: one table per section."""
-    source = "the config dataclasses in packages/moe-train/src/moe_train/config/"
+    source = "the config dataclasses in packages/moe-plan/src/moe_plan/config/"
     lines = [
         "# Configuration reference",
         "",

@@ -4,7 +4,7 @@
     uv run python scripts/package_graph.py --check    # exit 1 if the picture is out of date
 
 A box per package (distribution and import name), an arrow from a package to each sibling it
-depends on (its required dependencies), rows by depth so that every arrow points down; boxes
+depends on (its required dependencies; an arrow implied by a longer path is left out), rows by distance from the top so that every arrow points down; boxes
 of packages that install without torch are drawn light. The graph drawn is stored in the
 PNG's `Description` text, so `--check` (and tests/test_doc_figures.py) can compare the picture
 with the pyproject files without comparing pixels.
@@ -72,18 +72,37 @@ def installs_torch(packages: list[Package]) -> dict[str, bool]:
 
 
 def depths(packages: list[Package]) -> dict[str, int]:
-    """0 for a package with no siblings, else one more than its deepest sibling."""
-    by_name = {p.name: p for p in packages}
+    """The row of each package, 0 the bottom: a package no sibling depends on is in the top
+    row, and every other one row below the lowest package that depends on it."""
     found: dict[str, int] = {}
 
-    def depth(name: str) -> int:
+    def from_top(name: str) -> int:
         if name not in found:
-            found[name] = 1 + max((depth(s) for s in by_name[name].siblings), default=-1)
+            users = [p.name for p in packages if name in p.siblings]
+            found[name] = 1 + max((from_top(u) for u in users), default=-1)
         return found[name]
 
+    top = max(from_top(p.name) for p in packages)
+    return {name: top - rank for name, rank in found.items()}
+
+
+def reduced(packages: list[Package]) -> list[Package]:
+    """`packages` with only the arrows no longer path implies (the transitive reduction): the
+    arrows drawn."""
+    by_name = {p.name: p for p in packages}
+
+    def reachable(name: str) -> set[str]:
+        found = set(by_name[name].siblings)
+        for sibling in by_name[name].siblings:
+            found |= reachable(sibling)
+        return found
+
+    kept = []
     for package in packages:
-        depth(package.name)
-    return found
+        implied = set().union(*(reachable(s) for s in package.siblings))
+        siblings = tuple(s for s in package.siblings if s not in implied)
+        kept.append(Package(package.name, package.module, siblings, package.torch))
+    return kept
 
 
 def described(packages: list[Package]) -> str:
@@ -98,11 +117,14 @@ def draw(packages: list[Package], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    level = depths(packages)
     torch = installs_torch(packages)
+    described_graph = described(packages)
+    packages = reduced(packages)
+    level = depths(packages)
     where = _positions(packages, level)
     width = max(x for x, _ in where.values()) + 0.5
-    fig, ax = plt.subplots(figsize=(2.3 * width, 1.5 * (max(level.values()) + 1)))
+    left = min(x for x, _ in where.values()) - 0.5
+    fig, ax = plt.subplots(figsize=(2.3 * (width - left), 1.5 * (max(level.values()) + 1)))
     boxes = {}
     for package in packages:
         x, y = where[package.name]
@@ -123,32 +145,39 @@ def draw(packages: list[Package], out: Path) -> None:
                     "connectionstyle": f"arc3,rad={0.2 if skips else 0}",
                 },
             )  # fmt: skip
-    ax.set_xlim(0, width)
+    ax.set_xlim(left, width)
     ax.set_ylim(-0.6, max(level.values()) + 0.6)
     ax.axis("off")
-    ax.set_title("arrows: depends on; blue: installs torch, white: installs without it", fontsize=9)
+    ax.set_title(
+        "arrow: depends on (an arrow a longer path implies is not drawn); "
+        "blue: installs torch, white: installs without it",
+        fontsize=9,
+    )
     fig.tight_layout()
-    fig.savefig(out, dpi=110, metadata={"Description": described(packages)})
+    fig.savefig(out, dpi=110, metadata={"Description": described_graph})
     plt.close(fig)
 
 
 def _positions(packages: list[Package], level: dict[str, int]) -> dict[str, tuple[float, int]]:
-    """(x, row) of each box: rows by depth, the top row in name order and each row below in
-    the order of the mean x of the packages that depend on it (fewer crossing arrows)."""
+    """(x, row) of each box: the top row side by side; each box below under the mean of the
+    boxes with an arrow to it, its row spread to one box width apart around the same mean."""
     rows: dict[int, list[Package]] = {}
     for package in packages:
         rows.setdefault(level[package.name], []).append(package)
-    width = max(len(row) for row in rows.values())
     where: dict[str, tuple[float, int]] = {}
     for depth in sorted(rows, reverse=True):
 
-        def above(package: Package) -> float:
+        def wanted(package: Package) -> float:
             xs = [where[p.name][0] for p in packages if package.name in p.siblings]
             return sum(xs) / len(xs) if xs else 0.0
 
-        row = sorted(rows[depth], key=above)
-        for i, package in enumerate(row):
-            where[package.name] = ((i + 0.5) * width / len(row), depth)
+        row = sorted(rows[depth], key=wanted)  # stable: name order among equals
+        xs: list[float] = []
+        for package in row:
+            xs.append(max(wanted(package), xs[-1] + 1.0) if xs else wanted(package))
+        shift = sum(map(wanted, row)) / len(row) - sum(xs) / len(xs)
+        for package, x in zip(row, xs, strict=True):
+            where[package.name] = (x + shift, depth)
     return where
 
 

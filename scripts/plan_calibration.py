@@ -4,7 +4,7 @@ planner's prediction of its layout. docs/planner.md holds its output."""
 
 from pathlib import Path
 
-from moe_train.plan.calibration import calibrate, calibration_table, published_points
+from moe_plan.calibration import calibrate, calibration_table, published_points
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

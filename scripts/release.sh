@@ -40,6 +40,7 @@ declare -A test_deps=(
   [moestack-dispatch]="pytest"
   [moestack-parallel]="pytest numpy"
   [moestack-data]="pytest torch tokenizers pyarrow zstandard datasets"
+  [moestack-plan]="pytest"
   [moestack-train]="pytest tokenizers transformers tensorboard wandb"
 )
 

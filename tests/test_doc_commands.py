@@ -158,7 +158,7 @@ COMMANDS: dict[str, Run | Skip] = {
     "--train.run_dir=runs/olmoe --checkpoint.resume=auto": Skip("8 GPUs"),
     # docs/planner.md
     "python scripts/plan_calibration.py": Skip(
-        "prints the calibration table; tests/moe_train/test_plan_calibration.py computes the "
+        "prints the calibration table; tests/moe_plan/test_plan_calibration.py computes the "
         "same table and checks that docs/planner.md holds it"
     ),
     "moe-train plan configs/olmoe-1b-7b.yaml --gpus 8 --gpu h100": Run(),
@@ -172,7 +172,7 @@ COMMANDS: dict[str, Run | Skip] = {
     "moe-train plan configs/olmoe-1b-7b.yaml --gpus 8 --gpu h100 --top 3 --overrides": Run(),
     "moe-train plan configs/olmoe-1b-7b.yaml --gpus 64 --gpu h100 --tokens 2e12": Run(),
     "moe-train plan --serve --port 8037": Skip(
-        "serves until interrupted; tests/moe_train/test_plan_page.py starts `plan --serve` and "
+        "serves until interrupted; tests/moe_plan/test_plan_page.py starts `plan --serve` and "
         "drives the page in Chromium"
     ),
     # docs/audit.md

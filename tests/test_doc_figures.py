@@ -201,7 +201,7 @@ def test_interop_names_what_generate_json_prints(monkeypatch, capsys):
 
 
 def test_the_quickstart_pages_describe_the_tiny_config():
-    from moe_train.config import load_config
+    from moe_plan.config import load_config
 
     model = load_config(ROOT / "configs" / "tiny.yaml", []).model
     steps = load_config(ROOT / "configs" / "tiny.yaml", []).train.max_steps
@@ -214,8 +214,8 @@ def test_the_quickstart_pages_describe_the_tiny_config():
 
 
 def test_the_quickstart_gives_the_shipped_configs_sizes():
-    from moe_train.config import load_config
-    from moe_train.config.accounting import count_params
+    from moe_plan.config import load_config
+    from moe_plan.config.accounting import count_params
 
     text = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
     sizes = re.findall(r"`([\w-]+)` \([^()]*?([\d.]+)B total, ([\d.]+)B active", text)
@@ -230,10 +230,10 @@ def test_the_quickstart_gives_the_shipped_configs_sizes():
 def test_the_over_memory_figures_are_the_planners():
     """docs/planner.md, *Over memory here*: each published layout's memory by category, and
     the totals its prose gives, from `predict_memory` at the config's published point."""
-    from moe_train.config import load_config
-    from moe_train.plan.calibration import published_points
-    from moe_train.plan.hardware import DEVICES
-    from moe_train.plan.memory import predict_memory
+    from moe_plan.calibration import published_points
+    from moe_plan.config import load_config
+    from moe_plan.hardware import DEVICES
+    from moe_plan.memory import predict_memory
 
     gib = 2**30
     points = {point.config.name: point for point in published_points(ROOT / "configs")}
@@ -266,7 +266,7 @@ def test_the_over_memory_figures_are_the_planners():
 
 
 def test_the_error_line_of_readme_and_quickstart_is_the_configs():
-    from moe_train.config import load_config
+    from moe_plan.config import load_config
     from moe_train.errors import ConfigError
 
     with pytest.raises(ConfigError) as error:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from moe_plan.config import dump_config, load_config
 from moe_train.cli import build_parser
-from moe_train.config import dump_config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import numpy as np
 import yaml
 from torch import nn
 
-from moe_train.config import Config, ModelConfig, MoEConfig, config_from_dict
+from moe_plan.config import Config, ModelConfig, MoEConfig, config_from_dict
 from moe_train.train import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -502,7 +502,9 @@ def test_mxfp8_grouped_mm_takes_any_layout_and_int64_offsets() -> None:
 def test_torchao_kernel_needs_sm100() -> None:
     pytest.importorskip("torchao.prototype.moe_training")
     x, w, _, offsets = make_grouped_inputs([5, 9], 14, 32, 32, torch.bfloat16, seed=4)
-    with pytest.raises(ValueError, match=r"kernel=.torchao. cannot run because the device is a CPU"):
+    with pytest.raises(
+        ValueError, match=r"kernel=.torchao. cannot run because the device is a CPU"
+    ):
         mxfp8_grouped_mm(x, w, offsets, kernel="torchao")
 
 

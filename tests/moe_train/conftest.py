@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_train.config import Config, config_from_dict
+from moe_plan.config import Config, config_from_dict
 from training import CODE_TEXT, save_byte_tokens, small_config_data
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from moe_data import prepare_data
+from moe_plan.config import config_from_dict
 from moe_train.cli import main
-from moe_train.config import config_from_dict
 from moe_train.train import train
 from tokenizer_files import bpe_tokenizer_file
 from training import small_config_data

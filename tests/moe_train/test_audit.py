@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +15,10 @@ import torch
 
 from launch import run_cli, run_torchrun
 from moe_checkpoint import read_trainer_state
-from moe_train.config import config_from_dict
+from moe_plan.config import config_from_dict
 from moe_train.errors import ConfigError, DataError, MoeTrainError
 from moe_train.train import train
+from moe_train.train.manifest import PACKAGES, environment
 from moe_train.verify import verify
 from training import ROOT, save_byte_tokens, small_config_data
 
@@ -79,6 +81,17 @@ def test_the_manifest_records_config_data_code_and_each_launch(tmp_path, token_f
     }
     assert (second["start_step"], second["end_step"]) == (3, 6)
     assert second["completed"] is not None and resumed["config"]["train"]["max_steps"] == 6
+
+
+def test_the_manifest_records_every_package_of_the_workspace():
+    """Each package under packages/ is among the distributions whose versions a manifest
+    records, and a run's environment names them (all installed here)."""
+    names = {
+        tomllib.loads(path.read_text())["project"]["name"]
+        for path in (ROOT / "packages").glob("*/pyproject.toml")
+    }
+    assert "moestack-plan" in names and names <= set(PACKAGES), sorted(names - set(PACKAGES))
+    assert names <= set(environment(torch.device("cpu"))["packages"])
 
 
 def test_verify_passes_a_genuine_pair_bitwise(tmp_path, token_file):

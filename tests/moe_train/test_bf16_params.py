@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from harness.ranks import run_distributed
-from moe_train.config import config_from_dict
+from moe_plan.config import config_from_dict
 from moe_train.train import train
 from moe_train.train.runtime import start_runtime
 from moe_train.train.step import StepRunner

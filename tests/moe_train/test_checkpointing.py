@@ -6,8 +6,8 @@ import os
 import pytest
 
 from harness.ranks import run_distributed
+from moe_plan.config import config_from_dict
 from moe_train.cli import main
-from moe_train.config import config_from_dict
 from moe_train.errors import ConfigError, MoeTrainError
 from moe_train.train import read_metrics, train
 from training import save_config

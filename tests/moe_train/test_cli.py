@@ -182,3 +182,27 @@ def test_an_error_every_rank_raises_alike_is_printed_by_rank_0_alone(capsys, mon
         assert main(args) == 2
         err = capsys.readouterr().err
         assert err.startswith(printed) and len(err.splitlines()) == (1 if printed else 0), err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [str(CONFIGS / "tiny.yaml"), "--gpus", "2", "--tokens", "1e9", "--model.n_layers=4"],
+        [str(CONFIGS / "tiny.yaml")],  # refused: --gpus is missing
+        ["--help"],
+    ],
+)
+def test_moe_train_plan_is_moe_plan(args, capsys):
+    """`moe-train plan ARGS` runs the `moe-plan` command: the same exit code and output (the
+    help but for the program's name)."""
+    from moe_plan.cli import main as moe_plan
+
+    answers = []
+    for run, argv in ((main, ["plan", *args]), (moe_plan, args)):
+        try:
+            code = run(argv)
+        except SystemExit as e:  # --help
+            code = e.code
+        out, err = capsys.readouterr()
+        answers.append((code, " ".join(out.replace("moe-train plan", "moe-plan").split()), err))
+    assert answers[0] == answers[1]

@@ -4,8 +4,8 @@ attention over the whole sequence: every rank of cp 1, 2 and 4 simulated in one 
 import pytest
 import torch
 
-from moe_train.config import config_from_dict
-from moe_train.config.start_check import check_start
+from moe_plan.config import config_from_dict
+from moe_plan.config.start_check import check_start
 from moe_train.errors import ConfigError
 from moe_train.model import Documents
 from moe_train.parallelize.context_parallel import (
@@ -119,7 +119,7 @@ def test_layouts_context_parallelism_cannot_use_name_the_key(
 
 
 def test_the_planner_plans_the_context_parallel_layout(tmp_path, token_file):
-    from moe_train.plan import device_with, make_plan
+    from moe_plan import device_with, make_plan
 
     config = config_from_dict(small_config_data(tmp_path, token_file, parallel={"cp": 2}))
     plan = make_plan(config, 4, device_with("h100"))

@@ -9,7 +9,7 @@ import pytest
 from test_document_masking import _short_documents
 
 from harness.ranks import run_distributed
-from moe_train.config import config_from_dict
+from moe_plan.config import config_from_dict
 from moe_train.train import read_metrics, train
 from training import (
     FP8_CONTEXT_RTOL,

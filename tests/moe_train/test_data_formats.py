@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from moe_data import TokenDataset, prepare_data
+from moe_plan.config import load_config
 from moe_train.cli import main
-from moe_train.config import load_config
 from moe_train.errors import ConfigError, DataError
 from training import CONFIGS
 

@@ -6,7 +6,7 @@ import pytest
 
 from harness.ranks import run_distributed
 from launch import run_torchrun
-from moe_train.config import config_from_dict, load_config
+from moe_plan.config import config_from_dict, load_config
 from moe_train.train import read_metrics, train
 from training import (
     CONFIGS,

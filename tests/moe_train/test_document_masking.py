@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from harness.ranks import run_distributed
 from moe_data import TokenDataset, prepare_data
+from moe_plan.config import config_from_dict
 from moe_train.cli import main
-from moe_train.config import config_from_dict
 from moe_train.model import Documents, Transformer
 from moe_train.train import train
 from training import assert_losses_match, small_config_data, small_model_config, train_cases

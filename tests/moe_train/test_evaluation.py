@@ -8,7 +8,7 @@ import yaml
 
 from harness.ranks import run_distributed
 from moe_data import TokenDataset
-from moe_train.config import config_from_dict, load_config
+from moe_plan.config import config_from_dict, load_config
 from moe_train.errors import ConfigError
 from moe_train.train import read_metrics, train
 from training import small_config_data

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
+from moe_plan.config import RoutingCheckConfig
 from moe_train.cli import main
-from moe_train.config import RoutingCheckConfig
 from moe_train.train import read_metrics, train
 from moe_train.train.expert_load import ExpertLoadLog
 from moe_train.train.routing import StepRouting

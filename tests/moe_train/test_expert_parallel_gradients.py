@@ -5,7 +5,7 @@ import torch
 
 from harness.ranks import run_distributed
 from moe_parallel import GradientReducer, is_expert_parameter
-from moe_train.config import config_from_dict
+from moe_plan.config import config_from_dict
 from moe_train.model import Transformer, apply_recompute, lm_loss
 from moe_train.parallelize import apply_expert_parallel, layer_dispatchers, materialize
 from moe_train.train.runtime import start_runtime

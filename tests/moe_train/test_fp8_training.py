@@ -7,7 +7,7 @@ import torch
 
 from harness.ranks import run_distributed
 from moe_kernels import fp8_rowwise_grouped_mm
-from moe_train.config import PrecisionConfig, config_from_dict
+from moe_plan.config import PrecisionConfig, config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.model import resolve_expert_gemm
 from moe_train.model.moe import Experts

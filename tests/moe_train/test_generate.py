@@ -12,8 +12,8 @@ from harness.ranks import run_distributed
 from moe_checkpoint import read_trainer_state
 from moe_data import prepare_data
 from moe_data.tokenizer import ByteTokenizer
+from moe_plan.config import config_from_dict
 from moe_train.cli import main
-from moe_train.config import config_from_dict
 from moe_train.generate import generate, generate_ids, next_token
 from moe_train.model import Transformer
 from moe_train.train import train

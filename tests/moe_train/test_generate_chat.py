@@ -18,8 +18,8 @@ from test_chat_data import (
 
 from moe_data.conversations import prepare_conversations
 from moe_data.tokenizer import HFTokenizer
+from moe_plan.config import config_from_dict
 from moe_train.cli import main
-from moe_train.config import config_from_dict
 from moe_train.generate import chat_prompt, generate_ids, load_checkpoint_model
 from moe_train.train import train
 from training import CODE_TEXT, small_config_data

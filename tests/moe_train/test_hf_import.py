@@ -17,8 +17,8 @@ from moe_checkpoint import (
     load_slices,
     read_trainer_state,
 )
+from moe_plan.config import config_from_dict, load_config
 from moe_train.cli import main
-from moe_train.config import config_from_dict, load_config
 from moe_train.end_tokens import END_IDS_KEY, model_dir_end_ids
 from moe_train.errors import ConfigError
 from moe_train.generate import generate_ids

@@ -8,7 +8,7 @@ from masked_data import conversation_like, save_masked_tokens
 
 from moe_data import TokenDataset
 from moe_data.labels import IGNORE_INDEX, encode_masked, inputs_and_targets
-from moe_train.config import config_from_dict
+from moe_plan.config import config_from_dict
 from moe_train.errors import DataError
 from moe_train.model import head_lm_loss
 from moe_train.model import loss as loss_module

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from harness.ranks import run_distributed
-from moe_train.config import config_from_dict
+from moe_plan.config import config_from_dict
 from moe_train.train import read_metrics, train
 from training import small_config_data, train_cases
 

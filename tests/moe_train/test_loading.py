@@ -10,7 +10,7 @@ import pytest
 
 from harness.ranks import run_distributed
 from moe_data import MixedDataset, MixtureSource, TokenDataset
-from moe_train.config import config_from_dict
+from moe_plan.config import config_from_dict
 from moe_train.errors import DataError
 from moe_train.train import read_metrics, train
 from moe_train.train.data_feed import BatchFeed

@@ -11,8 +11,8 @@ import yaml
 from safetensors import safe_open
 
 from harness.ranks import run_distributed
+from moe_plan.config import Config, config_from_dict
 from moe_train.cli import main
-from moe_train.config import Config, config_from_dict
 from moe_train.errors import ConfigError, MoeTrainError, TrainingDiverged
 from moe_train.train import read_metrics, train
 from moe_train.train.step import StepRunner

@@ -7,8 +7,8 @@ import pytest
 
 from moe_data import MixedDataset, MixtureSource
 from moe_data.mixture import positions_in_order, samples_before
+from moe_plan.config import config_from_dict
 from moe_train.cli import main
-from moe_train.config import config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.train import read_metrics, train
 from moe_train.train.data_feed import TokenCounts

@@ -8,8 +8,8 @@ import torch
 import transformers
 
 from harness.ranks import run_distributed
+from moe_plan.config import config_from_dict
 from moe_train.cli import main
-from moe_train.config import config_from_dict
 from moe_train.model import Transformer
 from moe_train.train import read_metrics, train
 from training import small_config_data, small_model_config, train_cases

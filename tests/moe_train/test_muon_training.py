@@ -7,7 +7,7 @@ import torch
 
 from harness.ranks import run_distributed
 from moe_parallel import DistributedMuon, ReplicatedMuon
-from moe_train.config import config_from_dict
+from moe_plan.config import config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.model import Transformer
 from moe_train.train import train
@@ -209,8 +209,8 @@ def test_planner_counts_muon_state_as_the_optimizer_holds_it(
     shared_token_file, tmp_path, param_dtype, sharded
 ):
     from moe_parallel import single_process_layout
+    from moe_plan.memory import _rank_memory
     from moe_train.model import apply_param_dtype
-    from moe_train.plan.memory import _rank_memory
     from moe_train.train.rank_build import DTYPES, build_optimizer
 
     precision = {"param_dtype": param_dtype, "compute_dtype": param_dtype}
@@ -230,7 +230,7 @@ def test_planner_balances_distributed_muon_matrices_over_the_group(shared_token_
     """On dp ranks a rank holds the most loaded owner's matrices: at most 1/dp of them plus
     the largest (per reduction group), and with the AdamW shards at most 1/dp of the
     replicated state plus the largest matrix of each group."""
-    from moe_train.plan.memory import _rank_memory, hidden_matrix_sizes, most_owned
+    from moe_plan.memory import _rank_memory, hidden_matrix_sizes, most_owned
 
     data = _data(shared_token_file, tmp_path, distributed_optimizer=True)
     data["model"]["n_layers"] = 4
@@ -250,9 +250,9 @@ def test_planner_balances_distributed_muon_matrices_over_the_group(shared_token_
 
 
 def test_planner_times_the_newton_schulz_iterations(shared_token_file, tmp_path):
-    from moe_train.plan.hardware import DEVICES
-    from moe_train.plan.roofline import newton_schulz_flops, step_time
-    from moe_train.plan.traffic import Traffic
+    from moe_plan.hardware import DEVICES
+    from moe_plan.roofline import newton_schulz_flops, step_time
+    from moe_plan.traffic import Traffic
 
     config = config_from_dict(_data(shared_token_file, tmp_path))
     expected = 0

@@ -13,8 +13,8 @@ from torch.utils._pytree import tree_flatten
 
 import moe_train.model
 from moe_parallel import is_expert_parameter
-from moe_train.config import config_from_dict
-from moe_train.config.stage_plan import plan_stages
+from moe_plan.config import config_from_dict
+from moe_plan.config.stage_plan import plan_stages
 from moe_train.model import WHOLE_SEQUENCES, Router, Transformer, causal_attention
 from moe_train.model.attention import Attention
 from moe_train.parallelize import ContextShard, apply_context_parallel, apply_pipeline_split

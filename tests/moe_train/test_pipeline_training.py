@@ -5,9 +5,9 @@ import re
 import pytest
 
 from harness.ranks import run_distributed
-from moe_train.config import config_from_dict
-from moe_train.config.stage_plan import plan_stages
-from moe_train.config.start_check import check_start
+from moe_plan.config import config_from_dict
+from moe_plan.config.stage_plan import plan_stages
+from moe_plan.config.start_check import check_start
 from moe_train.errors import ConfigError
 from moe_train.train import train
 from training import (

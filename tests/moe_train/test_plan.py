@@ -18,15 +18,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import memory as memory_benchmark
 from harness.ranks import run_distributed
-from moe_train.config import load_config
-from moe_train.model.training_choices import (
-    apply_expert_gemm,
-    apply_linear_precision,
-    apply_param_dtype,
-    apply_recompute,
-)
-from moe_train.model.transformer import Transformer
-from moe_train.plan import (
+from moe_plan import (
     DEVICES,
     device_with,
     evaluate,
@@ -36,9 +28,17 @@ from moe_train.plan import (
     predict_memory,
     predict_traffic,
 )
-from moe_train.plan.activations import HOST_GRAPH_BYTES_PER_BLOCK, loss_bytes
-from moe_train.plan.layouts import format_bytes, start_error
-from moe_train.plan.memory import _rank_memory
+from moe_plan.activations import HOST_GRAPH_BYTES_PER_BLOCK, loss_bytes
+from moe_plan.config import load_config
+from moe_plan.layouts import format_bytes, start_error
+from moe_plan.memory import _rank_memory
+from moe_train.model.training_choices import (
+    apply_expert_gemm,
+    apply_linear_precision,
+    apply_param_dtype,
+    apply_recompute,
+)
+from moe_train.model.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -299,7 +299,7 @@ def _measured_config(name: str, mode: str):
 
 
 def _check_memory_row(name: str, mode: str, measured_by_rank: list[dict]) -> None:
-    from moe_train.config.stage_plan import plan_stages
+    from moe_plan.config.stage_plan import plan_stages
 
     world, config = _measured_config(name, mode)
     dp = world // config.parallel.pp
@@ -402,7 +402,7 @@ def test_a_device_kinds_fp8_kernels_are_the_runtime_rule_of_its_capability(capsy
     device of figures takes --gpu-capability, or 9.0 with an FP8 rate and 8.0 without."""
     from moe_devices import kernel_paths
     from moe_train.cli import main
-    from moe_train.cli.plan import plan_json_of
+    from moe_plan.cli import plan_json_of
 
     for name, device in DEVICES.items():
         assert device.kernel_paths == kernel_paths(device.capability), name
@@ -491,7 +491,7 @@ def test_every_shipped_config_passes_plan_at_its_world_size():
 
 
 def test_bytes_across_nodes():
-    from moe_train.plan.traffic import across_nodes
+    from moe_plan.traffic import across_nodes
 
     def config(ep: int, cp: int = 1):
         return load_config(
@@ -513,7 +513,7 @@ def test_bytes_across_nodes():
 
 
 def _small_plan(memory_gib: float, world_size: int, per_node: int = 2, extra=()):
-    from moe_train.plan import make_plan
+    from moe_plan import make_plan
 
     config = load_config(None, [*SMALL, "--data.global_batch_size=8", *extra])
     device = device_with("h100", memory_gib=memory_gib, gpus_per_node=per_node)
@@ -521,8 +521,8 @@ def _small_plan(memory_gib: float, world_size: int, per_node: int = 2, extra=())
 
 
 def test_when_nothing_fits_the_closest_layouts_and_the_smallest_count_that_fits():
-    from moe_train.plan import make_plan
-    from moe_train.plan.search import allowed_counts
+    from moe_plan import make_plan
+    from moe_plan.search import allowed_counts
 
     # A device smaller than any layout of 1 rank needs, but not than some on more ranks.
     config, device, plan = _small_plan(0.0015, 1, per_node=2)
@@ -559,7 +559,7 @@ def test_when_nothing_fits_the_closest_layouts_and_the_smallest_count_that_fits(
 
 
 def test_beyond_the_counts_tried_one_by_one_doubling_and_halving_find_the_same(monkeypatch):
-    from moe_train.plan import search
+    from moe_plan import search
 
     # Six layers and twelve sequences: counts 2, 3, 4, 6 and 8 take at least 44, 30, 24, 16 and
     # 13 MiB per device; 5 and the counts past 8 start no layout.
@@ -624,8 +624,8 @@ def test_rejection_reasons_are_grouped_with_their_counts():
 
 
 def test_printed_overrides_give_the_same_layout_through_trains_config_loading():
-    from moe_train.plan import make_plan
-    from moe_train.plan.layouts import layout_overrides, with_figures
+    from moe_plan import make_plan
+    from moe_plan.layouts import layout_overrides, with_figures
 
     path = ROOT / "configs/tiny.yaml"
     cases = [
@@ -652,9 +652,9 @@ def test_printed_overrides_give_the_same_layout_through_trains_config_loading():
 
 
 def test_a_small_model_in_mebibytes_at_a_speed_its_operators_allow():
-    from moe_train.config.layout_shape import layout_shape
-    from moe_train.plan import make_plan
-    from moe_train.plan.roofline import operator_floor_s
+    from moe_plan import make_plan
+    from moe_plan.config.layout_shape import layout_shape
+    from moe_plan.roofline import operator_floor_s
 
     config = load_config(ROOT / "configs/tiny.yaml")
     plan = make_plan(config, 8, DEVICES["h100"])
@@ -673,7 +673,7 @@ def test_a_small_model_in_mebibytes_at_a_speed_its_operators_allow():
 def test_operators_per_block_are_what_a_block_runs(recompute):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from moe_train.plan.roofline import OPERATORS_PER_BLOCK
+    from moe_plan.roofline import OPERATORS_PER_BLOCK
 
     class Operators(TorchDispatchMode):
         """Counts the operators that do work (views excluded)."""
@@ -731,10 +731,10 @@ def test_a_device_of_figures_takes_an_fp8_rate_and_the_label_names_fp8_linears(c
     """--gpu-fp8-tflops gives a device of figures its FP8 rate (its FP8 products then run
     faster, as on a listed device), a bad rate is one line naming the flag and exit 2; the
     layout label and its legend tell FP8 experts and FP8 linears apart."""
+    from moe_plan.cli import plan_json_of
+    from moe_plan.roofline import compute_seconds
     from moe_train.cli import main
-    from moe_train.cli.plan import plan_json_of
     from moe_train.errors import ConfigError
-    from moe_train.plan.roofline import compute_seconds
 
     tiny = ROOT / "configs/tiny.yaml"
     figures = ["--gpu-memory-gib", "80", "--gpu-tflops", "989"]

@@ -17,10 +17,10 @@ from torch.autograd.graph import saved_tensors_hooks
 import long_context as long_context_benchmark
 import memory as memory_benchmark
 from harness.ranks import run_distributed
-from moe_train.config import load_config
-from moe_train.config.layout_shape import layout_shape
-from moe_train.plan import DEVICES, device_with, held_per_micro_batch, make_plan, predict_traffic
-from moe_train.plan.traffic import (
+from moe_plan import DEVICES, device_with, held_per_micro_batch, make_plan, predict_traffic
+from moe_plan.config import load_config
+from moe_plan.config.layout_shape import layout_shape
+from moe_plan.traffic import (
     across_nodes,
     expert_nodes,
     node_limited_bound,
@@ -388,8 +388,8 @@ def test_plan_searches_context_parallel_layouts():
     device between the two predictions, the cp2 layout fits and its cp1 twin does not."""
     from dataclasses import replace
 
-    from moe_train.plan import evaluate, predict_memory
-    from moe_train.plan.layouts import layout_overrides
+    from moe_plan import evaluate, predict_memory
+    from moe_plan.layouts import layout_overrides
 
     config = load_config(
         Path(__file__).resolve().parents[2] / "configs/tiny.yaml",
@@ -434,7 +434,7 @@ def test_roofline_exposes_the_context_collectives_per_layer():
     carries all of their seconds (bytes at the link's rate, a start-up per call), at the
     network's rate when the cp group straddles nodes; compute counts the rank's S / cp
     positions per micro-batch, as the cp1 layout on half the ranks computes per sequence."""
-    from moe_train.plan.roofline import (
+    from moe_plan.roofline import (
         COLLECTIVE_LATENCY_S,
         compute_seconds,
         step_time,

@@ -1,5 +1,5 @@
 """The planner's mirrors of rules that live in the torch packages below it
-(moe_train.plan.mirrored) agree with their homes on many inputs."""
+(moe_plan.mirrored) agree with their homes on many inputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 from moe_dispatch import ROUTE_ID_DTYPE, capacity_per_expert
 from moe_parallel import assign_owners
 from moe_parallel.muon import NS_STEPS
-from moe_train.plan import mirrored
+from moe_plan import mirrored
 
 
 def test_capacity_per_expert_agrees() -> None:

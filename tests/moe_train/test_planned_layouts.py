@@ -11,11 +11,11 @@ from unittest import mock
 import pytest
 
 from harness.ranks import run_distributed
-from moe_train.config import Config, load_config
-from moe_train.config.key_rules import PLANNED_KEYS
-from moe_train.config.start_check import check_start
-from moe_train.plan import DEVICES, layout_overrides, make_plan
-from moe_train.plan import layouts as planner_layouts
+from moe_plan import DEVICES, layout_overrides, make_plan
+from moe_plan import layouts as planner_layouts
+from moe_plan.config import Config, load_config
+from moe_plan.config.key_rules import PLANNED_KEYS
+from moe_plan.config.start_check import check_start
 from moe_train.train import train
 from training import assert_losses_match, save_config, small_config_data
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from launch import run_cli
+from moe_plan.config import config_from_dict
 from moe_train.cli import main
-from moe_train.config import config_from_dict
 from moe_train.train import train
 from training import CODE_TEXT, save_byte_tokens, small_config_data
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_train.config import ModelConfig, MoEConfig
+from moe_plan.config import ModelConfig, MoEConfig
 from moe_train.model import Transformer, apply_recompute, lm_loss
 from moe_train.train import read_metrics, train
 from moe_train.train.host_memory import allocated_host_bytes

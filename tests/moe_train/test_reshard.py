@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from harness.ranks import run_distributed
-from moe_train.config import config_from_dict
+from moe_plan.config import config_from_dict
 from moe_train.train import train
 from training import assert_losses_match, train_cases
 

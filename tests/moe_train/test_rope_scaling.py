@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from moe_train.config import RopeScalingConfig, config_from_dict
+from moe_plan.config import RopeScalingConfig, config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.model.attention import rope_tables
 from moe_train.train import train

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from assertions import assert_close_report
-from moe_train.config import MoEConfig
+from moe_plan.config import MoEConfig
 from moe_train.model import Router
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from launch import Outcome, run_torchrun
-from moe_train.config import RoutingCheckConfig
+from moe_plan.config import RoutingCheckConfig
 from moe_train.train import read_metrics
 from training import CONFIGS, save_config, small_config_data
 

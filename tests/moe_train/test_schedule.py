@@ -5,8 +5,8 @@ import math
 
 import pytest
 
+from moe_plan.config import OptimConfig, config_from_dict
 from moe_train.cli import main
-from moe_train.config import OptimConfig, config_from_dict
 from moe_train.errors import ConfigError
 from moe_train.train.schedule import lr_at
 from training import CONFIGS

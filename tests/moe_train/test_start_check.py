@@ -10,13 +10,13 @@ from unittest import mock
 
 import pytest
 
+from moe_plan import DEVICES, evaluate
+from moe_plan.config import Config, load_config
+from moe_plan.config.key_rules import KEY_RULES, NUMBERS, resume_refuses, verify_allows
+from moe_plan.config.layout_shape import layout_shape
+from moe_plan.config.start_check import check_start, start_error
 from moe_train.cli import launch, main
-from moe_train.config import Config, load_config
-from moe_train.config.key_rules import KEY_RULES, NUMBERS, resume_refuses, verify_allows
-from moe_train.config.layout_shape import layout_shape
-from moe_train.config.start_check import check_start, start_error
 from moe_train.errors import ConfigError
-from moe_train.plan import DEVICES, evaluate
 from moe_train.train.runtime import start_runtime
 from training import CONFIGS
 
@@ -170,11 +170,12 @@ def _dividers(roots: list[Path]) -> list[str]:
 
 
 def test_only_the_config_package_divides_world_sizes(tmp_path):
-    roots = [ROOT / "packages/moe-train/src/moe_train", ROOT / "benchmarks"]
+    roots = [ROOT / "packages/moe-train/src/moe_train", ROOT / "packages/moe-plan/src/moe_plan"]
+    roots.append(ROOT / "benchmarks")
     assert _dividers(roots) == []
-    planted = tmp_path / "moe_train/plan/sizes.py"
+    planted = tmp_path / "moe_plan/sizes.py"
     planted.parent.mkdir(parents=True)
     planted.write_text("dp = world_size // pp\n")
-    (tmp_path / "moe_train/config").mkdir()
-    (tmp_path / "moe_train/config/shape.py").write_text("dp = world_size // pp\n")
-    assert _dividers([tmp_path / "moe_train"]) == [str(planted)]
+    (tmp_path / "moe_plan/config").mkdir()
+    (tmp_path / "moe_plan/config/shape.py").write_text("dp = world_size // pp\n")
+    assert _dividers([tmp_path / "moe_plan"]) == [str(planted)]

@@ -14,9 +14,9 @@ import torch
 from harness.ranks import run_distributed
 from moe_data.prepare import prepare_data
 from moe_data.tokenizer import ByteTokenizer
+from moe_plan.config import config_from_dict
 from moe_train.cli import main
 from moe_train.cli import run as cli_run
-from moe_train.config import config_from_dict
 from moe_train.errors import ConfigError, DataError
 from moe_train.generate import load_checkpoint_model
 from moe_train.task_eval import evaluate_checkpoint

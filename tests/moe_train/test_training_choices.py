@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moe_dispatch import make_dispatcher
-from moe_train.config import (
+from moe_plan.config import (
     ModelConfig,
     MoEConfig,
     PrecisionConfig,
@@ -274,7 +274,7 @@ def test_auto_expert_gemm_picks_per_gpu_and_says_which(monkeypatch, capability, 
     the fp32 grouped GEMM on any GPU."""
     from moe_devices import Software
     from moe_kernels import device_paths
-    from moe_train.config import config_from_dict
+    from moe_plan.config import config_from_dict
     from moe_train.model import resolve_expert_gemm
     from moe_train.train.rank_build import apply_training_choices
 

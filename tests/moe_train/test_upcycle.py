@@ -9,8 +9,8 @@ import torch
 import yaml
 
 from moe_checkpoint import OwnedSlice, load_into, read_trainer_state
+from moe_plan.config import config_from_dict, load_config
 from moe_train.cli import main
-from moe_train.config import config_from_dict, load_config
 from moe_train.end_tokens import END_IDS_KEY
 from moe_train.model import Transformer
 from moe_train.train import train

@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from moe_train.config import Config, load_config
+from moe_plan.config import Config, load_config
 from moe_train.errors import ConfigError, DataError, MoeTrainError, RankLost, TrainingDiverged
 
 try:

@@ -3,14 +3,12 @@
 from typing import TypeVar
 
 from moe_data import DataError, UserError
+from moe_plan import ConfigError
 
 MoeTrainError = UserError
 """An error caused by the user's input (config, data, paths), not by a bug: the base of every
-user-facing error, moe-data's DataError included (`exit_code` 2 unless a subclass says)."""
-
-
-class ConfigError(MoeTrainError):
-    """A config key is unknown, has the wrong type, or an impossible value."""
+user-facing error, moe-data's DataError and moe-plan's ConfigError included (`exit_code` 2
+unless a subclass says)."""
 
 
 class TrainingDiverged(MoeTrainError):

@@ -29,7 +29,7 @@ from torch import Tensor
 from moe_checkpoint import CheckpointError, load_into, read_trainer_state, resolve_checkpoint
 from moe_data import ByteTokenizer, ChatTemplate, HFTokenizer, RowError
 from moe_parallel import single_process_layout
-from moe_train.config import Config, ModelConfig, config_from_dict
+from moe_plan.config import Config, ModelConfig, config_from_dict
 from moe_train.end_tokens import checkpoint_end_ids, end_of_turn_id
 from moe_train.errors import MoeTrainError
 from moe_train.model import Transformer

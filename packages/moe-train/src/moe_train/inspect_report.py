@@ -18,7 +18,7 @@ from moe_checkpoint import (
     read_trainer_state,
     resolve_checkpoint,
 )
-from moe_train.config import flatten_config
+from moe_plan.config import flatten_config
 from moe_train.errors import MoeTrainError
 
 OPTIMIZER_PREFIX = "optim."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_train.config import Config
+from moe_plan.config import Config
 
 
 def checkpoint_root(config: Config, run_dir: Path | str) -> Path:

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from moe_data import ByteTokenizer, HFTokenizer, load_tokenizer
-from moe_train.config import Config
+from moe_plan.config import Config
 
 BUILTIN_DATA_PREFIX = "builtin:"
 BYTE_EOS_ID = 256

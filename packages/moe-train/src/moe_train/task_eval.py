@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from moe_checkpoint import CheckpointError, read_trainer_state, resolve_checkpoint
-from moe_train.config import Config, config_from_dict, parse_overrides
+from moe_plan.config import Config, config_from_dict, parse_overrides
 from moe_train.errors import ConfigError, MoeTrainError, on_every_rank
 from moe_train.run_tokenizer import run_tokenizer
 from moe_train.train.runtime import start_runtime

@@ -23,7 +23,7 @@ def _handle(args: argparse.Namespace) -> int:
     """Train (with --nproc-per-node: start the ranks that train); exit 0 when the run reached
     train.max_steps (now or before), PREEMPTED_EXIT when a signal stopped it early."""
     from moe_data import PREEMPTED_EXIT
-    from moe_train.config import load_config
+    from moe_plan.config import load_config
     from moe_train.errors import MoeTrainError, on_every_rank
     from moe_train.signals import StopRequests
 
@@ -88,9 +88,9 @@ def _say(text: str) -> None:
 def _launch(args: argparse.Namespace) -> int:
     """--nproc-per-node N: refuse a config that cannot start on N ranks (nothing started),
     else start the N ranks, each running this command without the option."""
+    from moe_plan.config import load_config
+    from moe_plan.config.start_check import check_start
     from moe_train.cli.launch import launch_ranks, nproc_per_node
-    from moe_train.config import load_config
-    from moe_train.config.start_check import check_start
     from moe_train.errors import ConfigError
     from moe_train.train.runtime import launched_by_torchrun, launched_world_size
 

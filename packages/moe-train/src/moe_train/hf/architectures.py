@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moe_train.config import Config, ModelConfig
+from moe_plan.config import Config, ModelConfig
 from moe_train.errors import MoeTrainError
 from moe_train.hf.tensor_map import (
     GLM4,

@@ -31,7 +31,7 @@ from moe_checkpoint import (
     resolve_checkpoint,
 )
 from moe_data import give_umask_mode
-from moe_train.config import Config, config_from_dict
+from moe_plan.config import Config, config_from_dict
 from moe_train.end_tokens import checkpoint_end_ids, generation_eos, tokenizer_end_of_turn
 from moe_train.errors import MoeTrainError
 from moe_train.hf.architectures import Architecture, ExportError, choose_architecture

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from moe_checkpoint import CheckpointError, OwnedSlice, save_checkpoint
-from moe_train.config import Config, config_from_dict, dump_config
+from moe_plan.config import Config, config_from_dict, dump_config
 from moe_train.end_tokens import END_IDS_KEY, model_dir_end_ids
 from moe_train.errors import MoeTrainError
 from moe_train.hf.architectures import Architecture, ExportError, choose_architecture

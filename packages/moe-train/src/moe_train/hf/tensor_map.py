@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from moe_train.config import ModelConfig
+from moe_plan.config import ModelConfig
 
 
 @dataclass(frozen=True)

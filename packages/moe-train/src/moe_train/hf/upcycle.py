@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moe_train.config import Config, config_from_dict
+from moe_plan.config import Config, config_from_dict
 from moe_train.end_tokens import END_IDS_KEY, model_dir_end_ids
 from moe_train.errors import MoeTrainError
 from moe_train.hf.architectures import Architecture

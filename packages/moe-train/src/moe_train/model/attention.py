@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_train.config import RopeScalingConfig
+from moe_plan.config import RopeScalingConfig
 from moe_train.model.documents import Documents
 from moe_train.model.fused import rms_norm, rotary
 

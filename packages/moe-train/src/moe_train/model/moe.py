@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from moe_dispatch import Dispatcher, make_dispatcher
 from moe_kernels import fp8_rowwise_grouped_mm, grouped_mm, mxfp8_grouped_mm
 from moe_parallel import mark_expert_parameter
-from moe_train.config import MoEConfig
+from moe_plan.config import MoEConfig
 from moe_train.model.fused import swiglu
 from moe_train.model.recompute import recording_side_effects
 from moe_train.model.routing_stats import RoutingStats

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moe_train.config import ModelConfig
+from moe_plan.config import ModelConfig
 from moe_train.model.attention import RMSNorm
 
 

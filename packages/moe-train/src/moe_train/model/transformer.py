@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from moe_train.config import ModelConfig
+from moe_plan.config import ModelConfig
 from moe_train.model.attention import Attention, LayerKVCache, RMSNorm, rope_tables
 from moe_train.model.documents import Documents
 from moe_train.model.loss import head_lm_loss

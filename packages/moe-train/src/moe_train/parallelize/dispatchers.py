@@ -1,6 +1,6 @@
 """The token dispatcher of each MoE layer, for a layout.
 
-`choose_dispatcher` (torch-free, in `moe_train.config.dispatcher_choice`) names the backend a
+`choose_dispatcher` (torch-free, in `moe_plan.config.dispatcher_choice`) names the backend a
 layout runs; `layer_dispatchers` builds it for every MoE layer of a rank
 (`moe_train.model.local_dispatcher` is the single-process model's).
 """
@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher, make_row_transport
-from moe_train.config import Config
-from moe_train.config.dispatcher_choice import choose_dispatcher
+from moe_plan.config import Config
+from moe_plan.config.dispatcher_choice import choose_dispatcher
 from moe_train.errors import ConfigError
 from moe_train.model import local_dispatcher
 

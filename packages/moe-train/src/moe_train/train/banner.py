@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_data import MixedDataset, TokenDataset
-from moe_train.config import Config
+from moe_plan.config import Config
 from moe_train.model import count_params
 from moe_train.train.console import load_scale
 from moe_train.train.data_feed import describe_sources

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_train.config import Config
+from moe_plan.config import Config
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from moe_checkpoint import (
 )
 from moe_data import TokenDataset
 from moe_parallel import TrainingOptimizer
-from moe_train.config import Config
+from moe_plan.config import Config
 from moe_train.errors import MoeTrainError, TrainingDiverged
 from moe_train.model import Transformer
 from moe_train.run_paths import checkpoint_root

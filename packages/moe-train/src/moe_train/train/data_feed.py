@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from moe_data import MixedDataset, MixtureSource, TokenDataset, open_training_data
-from moe_train.config import Config, DataConfig
+from moe_plan.config import Config, DataConfig
 from moe_train.errors import DataError
 
 

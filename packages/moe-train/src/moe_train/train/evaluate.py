@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_data import TokenDataset, trained_targets
-from moe_train.config import Config
+from moe_plan.config import Config
 from moe_train.errors import DataError
 from moe_train.model import Documents, head_lm_loss
 from moe_train.train.micro_batches import model_inputs

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moe_train.config import RoutingCheckConfig
+from moe_plan.config import RoutingCheckConfig
 from moe_train.train.metrics import read_metrics
 from moe_train.train.routing import StepRouting
 from moe_train.train.routing_check import BalanceCheck, CollapseCheck, collapse_text, warning_text

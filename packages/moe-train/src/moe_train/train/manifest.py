@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from moe_data import file_sha256, mask_file_of
-from moe_train.config import Config
+from moe_plan.config import Config
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "moe-stack-manifest-v1"
@@ -37,6 +37,8 @@ PACKAGES = (
     "moestack-dispatch",
     "moestack-parallel",
     "moestack-checkpoint",
+    "moestack-data",
+    "moestack-plan",
     "torch",
     "triton",
     "numpy",

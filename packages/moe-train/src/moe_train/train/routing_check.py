@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from moe_train.config import RoutingCheckConfig
+from moe_plan.config import RoutingCheckConfig
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ the floor, and every later one stays at the floor.
 
 import math
 
-from moe_train.config import OptimConfig
+from moe_plan.config import OptimConfig
 
 
 def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:

@@ -20,7 +20,7 @@ import torch
 
 from moe_data import trained_targets
 from moe_parallel import TrainingOptimizer
-from moe_train.config import Config
+from moe_plan.config import Config
 from moe_train.model import Transformer
 from moe_train.model.routing_stats import RoutingStats
 from moe_train.parallelize import ContextShard, DispatcherFactory, context_shard, layer_dispatchers

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from moe_data import Tokenizer
-from moe_train.config import Config
+from moe_plan.config import Config
 from moe_train.errors import ConfigError, DataError, on_every_rank
 from moe_train.model import head_token_logprobs
 from moe_train.run_tokenizer import run_tokenizer

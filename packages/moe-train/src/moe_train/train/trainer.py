@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from moe_train.config import Config, dump_config
+from moe_plan.config import Config, dump_config
 from moe_train.errors import TrainingDiverged
 from moe_train.model import Transformer, flops_per_token
 from moe_train.run_paths import checkpoint_root
