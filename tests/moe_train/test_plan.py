@@ -401,8 +401,8 @@ def test_a_device_kinds_fp8_kernels_are_the_runtime_rule_of_its_capability(capsy
     device kind's capability: MXFP8 on the B200 and B300, rowwise FP8 on the H100 and H200; a
     device of figures takes --gpu-capability, or 9.0 with an FP8 rate and 8.0 without."""
     from moe_devices import kernel_paths
-    from moe_train.cli import main
     from moe_plan.cli import plan_json_of
+    from moe_train.cli import main
 
     for name, device in DEVICES.items():
         assert device.kernel_paths == kernel_paths(device.capability), name
