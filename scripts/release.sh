@@ -37,6 +37,7 @@ source scripts/packages.sh  # packages, module_of, wheel_deps
 declare -A test_deps=(
   [moestack-kernels]="pytest torchao numpy"
   [moestack-checkpoint]="pytest"
+  [moestack-devices]="pytest"
   [moestack-dispatch]="pytest"
   [moestack-parallel]="pytest numpy"
   [moestack-data]="pytest torch tokenizers pyarrow zstandard datasets"
@@ -63,18 +64,20 @@ esac
 [[ -n $dist && -n ${module_of[$dist]+x} && -d packages/$folder ]] ||
   fail "unknown package '$package': expected one of $(printf '%s\n' "${!module_of[@]}" | sort | paste -sd ' ') (or its folder name, e.g. moe-kernels)"
 module=${module_of[$dist]}
+[[ -n ${test_deps[$dist]+x} ]] || fail "$dist: scripts/release.sh has no test_deps entry for it"
 tests_dir=tests/$module
 [[ -d $tests_dir ]] || fail "$dist: no test folder $tests_dir"
 
 # 1. The version must be new.
-version=$(sed -nE 's/^version = "([^"]+)"$/\1/p' "packages/$folder/pyproject.toml" | head -n 1)
-[[ -n $version ]] || fail "$dist: no version in packages/$folder/pyproject.toml"
+version_file=packages/$folder/src/$module/__init__.py  # its __version__ ([tool.hatch.version])
+version=$(sed -nE 's/^__version__ = "([^"]+)"$/\1/p' "$version_file" | head -n 1)
+[[ -n $version ]] || fail "$dist: no __version__ in $version_file"
 last_tag=$(git tag --list "$dist-v*" --sort=-version:refname | head -n 1)
 if [[ -n $last_tag && ${last_tag#"$dist-v"} == "$version" ]]; then
-  fail "$dist $version is already released (tag $last_tag): bump the version in packages/$folder/pyproject.toml"
+  fail "$dist $version is already released (tag $last_tag): bump __version__ in $version_file"
 fi
 if [[ -n $(git tag --list "$dist-v$version") ]]; then
-  fail "$dist $version is already tagged ($dist-v$version): bump the version in packages/$folder/pyproject.toml"
+  fail "$dist $version is already tagged ($dist-v$version): bump __version__ in $version_file"
 fi
 # 2. The changelog must describe it.
 grep -qE "^## \[?${version//./\\.}\]?([[:space:]]|$)" "packages/$folder/CHANGELOG.md" ||

@@ -4,6 +4,8 @@ repository's sources: these tests do not run against an installed wheel)."""
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
 PACKAGES = Path(__file__).parents[1] / "packages"
@@ -67,3 +69,28 @@ def test_the_trainer_loop_and_hf_import_nothing_from_the_rooms_above_them():
         if module.startswith(above)
     }
     assert not found, sorted(found)
+
+
+def _bash_words(script: Path, array: str) -> set[str]:
+    """The keys (`[name]=...` entries) or words of the bash array `array` in `script`."""
+    text = script.read_text()
+    start = text.index(f"{array}=(")
+    body = text[start + len(array) + 2 : text.index(")", start)]
+    keys = re.findall(r"\[([\w-]+)\]=", body)
+    return set(keys) if keys else set(body.split())
+
+
+def test_the_release_and_wheel_scripts_know_every_package():
+    """A new package under packages/ is built, checked and releasable: scripts/packages.sh
+    lists it (with its module and siblings) and scripts/release.sh has its test extras."""
+    names = {
+        tomllib.loads(p.read_text())["project"]["name"] for p in PACKAGES.glob("*/pyproject.toml")
+    }
+    scripts = PACKAGES.parent / "scripts"
+    for script, array in [
+        ("packages.sh", "packages"),
+        ("packages.sh", "declare -A module_of"),
+        ("packages.sh", "declare -A wheel_deps"),
+        ("release.sh", "declare -A test_deps"),
+    ]:
+        assert _bash_words(scripts / script, array) == names, f"{script}: {array}"

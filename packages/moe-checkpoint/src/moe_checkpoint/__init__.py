@@ -6,8 +6,6 @@ bytes go straight into consolidated files; a checkpoint counts only once its ``C
 marker exists. See the package README for the format and the commit protocol.
 """
 
-import importlib.metadata
-
 from moe_checkpoint.errors import CheckpointError
 from moe_checkpoint.load import SliceRequest, load_into, load_slices
 from moe_checkpoint.manage import (
@@ -21,11 +19,6 @@ from moe_checkpoint.manage import (
 )
 from moe_checkpoint.plan import OwnedSlice
 from moe_checkpoint.save import SaveHandle, release_staging_memory, save_checkpoint
-
-try:
-    __version__ = importlib.metadata.version("moestack-checkpoint")
-except importlib.metadata.PackageNotFoundError:  # imported from source via PYTHONPATH
-    __version__ = "0+unknown"
 
 __all__ = [
     "CheckpointError",
@@ -44,3 +37,5 @@ __all__ = [
     "save_checkpoint",
     "verify_checkpoint",
 ]
+
+__version__ = "0.1.0"

@@ -5,8 +5,6 @@ Knows nothing of models: `prepare_data` writes token shards, `TokenDataset` and
 torch is needed only to hand batches over as tensors (the `torch` extra).
 """
 
-import importlib.metadata
-
 from moe_data.builtin import BUILTIN_STDLIB, builtin_dataset_dir, default_cache_dir
 from moe_data.chat_template import ChatTemplate, RowError, end_of_turn_text
 from moe_data.conversations import prepare_conversations
@@ -27,11 +25,6 @@ from moe_data.readers import file_sha256
 from moe_data.token_files import HEADERLESS_DTYPES, split_dtype_suffix
 from moe_data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from moe_data.workers import usable_cores
-
-try:
-    __version__ = importlib.metadata.version("moestack-data")
-except importlib.metadata.PackageNotFoundError:  # imported from source via PYTHONPATH
-    __version__ = "0+unknown"
 
 __all__ = [
     "BUILTIN_STDLIB",
@@ -68,3 +61,5 @@ __all__ = [
     "trained_targets",
     "usable_cores",
 ]
+
+__version__ = "0.1.0"

@@ -1,7 +1,5 @@
 """moe-devices: which FP8 and grouped-GEMM kernels a kind of device runs, as one torch-free rule."""
 
-import importlib.metadata
-
 from moe_devices.rule import (
     FP8_LINEAR_MIN_CAPABILITY,
     MXFP8_CAPABILITY_MAJOR,
@@ -18,11 +16,6 @@ from moe_devices.rule import (
     Software,
     kernel_paths,
 )
-
-try:
-    __version__ = importlib.metadata.version("moestack-devices")
-except importlib.metadata.PackageNotFoundError:  # imported from source via PYTHONPATH
-    __version__ = "0+unknown"
 
 __all__ = [
     "FP8_LINEAR_MIN_CAPABILITY",
@@ -41,3 +34,5 @@ __all__ = [
     "__version__",
     "kernel_paths",
 ]
+
+__version__ = "0.1.0"

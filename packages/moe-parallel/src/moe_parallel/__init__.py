@@ -4,8 +4,6 @@ A model opts in through the expert-parameter protocol (`mark_expert_parameter`);
 else here works on any `nn.Module`.
 """
 
-import importlib.metadata
-
 from moe_parallel.distributed_muon import DistributedMuon
 from moe_parallel.distributed_optimizer import (
     DistributedAdamW,
@@ -34,11 +32,6 @@ from moe_parallel.owned_matrices import assign_owners
 from moe_parallel.replicated_muon import ReplicatedMuon
 from moe_parallel.replicated_optimizer import ReplicatedAdamW, TrainingOptimizer
 
-try:
-    __version__ = importlib.metadata.version("moestack-parallel")
-except importlib.metadata.PackageNotFoundError:  # imported from source via PYTHONPATH
-    __version__ = "0+unknown"
-
 __all__ = [
     "DistributedAdamW",
     "DistributedMuon",
@@ -63,3 +56,5 @@ __all__ = [
     "mark_expert_parameter",
     "single_process_layout",
 ]
+
+__version__ = "0.1.0"

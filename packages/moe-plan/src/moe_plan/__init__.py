@@ -5,8 +5,6 @@ validated training config it reads, with the torch-free rules the trainer shares
 shape, the start check), is the subpackage `moe_plan.config`. Nothing here imports torch.
 """
 
-import importlib.metadata
-
 from moe_plan.activations import held_per_micro_batch, routed_rows
 from moe_plan.errors import ConfigError
 from moe_plan.hardware import DEVICES, Device, device_with
@@ -15,11 +13,6 @@ from moe_plan.memory import MemoryPrediction, predict_memory, rank_params
 from moe_plan.report import Plan, format_plan, make_plan, plan_json
 from moe_plan.search import Smallest, smallest_fitting
 from moe_plan.traffic import Traffic, predict_traffic
-
-try:
-    __version__ = importlib.metadata.version("moestack-plan")
-except importlib.metadata.PackageNotFoundError:  # imported from source via PYTHONPATH
-    __version__ = "0+unknown"
 
 __all__ = [
     "DEVICES",
@@ -45,3 +38,5 @@ __all__ = [
     "routed_rows",
     "smallest_fitting",
 ]
+
+__version__ = "0.1.0"
