@@ -33,6 +33,7 @@ from moe_kernels.grouped_mm import (
     _zero_padding_rows_,
     grouped_mm,
 )
+from moe_kernels.token_groups import group_of_rows, pad_token_groups
 
 __all__ = [
     "FP8_ROWWISE_KERNELS",
@@ -98,12 +99,6 @@ def to_fp8_rowwise(x: Tensor, axis: int = -1) -> tuple[Tensor, Tensor]:
     return _scale_and_cast(x, scales), scales
 
 
-def _group_of_rows(num_rows: int, offsets_E: Tensor) -> Tensor:
-    """[T] int64 group of each row: g for rows in ``offsets[g-1]:offsets[g]``, E past the end."""
-    row_T = torch.arange(num_rows, device=offsets_E.device)
-    return torch.searchsorted(offsets_E.long(), row_T, right=True)
-
-
 def to_fp8_rowwise_token_groups(x_TD: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
     """Quantize each column of each row group of ``x`` separately (the weight-gradient operands:
     the reduction runs over the tokens of one expert).
@@ -125,7 +120,7 @@ def to_fp8_rowwise_token_groups(x_TD: Tensor, offsets_E: Tensor) -> tuple[Tensor
             f"{tuple(x_TD.shape)} and {tuple(offsets_E.shape)}"
         )
     num_groups = offsets_E.shape[0]
-    group_TD = _group_of_rows(x_TD.shape[0], offsets_E)[:, None].expand(x_TD.shape)
+    group_TD = group_of_rows(x_TD.shape[0], offsets_E)[:, None].expand(x_TD.shape)
     amax_GD = x_TD.new_zeros(num_groups + 1, x_TD.shape[1])
     amax_GD.scatter_reduce_(0, group_TD, x_TD.abs(), "amax")  # zeros never raise an amax
     scales_GD = _scales_from_amax(amax_GD)
@@ -168,7 +163,7 @@ def _emulated_weight_grad(x_TK: Tensor, grad_out_TN: Tensor, offsets_E: Tensor) 
     """[E, K, N] fp32 weight gradient on per-group column-quantized operands."""
     x_q, x_scales_EK = to_fp8_rowwise_token_groups(x_TK, offsets_E)
     g_q, g_scales_EN = to_fp8_rowwise_token_groups(grad_out_TN, offsets_E)
-    group_T = _group_of_rows(x_TK.shape[0], offsets_E).clamp(max=offsets_E.shape[0] - 1)
+    group_T = group_of_rows(x_TK.shape[0], offsets_E).clamp(max=offsets_E.shape[0] - 1)
     size_k, size_n = x_TK.shape[1], grad_out_TN.shape[1]
     # torch._grouped_mm wants 16-byte strides: zero columns pad K and N to multiples of 4.
     x_deq = F.pad(x_q.float() / x_scales_EK[group_T], (0, -size_k % 4))
@@ -208,28 +203,6 @@ class _EmulatedFp8RowwiseGroupedMm(torch.autograd.Function):
 def _column_major(t: Tensor) -> Tensor:
     """``t`` with its last two dimensions stored column-major (what the right operand needs)."""
     return t.transpose(-2, -1).contiguous().transpose(-2, -1)
-
-
-def _pad_token_groups(
-    x_TD: Tensor, offsets_E: Tensor, alignment: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Rows scattered so that every group starts at a multiple of ``alignment`` (zero rows
-    between), in a buffer of static size (no host sync). Returns (padded rows, padded int32
-    offsets, destination row of each input row)."""
-    num_rows = x_TD.shape[0]
-    ends_E = offsets_E.long()
-    counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
-    padded_counts_E = (counts_E + alignment - 1) // alignment * alignment
-    padded_ends_E = torch.cumsum(padded_counts_E, 0)
-    shift_E = (padded_ends_E - padded_counts_E) - (ends_E - counts_E)
-    trailing_shift = padded_ends_E[-1:] - ends_E[-1:]
-    group_T = _group_of_rows(num_rows, offsets_E)
-    destination_T = torch.arange(num_rows, device=x_TD.device)
-    destination_T = destination_T + torch.cat([shift_E, trailing_shift])[group_T]
-    capacity = num_rows + offsets_E.shape[0] * (alignment - 1)
-    capacity = (capacity + alignment - 1) // alignment * alignment
-    padded = x_TD.new_zeros(capacity, x_TD.shape[1]).index_copy_(0, destination_T, x_TD)
-    return padded, padded_ends_E.to(torch.int32), destination_T
 
 
 class _ScaledFp8RowwiseGroupedMm(torch.autograd.Function):
@@ -272,8 +245,9 @@ class _ScaledFp8RowwiseGroupedMm(torch.autograd.Function):
             _zero_padding_rows_(grad_x_TK, offsets_E)
         if ctx.needs_input_grad[1]:
             # The reduction runs over each group's tokens: pad groups to aligned row counts.
-            x_padded, padded_offsets_E, _ = _pad_token_groups(x_TK, offsets_E, _SCALED_MM_ALIGNMENT)
-            g_padded, _, _ = _pad_token_groups(grad_out_TN, offsets_E, _SCALED_MM_ALIGNMENT)
+            x_padded, padded_ends_E, _ = pad_token_groups(x_TK, offsets_E, _SCALED_MM_ALIGNMENT)
+            g_padded, _, _ = pad_token_groups(grad_out_TN, offsets_E, _SCALED_MM_ALIGNMENT)
+            padded_offsets_E = padded_ends_E.to(torch.int32)
             x_q, x_scales_EK = to_fp8_rowwise_token_groups(x_padded, padded_offsets_E)
             g_q, g_scales_EN = to_fp8_rowwise_token_groups(g_padded, padded_offsets_E)
             grad_w_ENK = torch._scaled_grouped_mm(

@@ -35,6 +35,7 @@ from moe_devices import Choice
 from moe_kernels.device_paths import device_kernel_paths, installed_software, warn_fallback
 from moe_kernels.grouped_mm import _check_inputs, grouped_mm
 from moe_kernels.mxfp8_torchao import _torchao_grouped_mm, _torchao_moe_training
+from moe_kernels.token_groups import pad_token_groups
 from moe_kernels.triton_support import import_kernels
 
 __all__ = [
@@ -287,20 +288,7 @@ def _fake_quantize_token_groups(
     a padded buffer (sized by a static bound, T + 31 E, so there is no host sync), quantized
     along dim 0, and gathered back. Rows past ``offsets[-1]`` form their own blocks.
     """
-    num_rows = x_TD.shape[0]
-    block = MXFP8_BLOCK_SIZE
-    ends_E = offsets_E.long()
-    counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
-    padded_counts_E = (counts_E + block - 1) // block * block
-    padded_ends_E = torch.cumsum(padded_counts_E, 0)
-    shift_E = (padded_ends_E - padded_counts_E) - (ends_E - counts_E)
-    trailing_shift = padded_ends_E[-1:] - ends_E[-1:]
-    row_T = torch.arange(num_rows, device=x_TD.device)
-    group_T = torch.searchsorted(ends_E, row_T, right=True)  # E for rows past the end
-    destination_T = row_T + torch.cat([shift_E, trailing_shift])[group_T]
-    capacity = (num_rows + offsets_E.shape[0] * (block - 1) + block - 1) // block * block
-    padded = x_TD.new_zeros(capacity, x_TD.shape[1])
-    padded.index_copy_(0, destination_T, x_TD)
+    padded, _, destination_T = pad_token_groups(x_TD, offsets_E, MXFP8_BLOCK_SIZE)
     return _fake_quantize(padded, 0, scale_mode).index_select(0, destination_T)
 
 
