@@ -9,7 +9,7 @@ from moe_data.builtin import BUILTIN_STDLIB, builtin_dataset_dir, default_cache_
 from moe_data.chat_template import ChatTemplate, RowError, end_of_turn_text
 from moe_data.conversations import prepare_conversations
 from moe_data.dataset import TokenDataset
-from moe_data.errors import PREEMPTED_EXIT, DataError, UserError
+from moe_data.errors import PREEMPTED_EXIT, DataError, UserError, run_command
 from moe_data.file_modes import current_umask, give_umask_mode, new_scratch_dir
 from moe_data.labels import (
     IGNORE_INDEX,
@@ -56,6 +56,7 @@ __all__ = [
     "open_training_data",
     "prepare_conversations",
     "prepare_data",
+    "run_command",
     "split_dtype_suffix",
     "token_ids",
     "trained_targets",

@@ -4,13 +4,13 @@ line of the planner, which `moe-train plan` runs too (with `add_arguments` and `
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from moe_data import run_command
 from moe_plan.config import load_config
-from moe_plan.errors import ConfigError, UserError
+from moe_plan.errors import ConfigError
 from moe_plan.hardware import device_with, parse_capability
 from moe_plan.report import format_plan, make_plan, plan_json
 from moe_plan.serve import serve
@@ -196,16 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     error's code (2 for bad input)."""
     parser = argparse.ArgumentParser(prog="moe-plan", description=DESCRIPTION)
     add_arguments(parser)
-    try:
+
+    def run() -> int:
         args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
         args.overrides = extra
         return handle(args)
-    except UserError as e:
-        sys.stderr.write(f"error: {e}\n")
-        return e.exit_code
-    except BrokenPipeError:  # output piped into a pager or head that closed early
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+
+    return run_command(run)

@@ -25,13 +25,7 @@ class MixtureSourceConfig:
         return self.name if self.name is not None else "+".join(self.paths)
 
     def validate(self, path: str) -> None:
-        if not self.paths:
-            raise ConfigError(f"{path}.paths is empty; give the source's data paths")
-        for index, entry in enumerate(self.paths):
-            try:
-                split_dtype_suffix(entry)
-            except ValueError as e:
-                raise ConfigError(f"{path}.paths[{index}]={entry!r}: {e}") from e
+        _check_paths(self.paths, path, "give the source's data paths")
         if self.weight is None:
             raise ConfigError(
                 f"{path}.weight is missing; give the source's share of tokens, e.g. 0.3"
@@ -81,13 +75,7 @@ class DataConfig:
     def validate(self, path: str) -> None:
         if self.mixture:
             self._validate_mixture(path)
-        if not self.paths:
-            raise ConfigError(f"{path}.paths is empty; give at least one data path")
-        for index, entry in enumerate(self.paths):
-            try:
-                split_dtype_suffix(entry)
-            except ValueError as e:
-                raise ConfigError(f"{path}.paths[{index}]={entry!r}: {e}") from e
+        _check_paths(self.paths, path, "give at least one data path")
         _positive(self, path, "seq_len", "global_batch_size", "micro_batch_size")
         if self.split_long_examples and not self.label_mask:
             raise ConfigError(
@@ -132,3 +120,15 @@ class DataConfig:
                 f"list every path in its sources and leave {path}.paths out"
             )
         self.paths = every_path
+
+
+def _check_paths(paths: list[str], path: str, what_to_give: str) -> None:
+    """ConfigError for an empty `paths` (saying `what_to_give`) or an entry whose dtype suffix
+    is not one a token file can have."""
+    if not paths:
+        raise ConfigError(f"{path}.paths is empty; {what_to_give}")
+    for index, entry in enumerate(paths):
+        try:
+            split_dtype_suffix(entry)
+        except ValueError as e:
+            raise ConfigError(f"{path}.paths[{index}]={entry!r}: {e}") from e

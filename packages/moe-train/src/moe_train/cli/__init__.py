@@ -4,9 +4,9 @@ COMMANDS; `run` parses a command line and calls the chosen command's handler."""
 
 import argparse
 import difflib
-import os
 import sys
 
+from moe_data import run_command
 from moe_train.cli.command import Command
 from moe_train.cli.evaluate import EVAL
 from moe_train.cli.export import EXPORT
@@ -99,18 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors print one line `error: ...` and exit with the error's code
     (2 for bad input; see moe_train.errors). An error every rank of a launch raises alike is
     printed by rank 0 alone; every rank exits with its code."""
-    try:
-        return run(sys.argv[1:] if argv is None else argv)
-    except MoeTrainError as e:
-        if not (e.same_on_every_rank and _launched_rank() != 0):
-            _error_line(str(e))  # once per launch for an error every rank raised alike
-        return e.exit_code
-    except BrokenPipeError:  # output piped into a pager or head that closed early
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+
+    def report(error: MoeTrainError) -> None:
+        if not (error.same_on_every_rank and _launched_rank() != 0):
+            _error_line(str(error))  # once per launch for an error every rank raised alike
+
+    return run_command(lambda: run(sys.argv[1:] if argv is None else argv), report)
 
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main", "run"]
