@@ -25,12 +25,12 @@ from moe_parallel import (
     Layout,
     ReplicatedMuon,
     StateRequest,
-    build_layout,
     decay_matrices,
     is_expert_parameter,
     mark_expert_parameter,
     single_process_layout,
 )
+from world_layout import world_layout
 
 EXPERTS = 6
 HYPER = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -173,7 +173,7 @@ def _run(rank: int, pp: int, ep: int, bucket_bytes: int) -> dict:
     """Three steps at this layout; returns the norms, this rank's weights after each step and
     its final state pieces, for `_compare_with_reference` (in the parent process: importing
     torch.optim's machinery costs seconds per process)."""
-    layout = build_layout(pp=pp, ep=ep)
+    layout = world_layout(pp=pp, ep=ep)
     stage = layout.pp_rank
     model = _local_model(_global_params(stage), layout.ep_rank, ep)
     optimizer = DistributedAdamW(model, layout, lr=LRS[0], bucket_bytes=bucket_bytes, **HYPER)
@@ -318,7 +318,7 @@ def _train_muon(model: nn.Module, optimizer, ranks: range) -> None:
 def _run_muon(rank: int) -> dict:
     """DistributedMuon at dp4 (dense and expert matrices owned over four ranks): its
     weights after three steps, its state bytes and its momentum pieces."""
-    layout = build_layout(pp=1, ep=1)
+    layout = world_layout(pp=1, ep=1)
     model = _local_model(_global_params(0), 0, 1)
     optimizer = _muon(model, layout, distributed=True)
     _train_muon(model, optimizer, range(rank, rank + 1))
@@ -346,7 +346,7 @@ def _world_four(rank: int, world_size: int) -> dict:
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, results["dp4"])
     saved = _assemble(everyone)
-    layout = build_layout(pp=2, ep=2)
+    layout = world_layout(pp=2, ep=2)
     model = _local_model(_global_params(7), layout.ep_rank, 2)
     optimizer = DistributedAdamW(model, layout, lr=LRS[0], **HYPER)
     optimizer.load_state(len(LRS), _reader(saved, model, layout.ep_rank))
@@ -362,7 +362,7 @@ def _world_four(rank: int, world_size: int) -> dict:
     if rank == 1:
         model.extra = nn.Parameter(torch.ones(3))
     with pytest.raises(ValueError, match="dense parameters differ between the ranks"):
-        DistributedAdamW(model, build_layout(pp=1, ep=1), lr=1e-3)
+        DistributedAdamW(model, world_layout(pp=1, ep=1), lr=1e-3)
     return results
 
 

@@ -11,30 +11,27 @@ from harness.ranks import run_distributed
 from moe_parallel import (
     GradientReducer,
     LayoutError,
-    build_layout,
-    check_layout,
     clip_grad_norm,
+    join_layout,
     mark_expert_parameter,
+    single_process_layout,
 )
+from world_layout import Sizes, world_layout
 
 
 @pytest.mark.parametrize(
-    ("world", "pp", "ep", "experts", "message", "cp"),
-    [
-        (4, 3, 1, None, "parallel.pp=3 must divide the world size 4", 1),
-        (4, 1, 3, None, "parallel.ep=3 must divide the data-parallel size 4", 1),
-        (4, 2, 4, None, "parallel.ep=4 must divide the data-parallel size 2", 1),
-        (4, 1, 4, 6, "parallel.ep=4 must divide model.moe.num_experts=6", 1),
-        (4, 1, 1, None, "parallel.cp=3 must divide the data-parallel size 4", 3),
-        (4, 2, 1, None, "parallel.cp=4 must divide the data-parallel size 2", 4),
-        (4, 1, 1, None, "parallel.cp=0 must be at least 1", 0),
-    ],
+    ("world_size", "pp", "dp", "ep", "cp"),
+    [(4, 3, 1, 1, 1), (4, 1, 4, 3, 1), (4, 2, 2, 4, 1), (4, 1, 4, 1, 3), (4, 1, 4, 1, 0)],
 )
-def test_check_layout_errors(world, pp, ep, experts, message, cp):
-    with pytest.raises(LayoutError, match=message):
-        check_layout(world, pp, ep, experts, cp)
-    assert check_layout(8, 2, 2, 8) == 4
-    assert check_layout(8, 2, 4, 8, cp=2) == 4, "ep divides dp x cp"
+def test_sizes_that_are_not_a_layout_are_refused(world_size, pp, dp, ep, cp):
+    with pytest.raises(LayoutError, match="are not a layout: pp x dp must be the world size"):
+        join_layout(Sizes(world_size, pp, dp, ep, cp))
+
+
+def test_one_process_joins_only_a_layout_of_one_rank():
+    assert join_layout(Sizes(1, 1, 1, 1)) == single_process_layout()
+    with pytest.raises(LayoutError, match="a layout of 2 ranks needs a process group"):
+        join_layout(Sizes(2, 1, 2, 2))
 
 
 class _Toy(nn.Module):
@@ -53,7 +50,7 @@ class _Toy(nn.Module):
 
 
 def _layout_and_reduction(rank: int, world_size: int) -> dict:
-    layout = build_layout(pp=1, ep=2)
+    layout = world_layout(pp=1, ep=2)
     groups = {
         name: dist.get_process_group_ranks(getattr(layout, f"{name}_group"))
         for name in ("dp", "ep", "edp", "pp")

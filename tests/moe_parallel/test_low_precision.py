@@ -26,12 +26,12 @@ from moe_parallel import (
     GradientReducer,
     ReplicatedAdamW,
     StateRequest,
-    build_layout,
     decay_matrices,
     is_expert_parameter,
     mark_expert_parameter,
     single_process_layout,
 )
+from world_layout import world_layout
 
 EXPERTS = 4
 MICRO = 4
@@ -104,7 +104,7 @@ def _global_start(model: nn.Module, name: str, flat_start: int, ep_rank: int) ->
 def _train(rank: int, ep: int, kind: str) -> dict:
     """Three steps of `MICRO` micro-batches; returns this rank's reduced gradients, norms,
     weights after each step, final state pieces (global coordinates) and state bytes."""
-    layout = build_layout(pp=1, ep=ep)
+    layout = world_layout(pp=1, ep=ep)
     model = _local_model(_global_values(), layout.ep_rank, ep)
     optimizer = OPTIMIZERS[kind](model, layout, lr=LRS[0], **HYPER)
     ep_rank = layout.ep_rank
@@ -181,7 +181,7 @@ def _reader(state: dict[str, dict[str, Tensor]], model: nn.Module, ep_rank: int,
 
 def _load(kind: str, saved: dict, ep: int) -> dict:
     """A fresh optimizer of `kind` at ep (dp 2) over other weights, loaded from `saved`."""
-    layout = build_layout(pp=1, ep=ep)
+    layout = world_layout(pp=1, ep=ep)
     model = _local_model(_global_values(seed=7), layout.ep_rank, ep)
     if kind == "replicated":  # it reads no FP32 weights: a trainer loads them beforehand
         with torch.no_grad():

@@ -7,10 +7,10 @@ from harness.ranks import run_distributed
 from moe_parallel import (
     ReplicatedAdamW,
     StateRequest,
-    build_layout,
     mark_expert_parameter,
     single_process_layout,
 )
+from world_layout import world_layout
 
 
 class _Model(nn.Module):
@@ -99,7 +99,7 @@ def test_state_pieces_and_load_state_continue_exactly():
 
 
 def _dp2_owners(rank: int, world_size: int) -> tuple[list[str], bool]:
-    layout = build_layout(pp=1, ep=2)  # dp 2 = ep 2: dense replicated, experts split
+    layout = world_layout(pp=1, ep=2)  # dp 2 = ep 2: dense replicated, experts split
     model = _Model()
     optimizer = ReplicatedAdamW(model, layout, lr=1e-2)
     for step in range(2):

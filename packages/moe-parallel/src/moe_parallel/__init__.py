@@ -23,8 +23,6 @@ from moe_parallel.layout import (
     Layout,
     LayoutError,
     LayoutSizes,
-    build_layout,
-    check_layout,
     join_layout,
     single_process_layout,
 )
@@ -45,8 +43,6 @@ __all__ = [
     "StateRequest",
     "TrainingOptimizer",
     "assign_owners",
-    "build_layout",
-    "check_layout",
     "clip_grad_norm",
     "decay_matrices",
     "dense_parameters",

@@ -367,11 +367,11 @@ def _reduction_groups(layout: Layout) -> tuple[ProcessGroup | None, ProcessGroup
         if group is None or not dist.is_initialized():
             raise ValueError(
                 f"layout.{kind}={size} but layout.{kind}_group is None; build the layout "
-                "with build_layout() after torch.distributed.init_process_group()"
+                "with join_layout() after torch.distributed.init_process_group()"
             )
         if dist.get_world_size(group) != size:
             raise ValueError(
                 f"layout.{kind}_group has {dist.get_world_size(group)} ranks but "
-                f"layout.{kind}={size}; build the layout with build_layout()"
+                f"layout.{kind}={size}; build the layout with join_layout()"
             )
     return layout.dp_group, layout.edp_group

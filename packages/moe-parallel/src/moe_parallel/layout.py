@@ -26,37 +26,7 @@ from torch.distributed import ProcessGroup
 
 
 class LayoutError(ValueError):
-    """The requested layout does not fit the world size or the model."""
-
-
-def check_layout(
-    world_size: int, pp: int, ep: int, num_experts: int | None = None, cp: int = 1
-) -> int:
-    """Validate pp, ep and cp against the world size (and experts); returns dp (the whole
-    data dimension, cp included)."""
-    if pp < 1 or ep < 1 or cp < 1:
-        raise LayoutError(
-            f"parallel.pp={pp}, parallel.ep={ep} and parallel.cp={cp} must be at least 1"
-        )
-    if world_size % pp:
-        raise LayoutError(
-            f"parallel.pp={pp} must divide the world size {world_size} (processes started)"
-        )
-    dp = world_size // pp
-    if dp % cp:
-        raise LayoutError(
-            f"parallel.cp={cp} must divide the data-parallel size {dp} "
-            f"(world size {world_size} / parallel.pp={pp})"
-        )
-    if dp % ep:
-        raise LayoutError(
-            f"parallel.ep={ep} must divide the data-parallel size {dp} "
-            f"(world size {world_size} / parallel.pp={pp}"
-            f"{f', its parallel.cp={cp} context ranks included' if cp > 1 else ''})"
-        )
-    if num_experts is not None and num_experts % ep:
-        raise LayoutError(f"parallel.ep={ep} must divide model.moe.num_experts={num_experts}")
-    return dp
+    """The sizes given are not a layout of the world."""
 
 
 @dataclass(frozen=True)
@@ -127,46 +97,33 @@ def single_process_layout() -> Layout:
 
 
 class LayoutSizes(Protocol):
-    """The sizes of a layout, checked against each other by whoever made them (the trainer's
-    layout shape; `check_layout` for `build_layout`)."""
+    """The sizes of a layout, computed and checked against the config by whoever chose them
+    (moe-train's `LayoutShape`, which says why a layout cannot be in terms of config keys)."""
 
     world_size: int
     pp: int
     dp: int
     ep: int
     cp: int
-
-
-@dataclass(frozen=True)
-class _Sizes:
-    world_size: int
-    pp: int
-    dp: int
-    ep: int
-    cp: int
-
-
-def build_layout(
-    pp: int,
-    ep: int,
-    num_experts: int | None = None,
-    timeout: timedelta | None = None,
-    cp: int = 1,
-) -> Layout:
-    """The layout of this rank in the default process group (one process if there is none).
-
-    Every rank must call this at the same point: it creates the process groups collectively.
-    `timeout` bounds how long a collective of these groups waits for a rank (None: torch's
-    default for new groups, which is not the default group's own timeout).
-    """
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    dp = check_layout(world_size, pp, ep, num_experts, cp)
-    return join_layout(_Sizes(world_size, pp, dp, ep, cp), timeout)
 
 
 def join_layout(sizes: LayoutSizes, timeout: timedelta | None = None) -> Layout:
-    """The layout of this rank for `sizes` (checked already), as `build_layout` makes it:
-    every rank calls this at the same point to create the process groups collectively."""
+    """This rank's layout of `sizes` in the default process group (one process if there is
+    none). Every rank must call this at the same point: it creates the process groups
+    collectively. `timeout` bounds how long a collective of these groups waits for a rank
+    (None: torch's default for new groups, which is not the default group's own timeout).
+    Raises LayoutError for sizes that are not a layout (pp x dp other than the world size, ep
+    or cp not dividing dp) or that do not match the processes started."""
+    if not (
+        min(sizes.pp, sizes.dp, sizes.ep, sizes.cp) >= 1
+        and sizes.pp * sizes.dp == sizes.world_size
+        and sizes.dp % sizes.ep == 0
+        and sizes.dp % sizes.cp == 0
+    ):
+        raise LayoutError(
+            f"world_size={sizes.world_size}, pp={sizes.pp}, dp={sizes.dp}, ep={sizes.ep}, "
+            f"cp={sizes.cp} are not a layout: pp x dp must be the world size, ep and cp divide dp"
+        )
     if not dist.is_initialized():
         if sizes.world_size != 1:
             raise LayoutError(f"a layout of {sizes.world_size} ranks needs a process group")
