@@ -94,3 +94,67 @@ def test_the_release_and_wheel_scripts_know_every_package():
         ("release.sh", "declare -A test_deps"),
     ]:
         assert _bash_words(scripts / script, array) == names, f"{script}: {array}"
+
+
+def _rooms_imported(room: Path, rooms: set[str]) -> set[str]:
+    """The other rooms of moe_train that the module or folder `room` imports."""
+    found = set()
+    for source in [room] if room.is_file() else room.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "moe_train" and len(parts) > 1 and parts[1] in rooms:
+                    found.add(parts[1])
+    return found - {room.stem}
+
+
+def test_the_rooms_of_moe_train_import_what_docs_packages_says():
+    """docs/packages.md's table of moe_train's rooms lists, for each, the rooms it imports."""
+    text = (PACKAGES.parent / "docs" / "packages.md").read_text()
+    table = text.split("<!-- rooms -->\n```\n", 1)[1].split("```", 1)[0]
+    said = {}
+    for line in table.splitlines():
+        if line and not line[0].isspace():  # a room's first line; its arrow may come later
+            room = line.split()[0].removesuffix("/").removesuffix(".py")
+        if "->" in line:
+            arrows = line.split("->", 1)[1].strip()
+            said[room] = set() if arrows == "(none)" else set(arrows.split(", "))
+    source = PACKAGES / "moe-train" / "src" / "moe_train"
+    paths = {
+        room: source / room if (source / room).is_dir() else source / f"{room}.py" for room in said
+    }
+    assert all(path.exists() for path in paths.values()), paths
+    imported = {room: _rooms_imported(path, set(said)) for room, path in paths.items()}
+    assert imported == said
+
+
+PUBLIC_SUBMODULES = {"moe_plan.config", "moe_plan.cli"}
+"""Modules of a package that other packages may import besides its `__init__`: the typed
+config every package above the planner reads, and the `moe-plan` command `moe-train plan` runs."""
+
+
+def test_packages_use_only_each_others_public_api():
+    """An import of another moe-stack package names the package (its `__init__`) or one of
+    PUBLIC_SUBMODULES, never a private module of it."""
+    private = []
+    for source in PACKAGES.glob("*/src/*/**/*.py"):
+        own = source.relative_to(PACKAGES).parts[2]
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                outside = top.startswith("moe_") and top != own and name != top
+                if outside and name not in PUBLIC_SUBMODULES:
+                    private.append(f"{source.relative_to(PACKAGES)}:{node.lineno} {name}")
+    assert private == []

@@ -23,9 +23,17 @@ import torch
 from safetensors import safe_open
 
 from moe_checkpoint import CheckpointError, read_trainer_state, resolve_checkpoint
-from moe_plan.config import Config, config_changes, config_from_dict, parse_overrides
-from moe_plan.config.key_rules import LAYOUT, verify_allows, what_changes, why_numbers
-from moe_plan.config.start_check import check_start
+from moe_plan.config import (
+    LAYOUT,
+    Config,
+    check_start,
+    config_changes,
+    config_from_dict,
+    parse_overrides,
+    verify_allows,
+    what_changes,
+    why_numbers,
+)
 from moe_train.errors import ConfigError, DataError, MoeTrainError
 from moe_train.train.manifest import check_data_files
 from moe_train.train.runtime import launch_id, launched_rank, launched_world_size

@@ -12,8 +12,19 @@ planner share live here too: a layout's shape (`layout_shape`), whether it can s
 (`dispatcher_choice`) and what an eval task entry may name (`task_names`).
 """
 
+from moe_plan.config.accounting import ParamCounts, count_params, flops_per_token
 from moe_plan.config.changes import Change, config_changes, flatten_config
 from moe_plan.config.data import DataConfig, MixtureSourceConfig
+from moe_plan.config.dispatcher_choice import choose_dispatcher
+from moe_plan.config.key_rules import (
+    KEY_RULES,
+    LAYOUT,
+    resume_refuses,
+    verify_allows,
+    what_changes,
+    why_numbers,
+)
+from moe_plan.config.layout_shape import LayoutShape, layout_shape
 from moe_plan.config.loading import (
     config_from_dict,
     dump_config,
@@ -23,27 +34,49 @@ from moe_plan.config.loading import (
 from moe_plan.config.model import ModelConfig, MoEConfig, RopeScalingConfig
 from moe_plan.config.root import Config
 from moe_plan.config.runtime import CheckpointConfig, EvalConfig, ParallelConfig, PrecisionConfig
+from moe_plan.config.stage_plan import StagePlan, plan_stages
+from moe_plan.config.start_check import check_start
+from moe_plan.config.task_names import BUILTIN_TASK_PREFIX, BUILTIN_TASKS, TASK_SUFFIXES, task_name
 from moe_plan.config.training import OptimConfig, RoutingCheckConfig, TrainConfig
 
 __all__ = [
+    "BUILTIN_TASKS",
+    "BUILTIN_TASK_PREFIX",
+    "KEY_RULES",
+    "LAYOUT",
+    "TASK_SUFFIXES",
     "Change",
     "CheckpointConfig",
     "Config",
     "DataConfig",
     "EvalConfig",
+    "LayoutShape",
     "MixtureSourceConfig",
     "MoEConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "ParamCounts",
     "PrecisionConfig",
     "RopeScalingConfig",
     "RoutingCheckConfig",
+    "StagePlan",
     "TrainConfig",
+    "check_start",
+    "choose_dispatcher",
     "config_changes",
     "config_from_dict",
+    "count_params",
     "dump_config",
     "flatten_config",
+    "flops_per_token",
+    "layout_shape",
     "load_config",
     "parse_overrides",
+    "plan_stages",
+    "resume_refuses",
+    "task_name",
+    "verify_allows",
+    "what_changes",
+    "why_numbers",
 ]

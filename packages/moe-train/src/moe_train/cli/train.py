@@ -88,8 +88,7 @@ def _say(text: str) -> None:
 def _launch(args: argparse.Namespace) -> int:
     """--nproc-per-node N: refuse a config that cannot start on N ranks (nothing started),
     else start the N ranks, each running this command without the option."""
-    from moe_plan.config import load_config
-    from moe_plan.config.start_check import check_start
+    from moe_plan.config import check_start, load_config
     from moe_train.cli.launch import launch_ranks, nproc_per_node
     from moe_train.errors import ConfigError
     from moe_train.train.runtime import launched_by_torchrun, launched_world_size

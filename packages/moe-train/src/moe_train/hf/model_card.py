@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_data import split_dtype_suffix
-from moe_plan.config import Config
-from moe_plan.config.accounting import count_params
+from moe_plan.config import Config, count_params
 from moe_train.files_digest import files_digest
 
 

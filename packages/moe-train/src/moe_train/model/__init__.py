@@ -4,7 +4,7 @@ Parallel layouts are applied to the built model by `moe_train.parallelize`; trai
 by `moe_train.model.training_choices`.
 """
 
-from moe_plan.config.accounting import ParamCounts, count_params, flops_per_token
+from moe_plan.config import ParamCounts, count_params, flops_per_token
 from moe_train.model.attention import AttentionCore, causal_attention
 from moe_train.model.documents import Documents
 from moe_train.model.loss import head_lm_loss, head_token_logprobs, lm_loss

@@ -5,7 +5,7 @@ layout is that model transformed here (see `apply`), with the token dispatchers 
 layers (`dispatchers`) and its part of each sequence (`context_parallel`).
 """
 
-from moe_plan.config.dispatcher_choice import choose_dispatcher
+from moe_plan.config import choose_dispatcher
 from moe_train.parallelize.apply import (
     apply_context_parallel,
     apply_expert_parallel,

@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moe_dispatch import BackendUnavailable, Dispatcher, make_dispatcher, make_row_transport
-from moe_plan.config import Config
-from moe_plan.config.dispatcher_choice import choose_dispatcher
+from moe_plan.config import Config, choose_dispatcher
 from moe_train.errors import ConfigError
 from moe_train.model import local_dispatcher
 

@@ -3,7 +3,7 @@ scoring itself runs on the training layout: `moe_train.train.task_scoring`)."""
 
 from pathlib import Path
 
-from moe_plan.config.task_names import BUILTIN_TASK_PREFIX, BUILTIN_TASKS, TASK_SUFFIXES, task_name
+from moe_plan.config import BUILTIN_TASK_PREFIX, BUILTIN_TASKS, TASK_SUFFIXES, task_name
 from moe_train.tasks.builtin import builtin_task_file
 from moe_train.tasks.files import ChoiceRow, MultipleChoiceTask, Task, TextTask, read_task
 from moe_train.tasks.metrics import choice_metrics, choice_predictions, text_metrics

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from moe_data import default_cache_dir, new_scratch_dir
-from moe_plan.config.task_names import BUILTIN_TASKS
+from moe_plan.config import BUILTIN_TASKS
 from moe_train.errors import DataError
 
 QUESTIONS = 200

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_plan.config.task_names import TASK_SUFFIXES, task_name
+from moe_plan.config import TASK_SUFFIXES, task_name
 from moe_train.errors import DataError
 
 

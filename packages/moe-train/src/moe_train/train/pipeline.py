@@ -25,8 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_parallel import Layout
-from moe_plan.config import Config
-from moe_plan.config.stage_plan import StagePlan
+from moe_plan.config import Config, StagePlan
 from moe_train.model import Documents, Transformer, head_lm_loss
 from moe_train.parallelize import context_shard
 from moe_train.train.micro_batches import MicroBatches, model_inputs

@@ -20,8 +20,7 @@ from moe_parallel import (
     decay_matrices,
     is_expert_parameter,
 )
-from moe_plan.config import Config
-from moe_plan.config.stage_plan import StagePlan, plan_stages
+from moe_plan.config import Config, StagePlan, plan_stages
 from moe_train.errors import ConfigError
 from moe_train.model import (
     Transformer,

@@ -35,8 +35,7 @@ from moe_checkpoint import (
     read_trainer_state,
     resolve_checkpoint,
 )
-from moe_plan.config import Change, Config, config_changes
-from moe_plan.config.key_rules import resume_refuses
+from moe_plan.config import Change, Config, config_changes, resume_refuses
 from moe_train.errors import ConfigError, MoeTrainError
 from moe_train.train.checkpointing import Checkpoints, checkpoint_root
 from moe_train.train.run_dir import choose_run_dir

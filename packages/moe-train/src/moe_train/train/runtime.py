@@ -22,9 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moe_parallel import Layout, join_layout
-from moe_plan.config import Config
-from moe_plan.config.layout_shape import LayoutShape
-from moe_plan.config.start_check import check_start
+from moe_plan.config import Config, LayoutShape, check_start
 from moe_train.errors import ConfigError, MoeTrainError, RankLost, on_every_rank
 from moe_train.signals import StopRequests
 
