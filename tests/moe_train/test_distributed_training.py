@@ -57,14 +57,18 @@ def test_torchrun_end_to_end_matches_single_process(token_file, tmp_path, refere
 
 def _assert_reported_once_first_with_exit_2(result, message: str) -> None:
     """An error both ranks raise alike: one line (rank 0's), before torchrun's own report,
-    whose root cause shows it too, and exit code 2 on every rank in torchrun's summary."""
+    whose root cause shows it too with exit code 2. The other rank exits 2 too, unless torchrun
+    stopped it first (SIGTERM, -15: torchrun ends the others at the first failure, so a rank
+    still starting on a loaded machine is ended before it reaches the check)."""
     assert result.returncode != 0
     lines = result.stderr.splitlines(keepends=True)
     assert [line for line in lines if line.startswith(message)] == [lines[0]], result.stderr
     assert f"traceback : {message.strip()}" in result.stderr, result.stderr[-3000:]
     assert "moe_train/" not in result.stderr, "no traceback from our code"
+    root_cause = result.stderr.split("Root Cause", 1)[-1]
+    assert re.findall(r"exitcode\s*: (-?\d+)", root_cause)[:1] == ["2"], result.stderr[-3000:]
     codes = re.findall(r"exitcode\s*: (-?\d+)", result.stderr)
-    assert codes and set(codes) == {"2"}, result.stderr[-3000:]
+    assert set(codes) <= {"2", "-15"}, result.stderr[-3000:]
 
 
 BAD_LAYOUTS = {
