@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness.invariance_card import card, commit_of, write_card
+from harness.invariance_card import card, commit_of, merged, write_card
 from harness.invariance_cells import FEATURES, LAYOUTS, STEPS, base_config, select_cells, with_keys
 from harness.invariance_compare import compare_params, compare_rows, final_params
 from harness.invariance_runs import RunEnd, run_env, train_run, write_data
@@ -54,7 +54,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps per run ({STEPS})")
     parser.add_argument("--list", action="store_true", help="print the features and layouts")
     parser.add_argument("--json", type=Path, help="write the matrix, one object per cell")
-    parser.add_argument("--card", type=Path, help="write docs/verification.md's table from JSON")
+    parser.add_argument(
+        "--card",
+        type=Path,
+        nargs="+",
+        help="write docs/verification.md's table from --json files of one commit",
+    )
     parser.add_argument(
         "--backend",
         choices=("gloo", "auto"),
@@ -82,13 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(list_names()))
         return 0
     if args.card:
-        write_card(PAGE, card(json.loads(args.card.read_text()), list(FEATURES), list(LAYOUTS)))
+        try:
+            document = merged([json.loads(path.read_text()) for path in args.card])
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        write_card(PAGE, card(document, list(FEATURES), list(LAYOUTS)))
         return 0
     try:
         cells = select_cells(args.features, args.layouts, args.all)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    commit = commit_of(ROOT)  # before the runs: what they ran
     work = args.work or Path(tempfile.mkdtemp(prefix="invariance-"))
     try:
         results = run_matrix(cells, work, args.steps, args.backend)
@@ -97,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print_matrix(results)
     if args.json:
-        document = {**commit_of(ROOT), "steps": args.steps, "backend": args.backend}
+        document = {**commit, "steps": args.steps, "backend": args.backend}
         write_json(args.json, {**document, "cells": results})
     return 1 if any(cell["status"] == "fail" for cell in results) else 0
 

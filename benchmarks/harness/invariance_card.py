@@ -24,6 +24,21 @@ def commit_of(repo: Path) -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "-uno"))}
 
 
+def merged(documents: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One matrix of several runs' --json documents (parts of one matrix run one after
+    another): their cells, a later run's cell replacing an earlier one's. Raises ValueError
+    if they ran on other commits, steps or backends."""
+    settings = {(d["commit"], d["steps"], d["backend"]) for d in documents}
+    if len(settings) != 1:
+        raise ValueError(
+            "the --json files ran on other commits, steps or backends: "
+            + "; ".join(f"{c} ({s} steps, {b})" for c, s, b in sorted(settings))
+        )
+    cells = {(c["feature"], c["layout"]): c for d in documents for c in d["cells"]}
+    dirty = any(d["dirty"] for d in documents)
+    return {**documents[0], "dirty": dirty, "cells": list(cells.values())}
+
+
 def cell_mark(cell: Mapping[str, Any]) -> str:
     """A cell's text in the matrix: ok or FAIL with its worst difference, or refused."""
     if cell["status"] == "refused":

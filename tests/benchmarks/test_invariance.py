@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import invariance
-from harness.invariance_card import card, cell_mark, write_card
+from harness.invariance_card import card, cell_mark, merged, write_card
 from harness.invariance_cells import (
     CI_CELLS,
     FEATURES,
@@ -194,6 +194,11 @@ def test_the_card_shows_each_cell_ran_and_why_one_did_not_pass(tmp_path):
     assert (
         cell_mark({"status": "fail", "metrics": {"loss": 1.0}, "params": None}) == "**FAIL** 1e+00"
     )
+    later = {**document, "dirty": False, "cells": [{**ok, "metrics": {}, "params": 1e-7}]}
+    both = merged([document, later])
+    assert both["dirty"] and [c["params"] for c in both["cells"]] == [1e-7, None]
+    with pytest.raises(ValueError, match="other commits, steps or backends: abc"):
+        merged([document, {**later, "commit": "def"}])
     page = tmp_path / "page.md"
     page.write_text("# Title\n\nText.\n")
     write_card(page, "first")
