@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from harness.invariance_card import card, commit_of, merged, write_card
-from harness.invariance_cells import FEATURES, LAYOUTS, STEPS, base_config, select_cells, with_keys
+from harness.invariance_cells import (
+    FEATURES,
+    LAYOUTS,
+    STEPS,
+    Feature,
+    base_config,
+    select_cells,
+    with_keys,
+)
 from harness.invariance_compare import compare_params, compare_rows, final_params
 from harness.invariance_runs import RunEnd, run_env, train_run, write_data
 from harness.output import print_table, write_json
@@ -131,7 +139,7 @@ def run_matrix(cells: list[tuple[str, str]], work: Path, steps: int, backend: st
         end = train_run(folder, with_keys(config, layout.keys), layout.ranks, env)
         _say(feature_name, layout_name, end)
         reference_end, reference_dir = references[feature_name]
-        result = cell_result(end, folder / "run", reference_end, reference_dir, feature.rtol)
+        result = cell_result(end, folder / "run", reference_end, reference_dir, feature)
         results.append(
             {"feature": feature_name, "layout": layout_name, "ranks": layout.ranks, **result}
         )
@@ -139,12 +147,13 @@ def run_matrix(cells: list[tuple[str, str]], work: Path, steps: int, backend: st
 
 
 def cell_result(
-    end: RunEnd, run_dir: Path, reference_end: RunEnd, reference_dir: Path, rtol: float
+    end: RunEnd, run_dir: Path, reference_end: RunEnd, reference_dir: Path, feature: Feature
 ) -> dict[str, Any]:
     """A cell's status (ok, fail, refused), worst difference per metric and of the
     parameters, the reason of a status other than ok, and its seconds."""
     result: dict[str, Any] = {"status": end.status, "metrics": {}, "params": None}
-    result |= {"reason": end.reason, "rtol": rtol, "wall_s": round(end.wall_s, 1)}
+    result |= {"reason": end.reason, "rtol": feature.rtol, "params_rtol": feature.params_rtol}
+    result["wall_s"] = round(end.wall_s, 1)
     if end.status == "ok" and reference_end.status != "ok":
         result["status"] = reference_end.status
         result["reason"] = f"the single process: {reference_end.reason}"
@@ -156,7 +165,7 @@ def cell_result(
         read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl")
     )
     compare_params(final_params(run_dir), final_params(reference_dir), comparison)
-    failures = comparison.failures(rtol)
+    failures = comparison.failures(feature.rtol, feature.params_rtol)
     more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
     result |= {"metrics": comparison.metrics, "params": comparison.params}
     if failures:

@@ -23,6 +23,12 @@ BF16_RTOL = 2e-3
 bf16 tests (tests/moe_train/test_bf16_params.py), where layouts moved the losses of a
 6-step run by up to a few 1e-4; provisional until the seed-spread measurement that
 docs/verification.md describes replaces it."""
+LOW_PRECISION_PARAMS_RTOL = 5e-2
+"""The final parameters of bf16 and FP8 cells: after a few steps a weight has moved by about
+as much as its initial size (lr times steps, per element, under AdamW), and a step's
+update direction carries the low-precision gradients' noise, so the masters part by a few
+1e-2 by norm (measured 2.0e-2 for bf16 on dp2 x ep2 and 1.7e-2 for FP8 on ep2, at 4 steps)
+while every metric stays within BF16_RTOL. Provisional, as BF16_RTOL."""
 FP8_RTOL = 2e-3
 """FP8 rowwise cells (emulated on a CPU): the bf16 tolerance, as the trainer's FP8 tests use
 for context-parallel layouts (tests/training.py FP8_CONTEXT_RTOL); layouts that split an
@@ -41,7 +47,9 @@ class Feature:
     """Whether the feature is a precision (it then sets its own dtypes; other features run
     fp32)."""
     rtol: float = FP32_RTOL
-    """Relative tolerance of every metric and of the final parameters."""
+    """Relative tolerance of every metric at every step."""
+    params_rtol: float = FP32_RTOL
+    """Relative tolerance of the final parameters (by tensor norm)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,7 @@ FEATURES: dict[str, Feature] = {
         doc="bf16 parameters and compute, FP32 masters in the distributed optimizer",
         precision=True,
         rtol=BF16_RTOL,
+        params_rtol=LOW_PRECISION_PARAMS_RTOL,
     ),
     "fp8_rowwise": Feature(
         {
@@ -114,6 +123,7 @@ FEATURES: dict[str, Feature] = {
         doc="rowwise FP8 expert GEMMs and linears (emulated on a CPU), bf16 compute",
         precision=True,
         rtol=FP8_RTOL,
+        params_rtol=LOW_PRECISION_PARAMS_RTOL,
     ),
     "dispatch_rowwise": Feature(
         {"parallel.dispatcher": "rowwise", "model.moe.capacity_factor": 2.0},

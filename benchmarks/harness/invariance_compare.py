@@ -55,16 +55,18 @@ class Comparison:
     problems: list[str] = field(default_factory=list)
     """Mismatches of shape: missing steps, metrics or tensors."""
 
-    def failures(self, rtol: float) -> list[str]:
-        """Why the cell fails at `rtol` (empty: it passes): the problems, then each metric and
-        the parameters above it."""
+    def failures(self, rtol: float, params_rtol: float | None = None) -> list[str]:
+        """Why the cell fails (empty: it passes): the problems, then each metric above `rtol`,
+        then the parameters above `params_rtol` (default `rtol`)."""
+        params_rtol = rtol if params_rtol is None else params_rtol
         reasons = list(self.problems)
         for name, worst in self.metrics.items():
             if worst is not None and not worst <= rtol:
                 reasons.append(f"{name} differs by {worst:.2e} (tolerance {rtol:.0e})")
-        if self.params is not None and not self.params <= rtol:
+        if self.params is not None and not self.params <= params_rtol:
             reasons.append(
-                f"parameter {self.worst_tensor} differs by {self.params:.2e} (tolerance {rtol:.0e})"
+                f"parameter {self.worst_tensor} differs by {self.params:.2e} "
+                f"(tolerance {params_rtol:.0e})"
             )
         return reasons
 

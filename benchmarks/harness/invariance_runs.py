@@ -4,7 +4,7 @@ train` in fresh processes (a single process, or N ranks that the trainer's
 
 A run ends in one of three ways: ok (exit 0), refused (the start check's exit 2 with one
 line `error: ...`: the trainer cannot run that config on that layout) or failed (any other
-end, with its last error line).
+end, with the first exception a rank printed, else its last error line).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +25,9 @@ import yaml
 CONFIG_ERROR_EXIT = 2
 """The trainer's exit code for a config it refuses (one line on stderr)."""
 
+_RAISED = re.compile(r"^(\[rank\d+\]:\s*)?(\w+(?:Error|Exception): .*)$")
+"""A traceback's last line, `XError: message`, as a rank prints it (torchrun prefixes
+`[rankN]:`); the first one printed is the cause, the others mostly ranks that lost it."""
 _WORDS = [
     "the",
     "of",
@@ -95,15 +99,17 @@ def train_run(
 
 def run_end(returncode: int, stderr: str, wall_s: float = 0.0) -> RunEnd:
     """How a run ended from its exit code and standard error: ok, refused (exit 2 whose last
-    line is `error: ...`) or fail (its last line that names an error, else its last line)."""
+    line is `error: ...`) or fail (the first exception a rank printed, else its last line
+    that names an error, else its last line)."""
     if returncode == 0:
         return RunEnd("ok", wall_s=wall_s)
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     last = lines[-1] if lines else f"exit {returncode} with nothing on stderr"
     if returncode == CONFIG_ERROR_EXIT and last.startswith("error: "):
         return RunEnd("refused", last.removeprefix("error: "), wall_s)
+    raised = [m.group(2) for line in lines if (m := _RAISED.match(line))]
     errors = [line for line in lines if "error" in line.lower()]
-    reason = errors[-1] if errors else last
+    reason = raised[0] if raised else errors[-1] if errors else last
     return RunEnd("fail", f"exit {returncode}: {reason}", wall_s)
 
 

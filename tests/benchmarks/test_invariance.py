@@ -87,7 +87,8 @@ def test_the_tables_name_every_feature_and_layout_of_the_issue():
     assert all(entry.doc for entry in [*FEATURES.values(), *LAYOUTS.values()])
     precision = {name for name, feature in FEATURES.items() if feature.precision}
     assert precision == {"bf16_distopt", "fp8_rowwise"}
-    assert all(FEATURES[name].rtol == FP32_RTOL for name in ISSUE_FEATURES - precision)
+    fp32 = [FEATURES[name] for name in ISSUE_FEATURES - precision]
+    assert all(feature.rtol == feature.params_rtol == FP32_RTOL for feature in fp32)
 
 
 def test_the_ci_subset_touches_every_feature_and_layout_once_or_more():
@@ -161,9 +162,10 @@ def test_parameters_compare_tensor_by_tensor_by_norm():
     comparison = compare_rows(_rows(), _rows())
     compare_params(close, reference, comparison)
     assert comparison.failures(FP32_RTOL) == [] and comparison.worst_tensor == "w"
-    far = {**close, "w": close["w"] * (1 + 1e-4)}
+    far = {**close, "w": reference["w"] * (1 + 1e-4)}
     compare_params(far, reference, comparison)
-    assert comparison.failures(FP32_RTOL)[0].startswith("parameter w differs by")
+    assert comparison.failures(FP32_RTOL)[0].startswith("parameter w differs by 1.00e-04")
+    assert comparison.failures(FP32_RTOL, params_rtol=2e-4) == []
     lost = compare_rows(_rows(), _rows())
     compare_params({"w": reference["w"]}, reference, lost)
     assert lost.failures(FP32_RTOL) == ["parameter b is missing in the cell"]
@@ -179,6 +181,16 @@ def test_a_refused_launch_reads_as_refused_and_a_crash_as_failed():
     )
     crash = run_end(1, "Traceback ...\nRuntimeError: gloo lost a peer\n  during step 3\n")
     assert (crash.status, crash.reason) == ("fail", "exit 1: RuntimeError: gloo lost a peer")
+    ranks = (
+        "[rank1]: Traceback (most recent call last):\n"
+        "[rank1]: AttributeError: 'tuple' object has no attribute 'contiguous'\n"
+        "error: another rank was lost: Connection closed by peer\n"
+        "error: rank 1 exited with code 1; see its output above\n"
+    )
+    assert (
+        run_end(1, ranks).reason
+        == "exit 1: AttributeError: 'tuple' object has no attribute 'contiguous'"
+    )
     assert run_end(2, "something else\n").status == "fail"
     assert run_end(0, "warnings\n").status == "ok"
 
