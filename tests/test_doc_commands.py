@@ -57,6 +57,11 @@ LAUNCH_OPTION = (
     "ranks through the option and checks its refusals in-process"
 )
 
+INVARIANCE = (
+    "trains each cell and its single process in fresh processes, minutes each on 2 cores; "
+    "tests/benchmarks/test_invariance.py checks --list, the comparison and the card, and "
+    "trains one cell"
+)
 WALKTHROUGH = (
     "the fine-tuning walkthrough, on the tiny model its script builds; "
     "tests/moe_train/test_sft_walkthrough.py runs the page's script and commands in order"
@@ -177,6 +182,15 @@ COMMANDS: dict[str, Run | Skip] = {
     ),
     # docs/audit.md
     "moe-train verify runs/a/checkpoints/step_00000003 runs/a/checkpoints/step_00000006": Run(),
+    # docs/verification.md
+    "python benchmarks/invariance.py --list": Skip(INVARIANCE),
+    "python benchmarks/invariance.py": Skip(INVARIANCE),
+    "python benchmarks/invariance.py --features muon,mtp --layouts ep2,pp2": Skip(INVARIANCE),
+    "python benchmarks/invariance.py --all --json invariance.json": Skip(INVARIANCE),
+    "python benchmarks/invariance.py --card invariance.json": Skip(INVARIANCE),
+    "python benchmarks/invariance.py --all --backend auto --json invariance-nccl.json": Skip(
+        "a node of 8 GPUs"
+    ),
     # docs/interop.md
     "moe-train export runs/small/checkpoints --out exported/small": Run(),
     "moe-train export runs/small/checkpoints --out exported/v1 --name small-code-v1": Run(),
