@@ -26,6 +26,7 @@ def _config_data(token_file, run_dir, **parallel) -> dict:
         data={"micro_batch_size": 2},
         train={"max_steps": STEPS},
         parallel=parallel,
+        eval={"paths": [str(token_file)], "interval": STEPS // 2},
     )
 
 
@@ -38,7 +39,9 @@ def test_mtp_trains_and_expert_and_pipeline_parallel_match_single_process(
     shared_token_file, tmp_path
 ):
     """One process, then ep2 and pp2 in one 2-rank spawn: LM and MTP losses within 1e-5
-    (fp32) at every step; the MTP loss falls."""
+    (fp32) at every step, and the held-out loss where it is evaluated (the pipeline's
+    evaluation passes the MTP embeddings between stages as training does); the MTP loss
+    falls."""
     train(config_from_dict(_config_data(shared_token_file, tmp_path / "single")))
     cases = {
         "ep2": _config_data(shared_token_file, tmp_path / "ep2", ep=2),
@@ -52,6 +55,16 @@ def test_mtp_trains_and_expert_and_pipeline_parallel_match_single_process(
             values = _metric(tmp_path / name, key)
             worst = max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
             assert worst <= 1e-5, f"{name} {key}: {values} vs single process {reference}"
+    evaluated = [
+        r["eval_loss"]
+        for r in read_metrics(tmp_path / "single" / "metrics.jsonl")
+        if "eval_loss" in r
+    ]
+    assert len(evaluated) == 2
+    for name in cases:
+        rows = read_metrics(tmp_path / name / "metrics.jsonl")
+        values = [r["eval_loss"] for r in rows if "eval_loss" in r]
+        assert values == pytest.approx(evaluated, rel=1e-5), name
     mtp = _metric(tmp_path / "single", "mtp_loss")
     assert mtp[-1] < mtp[0] - 0.3, f"the MTP loss should fall: {mtp}"
 

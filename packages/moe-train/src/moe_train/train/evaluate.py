@@ -141,29 +141,35 @@ def pipeline_forward(
     """Forward of one micro-batch through the pipeline stages in order, hidden states passed
     from stage to stage by point-to-point sends (every rank of a pipeline walks the same
     stage sequence, so each send meets its receive): the normed output of the last stage on
-    the rank holding it, None elsewhere."""
+    the rank holding it, None elsewhere. With multi-token prediction the stages also pass the
+    token embeddings on, as in training; the MTP modules do not run (the loss is the head's)."""
     pipeline, layout = runner.pipeline, runner.runtime.layout
     plan = pipeline.plan
     modules = {stage: s.submod for stage, s in zip(plan.stages, pipeline.stages, strict=True)}
-    inputs = inputs.contiguous()
-    device = inputs.device
+    carried = 2 if runner.config.model.mtp_depth else 1  # hidden states (and embeddings)
     hidden_shape = (*inputs.shape, runner.config.model.d_model)
-    hidden: Tensor | None = None
+    passed: list[Tensor] = []
     for stage in range(plan.num_stages):
-        owner = dist.get_global_rank(layout.pp_group, stage % layout.pp)
         if stage not in modules:
             continue
-        if stage > 0:
-            previous = dist.get_global_rank(layout.pp_group, (stage - 1) % layout.pp)
-            if previous != layout.rank:
-                hidden = torch.empty(hidden_shape, dtype=runner.param_dtype, device=device)
-                dist.recv(hidden, src=previous)
+        previous = dist.get_global_rank(layout.pp_group, (stage - 1) % layout.pp)
+        if stage > 0 and previous != layout.rank:
+            passed = [
+                torch.empty(hidden_shape, dtype=runner.param_dtype, device=inputs.device)
+                for _ in range(carried)
+            ]
+            for tensor in passed:
+                dist.recv(tensor, src=previous)
         modules[stage].expect([documents] if documents is not None else None)
-        output = modules[stage](inputs if stage == 0 else hidden)
+        output = modules[stage](*(passed if stage > 0 else [inputs.contiguous()]))
+        passed = [t.contiguous() for t in (output if isinstance(output, tuple) else [output])]
         if stage == plan.num_stages - 1:
-            return output
-        hidden = output.contiguous()
+            if carried == 1:
+                return passed[0]
+            with runner.autocast():
+                return modules[stage].head[0](passed[0])  # the final norm MTP stages leave
         following = dist.get_global_rank(layout.pp_group, (stage + 1) % layout.pp)
-        if following != owner:
-            dist.send(hidden, dst=following)
+        if following != layout.rank:
+            for tensor in passed:
+                dist.send(tensor, dst=following)
     return None
