@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import re
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGES = Path(__file__).parents[1] / "packages"
@@ -96,21 +97,24 @@ def test_the_release_and_wheel_scripts_know_every_package():
         assert _bash_words(scripts / script, array) == names, f"{script}: {array}"
 
 
+def _imports(source: Path) -> Iterator[tuple[int, str]]:
+    """(line, module) of every import statement of the Python file `source`."""
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            yield node.lineno, node.module
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+
+
 def _rooms_imported(room: Path, rooms: set[str]) -> set[str]:
     """The other rooms of moe_train that the module or folder `room` imports."""
     found = set()
     for source in [room] if room.is_file() else room.rglob("*.py"):
-        for node in ast.walk(ast.parse(source.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            for name in names:
-                parts = name.split(".")
-                if parts[0] == "moe_train" and len(parts) > 1 and parts[1] in rooms:
-                    found.add(parts[1])
+        for _line, name in _imports(source):
+            parts = name.split(".")
+            if parts[0] == "moe_train" and len(parts) > 1 and parts[1] in rooms:
+                found.add(parts[1])
     return found - {room.stem}
 
 
@@ -145,16 +149,9 @@ def test_packages_use_only_each_others_public_api():
     private = []
     for source in PACKAGES.glob("*/src/*/**/*.py"):
         own = source.relative_to(PACKAGES).parts[2]
-        for node in ast.walk(ast.parse(source.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            for name in names:
-                top = name.split(".")[0]
-                outside = top.startswith("moe_") and top != own and name != top
-                if outside and name not in PUBLIC_SUBMODULES:
-                    private.append(f"{source.relative_to(PACKAGES)}:{node.lineno} {name}")
+        for line, name in _imports(source):
+            top = name.split(".")[0]
+            outside = top.startswith("moe_") and top != own and name != top
+            if outside and name not in PUBLIC_SUBMODULES:
+                private.append(f"{source.relative_to(PACKAGES)}:{line} {name}")
     assert private == []
