@@ -12,7 +12,10 @@ with the trainer's line; one that crashes fails with its last error line.
 
 Without --features, --layouts or --all it runs the fixed CI subset (`CI_CELLS`), which
 touches every feature and every layout. Prints the matrix as a table; exit 1 when a cell
-fails. `--card FILE.json` writes docs/verification.md's table from a --json file instead.
+fails. `--card FILE.json` writes docs/verification.md's table from a --json file instead;
+`--spread FILE.json ...` prints the spread over seeds (the --json files of runs at other
+`--seed`s) and the tolerances of the low-precision features it gives
+(`harness.invariance_spread`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from harness.invariance_cells import (
 )
 from harness.invariance_compare import compare_params, compare_rows, final_params
 from harness.invariance_runs import RunEnd, run_env, train_run, write_data
+from harness.invariance_spread import spread
 from harness.output import print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layouts", type=_names, help="comma-separated layouts (default all)")
     parser.add_argument("--all", action="store_true", help="every feature on every layout")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps per run ({STEPS})")
+    parser.add_argument("--seed", type=int, default=0, help="train.seed of every run (0)")
     parser.add_argument("--list", action="store_true", help="print the features and layouts")
     parser.add_argument("--json", type=Path, help="write the matrix, one object per cell")
     parser.add_argument(
@@ -67,6 +72,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         nargs="+",
         help="write docs/verification.md's table from --json files of one commit",
+    )
+    parser.add_argument(
+        "--spread",
+        type=Path,
+        nargs="+",
+        help="print each low-precision feature's worst differences per seed and the "
+        "tolerances they give, from --json files of one commit at other seeds",
     )
     parser.add_argument(
         "--backend",
@@ -102,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         write_card(PAGE, card(document, list(FEATURES), list(LAYOUTS)))
         return 0
+    if args.spread:
+        return print_spread(args.spread, args.json)
     try:
         cells = select_cells(args.features, args.layouts, args.all)
     except ValueError as e:
@@ -110,21 +124,23 @@ def main(argv: list[str] | None = None) -> int:
     commit = commit_of(ROOT)  # before the runs: what they ran
     work = args.work or Path(tempfile.mkdtemp(prefix="invariance-"))
     try:
-        results = run_matrix(cells, work, args.steps, args.backend)
+        results = run_matrix(cells, work, args.steps, args.backend, args.seed)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
     print_matrix(results)
     if args.json:
-        document = {**commit, "steps": args.steps, "backend": args.backend}
+        document = {**commit, "steps": args.steps, "backend": args.backend, "seed": args.seed}
         write_json(args.json, {**document, "cells": results})
     return 1 if any(cell["status"] == "fail" for cell in results) else 0
 
 
-def run_matrix(cells: list[tuple[str, str]], work: Path, steps: int, backend: str) -> list[dict]:
-    """Run `cells` in order under `work`, each feature's single process first; one result
-    per cell (`cell_result`)."""
-    base = base_config(write_data(work / "data"), steps)
+def run_matrix(
+    cells: list[tuple[str, str]], work: Path, steps: int, backend: str, seed: int = 0
+) -> list[dict]:
+    """Run `cells` in order under `work`, each feature's single process first, every run
+    at `seed`; one result per cell (`cell_result`)."""
+    base = with_keys(base_config(write_data(work / "data"), steps), {"train.seed": seed})
     env = run_env(backend)
     references: dict[str, tuple[RunEnd, Path]] = {}
     results = []
@@ -165,12 +181,41 @@ def cell_result(
         read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl")
     )
     compare_params(final_params(run_dir), final_params(reference_dir), comparison)
+    if end.reports != 1:
+        comparison.problems.append(f"{end.reports} ranks reported the end of the run (one should)")
     failures = comparison.failures(feature.rtol, feature.params_rtol)
     more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
     result |= {"metrics": comparison.metrics, "params": comparison.params}
     if failures:
         result |= {"status": "fail", "reason": failures[0] + more}
     return result
+
+
+def print_spread(files: list[Path], json_path: Path | None) -> int:
+    """`--spread`: the low-precision features' worst differences per seed and the tolerances
+    they give, as a table (and a JSON file); exit 2 naming what is wrong with the files."""
+    try:
+        documents = [json.loads(path.read_text()) for path in files]
+        precision = [name for name, feature in FEATURES.items() if feature.precision]
+        rows = spread(documents, precision)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: --spread: {e}", file=sys.stderr)
+        return 2
+    seeds = sorted({seed for row in rows for seed in row["seeds"]})
+    header = ["feature", "cells", *(f"seed {s}" for s in seeds), "worst", "tolerance"]
+    table = []
+    for row in rows:
+        for what, key in (("metrics", "metrics"), ("params", "params")):
+            figures = [_figure(row["seeds"].get(s, {}).get(key)) for s in seeds]
+            cells = max(s["cells"] for s in row["seeds"].values())
+            tolerance = row["rtol"] if what == "metrics" else row["params_rtol"]
+            worst = row[f"worst_{what}"]
+            table.append([f"{row['feature']} {what}", cells, *figures, _figure(worst)])
+            table[-1].append(f"{tolerance:.0e}")
+    print_table(header, table, left=["feature"])
+    if json_path:
+        write_json(json_path, {"commit": documents[0]["commit"], "features": rows})
+    return 0
 
 
 def _say(feature: str, layout: str, end: RunEnd) -> None:

@@ -27,12 +27,12 @@ def commit_of(repo: Path) -> dict[str, Any]:
 def merged(documents: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One matrix of several runs' --json documents (parts of one matrix run one after
     another): their cells, a later run's cell replacing an earlier one's. Raises ValueError
-    if they ran on other commits, steps or backends."""
-    settings = {(d["commit"], d["steps"], d["backend"]) for d in documents}
+    if they ran on other commits, steps, backends or seeds."""
+    settings = {(d["commit"], d["steps"], d["backend"], d.get("seed", 0)) for d in documents}
     if len(settings) != 1:
         raise ValueError(
-            "the --json files ran on other commits, steps or backends: "
-            + "; ".join(f"{c} ({s} steps, {b})" for c, s, b in sorted(settings))
+            "the --json files ran on other commits, steps, backends or seeds: "
+            + "; ".join(f"{c} ({s} steps, {b}, seed {n})" for c, s, b, n in sorted(settings))
         )
     cells = {(c["feature"], c["layout"]): c for d in documents for c in d["cells"]}
     dirty = any(d["dirty"] for d in documents)
@@ -56,8 +56,8 @@ def card(document: Mapping[str, Any], features: Sequence[str], layouts: Sequence
     ran = len(cells)
     lines = [
         f"Ran on commit `{document['commit']}`{dirty}: {ran} of "
-        f"{len(features) * len(layouts)} cells, {document['steps']} steps each, backend "
-        f"{document['backend']}. A cell shows its worst relative difference over the metrics "
+        f"{len(features) * len(layouts)} cells, {document['steps']} steps each at seed "
+        f"{document.get('seed', 0)}, backend {document['backend']}. A cell shows its worst relative difference over the metrics "
         "and the parameters; a dot is a cell this run left out.",
         "",
         "| feature | " + " | ".join(layouts) + " |",

@@ -75,6 +75,9 @@ class RunEnd:
     """The refusal's line, or the failure's last error line."""
     wall_s: float = 0.0
     """Seconds from launch to exit."""
+    reports: int = 0
+    """How many `done:` lines the ranks printed on standard output (one: the first rank
+    reports for all)."""
 
 
 def train_run(
@@ -94,7 +97,10 @@ def train_run(
     with (folder / "stdout.txt").open("wb") as out, (folder / "stderr.txt").open("wb") as err:
         code = subprocess.run(command, stdout=out, stderr=err, env={**os.environ, **(env or {})})
     wall_s = time.perf_counter() - start
-    return run_end(code.returncode, (folder / "stderr.txt").read_text(errors="replace"), wall_s)
+    end = run_end(code.returncode, (folder / "stderr.txt").read_text(errors="replace"), wall_s)
+    stdout = (folder / "stdout.txt").read_text(errors="replace")
+    end.reports = len(re.findall(r"^done: ", stdout, flags=re.MULTILINE))
+    return end
 
 
 def run_end(returncode: int, stderr: str, wall_s: float = 0.0) -> RunEnd:

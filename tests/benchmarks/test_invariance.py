@@ -27,7 +27,8 @@ from harness.invariance_compare import (
     relative_difference,
     tensor_difference,
 )
-from harness.invariance_runs import run_end
+from harness.invariance_runs import RunEnd, run_end
+from harness.invariance_spread import round_up, spread, tolerance_of
 from moe_plan import ConfigError
 from moe_plan.config import check_start, config_from_dict
 
@@ -210,8 +211,10 @@ def test_the_card_shows_each_cell_ran_and_why_one_did_not_pass(tmp_path):
     later = {**document, "dirty": False, "cells": [{**ok, "metrics": {}, "params": 1e-7}]}
     both = merged([document, later])
     assert both["dirty"] and [c["params"] for c in both["cells"]] == [1e-7, None]
-    with pytest.raises(ValueError, match="other commits, steps or backends: abc"):
+    with pytest.raises(ValueError, match="other commits, steps, backends or seeds: abc"):
         merged([document, {**later, "commit": "def"}])
+    with pytest.raises(ValueError, match=r"abc \(4 steps, gloo, seed 1\)"):
+        merged([document, {**later, "seed": 1}])
     page = tmp_path / "page.md"
     page.write_text("# Title\n\nText.\n")
     write_card(page, "first")
@@ -220,13 +223,97 @@ def test_the_card_shows_each_cell_ran_and_why_one_did_not_pass(tmp_path):
     assert page.read_text().startswith("# Title\n\nText.\n")
 
 
-@pytest.mark.slow
-def test_plain_on_dp2_matches_the_single_process(tmp_path, capsys):
-    out = tmp_path / "matrix.json"
-    code = invariance.main(
-        ["--features", "plain", "--layouts", "dp2", "--steps", "2", "--json", str(out)]
+def _seed_document(seed: int, worst: dict[str, tuple[float, float]]) -> dict:
+    """A --json document of one seed: for each layout, a bf16 cell's worst metric (on
+    grad_norm) and parameter difference; an fp32 cell and a refused bf16 cell besides."""
+    cells = [
+        {"feature": "bf16_distopt", "layout": layout, "status": "ok", "params": params}
+        | {"metrics": {"loss": metric / 10, "grad_norm": metric, "mtp_loss": None}}
+        for layout, (metric, params) in worst.items()
+    ]
+    cells.append({"feature": "plain", "layout": "dp2", "status": "ok", "metrics": {"loss": 1.0}})
+    refused = {"feature": "bf16_distopt", "layout": "cp2", "status": "refused", "params": None}
+    cells.append(refused | {"metrics": {}})
+    return {"commit": "abc", "steps": 4, "backend": "gloo", "seed": seed, "cells": cells}
+
+
+def test_the_tolerance_of_a_low_precision_feature_is_a_margin_over_its_worst_seed(tmp_path, capsys):
+    assert [round_up(v) for v in (0.9e-4, 1e-4, 1.01e-4, 3e-4, 7e-3)] == [
+        1e-4,
+        1e-4,
+        2e-4,
+        5e-4,
+        1e-2,
+    ]
+    assert tolerance_of(1.8e-4) == 5e-4 and tolerance_of(2.4e-3) == 5e-3
+    seed0 = _seed_document(0, {"dp2": (1e-4, 1e-2), "ep2": (3e-4, 2e-2)})
+    seed1 = _seed_document(1, {"dp2": (6e-4, 4e-3), "ep2": (2e-4, 3e-2)})
+    (row,) = spread([seed1, seed0], ["bf16_distopt", "fp8_rowwise"])
+    assert row["seeds"] == {
+        0: {"metrics": 3e-4, "params": 2e-2, "cells": 2},
+        1: {"metrics": 6e-4, "params": 3e-2, "cells": 2},
+    }
+    assert (row["rtol"], row["params_rtol"]) == (2e-3, 1e-1)
+    with pytest.raises(ValueError, match="two --json files ran seed 0"):
+        spread([seed0, seed0], ["bf16_distopt"])
+    with pytest.raises(ValueError, match="other commits"):
+        spread([seed0, {**seed1, "steps": 2}], ["bf16_distopt"])
+    files = [tmp_path / "s0.json", tmp_path / "s1.json"]
+    for file, document in zip(files, (seed0, seed1), strict=True):
+        file.write_text(json.dumps(document))
+    out = tmp_path / "spread.json"
+    assert invariance.main(["--spread", *map(str, files), "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["feature", "cells", "seed", "0", "seed", "1", "worst", "tolerance"]
+    metrics_row = ["bf16_distopt", "metrics", "2", "3.0e-04", "6.0e-04", "6.0e-04", "2e-03"]
+    assert lines[2].split() == metrics_row
+    assert json.loads(out.read_text())["features"][0]["params_rtol"] == 1e-1
+    files[1].write_text("{}")
+    assert invariance.main(["--spread", *map(str, files)]) == 2
+    assert capsys.readouterr().err.startswith("error: --spread: ")
+
+
+def test_a_cell_fails_unless_exactly_one_rank_reports_the_end(tmp_path):
+    for run in ("cell", "single"):
+        (tmp_path / run).mkdir()
+        lines = [json.dumps(row) for row in _rows()]
+        (tmp_path / run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    reference = RunEnd("ok", reports=1)
+    feature = FEATURES["plain"]
+
+    def result(reports: int) -> dict:
+        end = RunEnd("ok", reports=reports)
+        return invariance.cell_result(
+            end, tmp_path / "cell", reference, tmp_path / "single", feature
+        )
+
+    assert result(1)["status"] == "ok" and result(1)["metrics"]["loss"] == 0.0
+    assert (result(2)["status"], result(2)["reason"]) == (
+        "fail",
+        "2 ranks reported the end of the run (one should)",
     )
-    (cell,) = json.loads(out.read_text())["cells"]
-    assert (code, cell["status"]) == (0, "ok"), cell
-    assert cell["metrics"]["eval_loss"] is not None and cell["params"] is not None
+    assert result(0)["status"] == "fail"
+    crashed = invariance.cell_result(
+        RunEnd("ok", reports=1),
+        tmp_path / "cell",
+        RunEnd("fail", "exit 1: boom"),
+        tmp_path,
+        feature,
+    )
+    assert (crashed["status"], crashed["reason"]) == ("fail", "the single process: exit 1: boom")
+
+
+@pytest.mark.slow
+def test_the_ci_subset_passes_with_the_real_trainer(tmp_path, capsys):
+    """`benchmarks/invariance.py` without options: every cell of `CI_CELLS` (every feature and
+    every layout at least once) trains with `moe-train train --nproc-per-node N` and equals
+    its single process within its tolerance at every step and in its final parameters."""
+    out = tmp_path / "matrix.json"
+    code = invariance.main(["--json", str(out)])
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["feature"], c["layout"]) for c in cells] == list(CI_CELLS)
+    not_ok = [(c["feature"], c["layout"], c["reason"]) for c in cells if c["status"] != "ok"]
+    assert (code, not_ok) == (0, [])
+    assert all(c["metrics"]["eval_loss"] is not None and c["params"] for c in cells)
+    assert any(c["metrics"]["mtp_loss"] is not None for c in cells)
     assert "plain    dp2" in capsys.readouterr().out

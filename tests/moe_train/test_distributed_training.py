@@ -45,16 +45,6 @@ def _assert_losses_match(losses, reference):
     assert_losses_match("run", losses, reference)
 
 
-def test_torchrun_end_to_end_matches_single_process(token_file, tmp_path, reference_losses):
-    config_path = tmp_path / "config.yaml"
-    save_config(config_path, _config_data(token_file, tmp_path / "torchrun"))
-    result = run_torchrun(2, "train", str(config_path))
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("done:") == 1, "only rank 0 reports"
-    records = read_metrics(tmp_path / "torchrun" / "metrics.jsonl")
-    _assert_losses_match([r["loss"] for r in records], reference_losses)
-
-
 def _assert_reported_once_first_with_exit_2(result, message: str) -> None:
     """An error both ranks raise alike: one line (rank 0's), before torchrun's own report,
     whose root cause shows it too with exit code 2. The other rank exits 2 too, unless torchrun
