@@ -4,10 +4,11 @@ attention over the whole sequence: every rank of cp 1, 2 and 4 simulated in one 
 import pytest
 import torch
 
+from harness.ranks import run_distributed
 from moe_plan.config import config_from_dict
 from moe_plan.config.start_check import check_start
 from moe_train.errors import ConfigError
-from moe_train.model import Documents
+from moe_train.model import Documents, shift_ahead
 from moe_train.parallelize.context_parallel import (
     ContextShard,
     attention_blocks,
@@ -125,3 +126,43 @@ def test_the_planner_plans_the_context_parallel_layout(tmp_path, token_file):
     plan = make_plan(config, 4, device_with("h100"))
     assert plan.own.error is None and " cp2 " in plan.own.label
     assert "cp K/V all-gather" in plan.own.traffic.payload
+
+
+def _ahead_on_ranks(rank: int, world_size: int) -> list[str]:
+    """Body for `run_distributed`: `ContextShard.ahead` of each rank's chunks against
+    `shift_ahead` of the whole sequences, values and gradients (float64), and of integer
+    targets; the mismatches found."""
+    import torch.distributed as dist
+
+    shard = ContextShard(world_size, rank, dist.group.WORLD)
+    torch.manual_seed(0)
+    whole = torch.randn(2, 8 * world_size, 3, dtype=torch.float64)
+    weights = torch.randn_like(whole)
+    targets = torch.randint(0, 50, (2, 8 * world_size))
+    problems = []
+    for k in (1, 2, 5):
+        expected = whole.clone().requires_grad_(True)
+        (shift_ahead(expected, k, 0.0) * weights).sum().backward()
+        mine = shard.local(whole).clone().requires_grad_(True)
+        ahead = shard.ahead(mine, k, 0.0)
+        (ahead * shard.local(weights)).sum().backward()
+        if not torch.equal(ahead, shard.local(shift_ahead(whole, k, 0.0))):
+            problems.append(f"k={k}: values")
+        if not torch.allclose(mine.grad, shard.local(expected.grad), rtol=0, atol=1e-12):
+            problems.append(f"k={k}: gradients")
+        want = shard.local(shift_ahead(targets, k, -100))
+        if not torch.equal(shard.ahead(shard.local(targets), k, -100), want):
+            problems.append(f"k={k}: integer targets")
+    return problems
+
+
+def test_values_further_along_come_from_the_rank_holding_them():
+    """Multi-token prediction reads the embeddings and targets k positions along the whole
+    sequence: at cp 2 and 4, every rank's `ahead` equals the whole sequence moved back by k
+    (the last k positions filled) taken at its positions, and its backward sends each
+    gradient to the rank holding the value."""
+    whole = torch.arange(12).reshape(1, 6, 2)
+    moved = torch.tensor([[[4, 5], [6, 7], [8, 9], [10, 11], [-1, -1], [-1, -1]]])
+    assert torch.equal(shift_ahead(whole, 2, -1), moved)
+    for world_size in (2, 4):
+        assert run_distributed(_ahead_on_ranks, world_size=world_size) == [[]] * world_size

@@ -38,14 +38,16 @@ def _metric(run_dir, key: str) -> list[float]:
 def test_mtp_trains_and_expert_and_pipeline_parallel_match_single_process(
     shared_token_file, tmp_path
 ):
-    """One process, then ep2 and pp2 in one 2-rank spawn: LM and MTP losses within 1e-5
+    """One process, then ep2, pp2 and cp2 in one 2-rank spawn: LM and MTP losses within 1e-5
     (fp32) at every step, and the held-out loss where it is evaluated (the pipeline's
-    evaluation passes the MTP embeddings between stages as training does); the MTP loss
-    falls."""
+    evaluation passes the MTP embeddings between stages as training does; under context
+    parallelism each module reads the embeddings and targets further along from the rank
+    holding them, two modules deep); the MTP loss falls."""
     train(config_from_dict(_config_data(shared_token_file, tmp_path / "single")))
     cases = {
         "ep2": _config_data(shared_token_file, tmp_path / "ep2", ep=2),
         "pp2": _config_data(shared_token_file, tmp_path / "pp2", pp=2),
+        "cp2": _config_data(shared_token_file, tmp_path / "cp2", cp=2),
     }
     run_distributed(train_cases, world_size=2, args=(cases,), timeout=600)
     for key in ("loss", "mtp_loss"):

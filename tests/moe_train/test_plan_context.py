@@ -47,6 +47,9 @@ SAVED_CASES = {
     "qk-norm, dense first layer": ["--model.qk_norm=true", "--model.dense_layers=1"],
     "full recompute": ["--parallel.recompute=full"],
 }
+CP_MTP = [*SMALL, "--model.mtp_depth=2"]
+"""cp2 with two multi-token-prediction modules, which read embeddings and targets across
+the ranks' chunks."""
 BENCHMARK_SEQ = 1024
 """The long-context benchmark's model at this length, cp2, in the spawn (8K is the acceptance
 figure, run by the benchmark itself)."""
@@ -92,8 +95,9 @@ def _saved_bytes(config, rank: int) -> int:
 
 
 class Counter:
-    """Input bytes of the float collectives while installed, by call and group size; and of
-    each all_to_all_single, the bytes sent to each other group rank."""
+    """Input bytes of the float collectives while installed, by call and group size (integer
+    all-gathers as "all_gather ints"); and of each all_to_all_single, the bytes sent to each
+    other group rank."""
 
     NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single")
 
@@ -116,9 +120,11 @@ class Counter:
         def counted(*args, **kwargs):
             tensor = args[0] if name == "all_reduce" else args[1]
             group = kwargs.get("group")
+            size = dist.get_world_size(group)
             if tensor.is_floating_point():
-                size = dist.get_world_size(group)
                 self.bytes[name, size] += tensor.numel() * tensor.element_size()
+            elif name == "all_gather":  # MTP's targets further along under cp
+                self.bytes["all_gather ints", size] += tensor.numel() * tensor.element_size()
             if name == "all_to_all_single":  # rows of any dtype (dedup's expert ids too)
                 splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
                 row = tensor[0].numel() * tensor.element_size() if len(tensor) else 0
@@ -181,6 +187,9 @@ def _rank_body(rank: int, world_size: int) -> dict:
     out["benchmark"] = row["activation_bytes"]
     cp_config = memory_benchmark.row_config(SMALL, "none", Path("/unused"), 4)
     out["cp2 step"] = _train_step_counted(cp_config)
+    mtp_config = memory_benchmark.row_config(CP_MTP, "none", Path("/unused"), 4)
+    out["cp2 mtp step"] = _train_step_counted(mtp_config)
+    out["saved"]["mtp"] = _saved_bytes(load_config(None, CP_MTP), rank)
     limited = memory_benchmark.row_config(NODE_LIMITED, "none", Path("/unused"), 4)
     out["node-limited step"] = _train_step_counted(limited, record_routing=True)
     dedup = memory_benchmark.row_config(NODE_LIMITED_DEDUP, "none", Path("/unused"), 4)
@@ -259,6 +268,30 @@ def test_cp2_traffic_matches_the_bytes_of_the_process_group_calls(two_ranks):
         want = reductions + predicted["cp K/V reduce-scatter"]
         assert want <= counted[("all_reduce", 2)] <= want + 4096, label
         assert ("all_to_all_single", 2) not in counted, label
+
+
+@pytest.mark.slow
+def test_cp2_mtp_gathers_and_activations_are_what_the_planner_predicts(two_ranks):
+    """Two MTP modules under cp2: the saved tensors of a forward exactly; the all-gathers
+    (K/V, and each module's embeddings and targets further along) exactly; the reduce-scatters
+    of their gradients (gloo: all-reduces) with the gradient all-reduce, scalars riding
+    along."""
+    config = load_config(None, CP_MTP)
+    layers = list(range(config.model.n_layers))
+    predicted_saved = held_per_micro_batch(config, layers, first=True, last=True)
+    step_config = memory_benchmark.row_config(CP_MTP, "none", Path("/unused"), 4)
+    predicted = predict_traffic(step_config, 2).payload
+    assert predicted["cp MTP all-gather"] > 0
+    for rank, result in enumerate(two_ranks):
+        assert result["saved"]["mtp"] == predicted_saved, rank
+        counted = result["cp2 mtp step"]["bytes"]
+        label = f"rank {rank}: counted {counted}, predicted {predicted}"
+        gathers = counted.get(("all_gather", 2), 0)
+        assert gathers == predicted["cp K/V all-gather"] + predicted["cp MTP all-gather"], label
+        assert counted[("all_gather ints", 2)] == predicted["cp MTP target all-gather"], label
+        reductions = sum(v for k, v in predicted.items() if k.endswith("all-reduce"))
+        want = reductions + predicted["cp K/V reduce-scatter"] + predicted["cp MTP reduce-scatter"]
+        assert want <= counted[("all_reduce", 2)] <= want + 4096, label
 
 
 def _copies_to_peer(chosen: list[torch.Tensor], rank: int, local: int) -> int:

@@ -81,7 +81,7 @@ BAD = {
         8,
         ["--parallel.pp=2", "--model.tie_embeddings=true", "--data.micro_batch_size=2"],
     ),
-    "mtp with cp": (8, ["--parallel.cp=2", "--model.mtp_depth=1", "--data.micro_batch_size=2"]),
+    "mtp with document masking": (8, ["--model.mtp_depth=1", "--data.document_masking=true"]),
 }
 
 

@@ -222,19 +222,23 @@ def held_per_micro_batch(config: Config, layers: Sequence[int], first: bool, las
             total += t * x.d * x.w  # and the token embeddings the MTP modules read
     if last:
         total += t * x.d * x.w + t * FP32 + loss_bytes(config)  # the final norm, the loss
-        for k in range(1, model.mtp_depth + 1):
-            total += mtp_module_bytes(config, x, batch, x.seq_len - k)
+        # Every MTP module runs on every position held (the last k of a sequence with their
+        # targets ignored), so that context-parallel chunks stay equal.
+        total += model.mtp_depth * mtp_module_bytes(config, x, batch, x.seq_len)
+        if model.mtp_depth and x.cp > 1 and x.c == FP32:
+            total += x.seq_len * x.head_dim * FP32  # the MTP modules' rows of the tables
     return total
 
 
 def mtp_module_bytes(config: Config, x: Widths, batch: int, positions: int) -> float:
-    """What one multi-token-prediction module holds for `batch` rows of `positions`: its
+    """What one multi-token-prediction module holds for `batch` rows of `positions`: the
+    embeddings it reads (those k positions further along, a tensor of their own), its
     projection's input (two normed halves), its three norms' statistics, its (dense) block
     (attention's per-row statistics counted at the full sequence length), its final norm's
     input and its fused loss."""
     t = batch * positions
     return (
-        2 * t * x.d * x.w
+        3 * t * x.d * x.w
         + 3 * t * FP32
         + _block_bytes(config, x, t, batch, dense=True)
         + t * x.d * x.w

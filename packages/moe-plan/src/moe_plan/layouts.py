@@ -344,11 +344,8 @@ more than the activations they spare, so a short sequence is not split."""
 
 def context_sizes(config: Config, most: int) -> list[int]:
     """The context-parallel sizes up to `most` the planner tries: 1, and each cp that cuts the
-    sequence into 2 x cp chunks of at least MIN_CHUNK positions (none with MTP modules, which
-    context parallelism does not serve)."""
+    sequence into 2 x cp chunks of at least MIN_CHUNK positions."""
     seq_len = config.data.seq_len
-    if config.model.mtp_depth:
-        return [1]
     return [1] + [
         cp
         for cp in range(2, most + 1)

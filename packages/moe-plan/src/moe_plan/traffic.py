@@ -12,10 +12,14 @@ The expert exchange is one row per token copy, except with all_to_all_dedup: one
 token and EP rank its copies reach (`ranks_per_token`), plus each row's routing ("ep routing").
 
 Context parallelism (cp > 1) adds the keys and values attention gathers: per attention layer
-and micro-batch, one all-gather each of the rank's keys and of its values (payload: the
+(the MTP modules' blocks included) and micro-batch, one all-gather each of the rank's keys and of its values (payload: the
 rank's shard, 2 x C positions of the key/value width), rerun by recompute, and in the
 backward one reduce-scatter each of their gradients (payload: the cp shards' full input; on
-gloo, which has no reduce-scatter, an all-reduce of the same bytes).
+gloo, which has no reduce-scatter, an all-reduce of the same bytes). On the last stage each
+multi-token-prediction module gathers, per micro-batch, the token embeddings and the targets
+further along (`ContextShard.ahead`): one all-gather of the rank's embeddings (parameter
+dtype) and one of its int64 targets, and in the backward one reduce-scatter of the
+embeddings' gradients.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from moe_plan.activations import DTYPE_BYTES, FP32, capacity
+from moe_plan.activations import DTYPE_BYTES, FP32, INDEX_BYTES, capacity
 from moe_plan.config import Config
 from moe_plan.config.layout_shape import layout_shape
 from moe_plan.memory import rank_params
@@ -66,8 +70,12 @@ def predict_traffic(
     # Forward: dispatch and combine (or the K/V gathers); backward: their gradients;
     # recompute reruns the forward's exchanges.
     rounds = 3 if parallel.recompute != "none" else 2
-    if parallel.cp > 1 and layers:
-        _add_context_gathers(traffic, config, layers * num_micro, rounds - 1)
+    mtp_modules = model.mtp_depth if pp_rank == parallel.pp - 1 else 0  # on the last stage
+    if parallel.cp > 1 and layers + mtp_modules:
+        # Each MTP module's block attends over the whole sequence too.
+        _add_context_gathers(traffic, config, (layers + mtp_modules) * num_micro, rounds - 1)
+    if parallel.cp > 1 and mtp_modules:
+        _add_mtp_gathers(traffic, config, mtp_modules * num_micro)
     if ep > 1 and moe_layers:
         exchange = _exchange_bytes(config)
         per_layer = exchange * (ep - 1) / ep
@@ -113,6 +121,19 @@ def _add_context_gathers(traffic: Traffic, config: Config, passes: int, forwards
     traffic.add("cp K/V all-gather", gathers * shard, gathers * shard * (cp - 1), cp, gathers)
     grads = calls * cp * shard
     traffic.add("cp K/V reduce-scatter", grads, grads * (cp - 1) / cp, cp, calls)
+
+
+def _add_mtp_gathers(traffic: Traffic, config: Config, passes: int) -> None:
+    """The all-gathers of `passes` MTP module forwards (embeddings and targets further along)
+    and the reduce-scatters of the embeddings' gradients."""
+    cp = config.parallel.cp
+    local = config.data.micro_batch_size * config.data.seq_len // cp
+    embeddings = local * config.model.d_model * DTYPE_BYTES[config.precision.param_dtype]
+    targets = local * INDEX_BYTES
+    for kind, shard in (("cp MTP all-gather", embeddings), ("cp MTP target all-gather", targets)):
+        traffic.add(kind, passes * shard, passes * shard * (cp - 1), cp, passes)
+    grads = passes * cp * embeddings
+    traffic.add("cp MTP reduce-scatter", grads, grads * (cp - 1) / cp, cp, passes)
 
 
 def _exchange_bytes(config: Config) -> float:

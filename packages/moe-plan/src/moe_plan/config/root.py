@@ -99,12 +99,6 @@ class Config:
                     f"model.mtp_depth={depth} does not work with data.{key} yet; "
                     f"set data.{key}=false or model.mtp_depth=0"
                 )
-        if self.parallel.cp > 1:
-            raise ConfigError(
-                f"model.mtp_depth={depth} does not work with parallel.cp={self.parallel.cp} yet "
-                f"(its modules read tokens across the context ranks' chunks); set parallel.cp=1 "
-                f"or model.mtp_depth=0"
-            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -3,7 +3,10 @@
 A model built from its config holds whole sequences (`WHOLE_SEQUENCES`). A layout that splits
 every sequence over processes (context parallelism, see `moe_train.parallelize`) gives the
 built model its own `SequencePart`: the positions the inputs hold, for the rotary tables, and
-the sum over the processes holding the other parts, for the routers' balancing statistics.
+the sum over the processes holding the other parts, for the routers' balancing statistics,
+and the values further along each sequence, for multi-token prediction.
+
+B batch, L positions held, S positions of the whole sequence.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ class SequencePart(Protocol):
         positions held."""
         ...
 
+    def ahead(self, x_BL: Tensor, k: int, fill: float) -> Tensor:
+        """For each position held, the value `k` positions further along its whole sequence
+        ([B, L, ...] like `x_BL`, which holds a value per position held), `fill` where that
+        lies past the sequence's end; differentiable."""
+        ...
+
 
 class WholeSequences:
     """The whole of every sequence, held by this process alone."""
@@ -49,6 +58,16 @@ class WholeSequences:
 
     def rows(self, table: Tensor, local_length: int) -> Tensor:
         return table[:local_length]  # a view: nothing new is kept for backward
+
+    def ahead(self, x_BL: Tensor, k: int, fill: float) -> Tensor:
+        return shift_ahead(x_BL, k, fill)
+
+
+def shift_ahead(x_BS: Tensor, k: int, fill: float) -> Tensor:
+    """Whole sequences `x_BS` moved `k` positions back: position i holds the value of i + k,
+    the last `k` positions `fill`."""
+    tail = x_BS.new_full((x_BS.shape[0], min(k, x_BS.shape[1]), *x_BS.shape[2:]), fill)
+    return torch.cat([x_BS[:, k:], tail], dim=1)
 
 
 WHOLE_SEQUENCES = WholeSequences()

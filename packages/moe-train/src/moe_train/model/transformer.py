@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from moe_data import IGNORE_INDEX
 from moe_plan.config import ModelConfig
 from moe_train.model.attention import Attention, LayerKVCache, RMSNorm, rope_tables
 from moe_train.model.documents import Documents
@@ -261,16 +262,36 @@ class Transformer(nn.Module):
         state `hidden_BSD` (before the final norm) for inputs embedded as `embedded_BSD`
         (unchanged without MTP modules). The MTP loss, the mean over modules of their
         next-but-k cross-entropies, is left in `last_mtp_loss` and summed over training
-        forwards into `step_mtp_loss` (`take_mtp_loss`)."""
+        forwards into `step_mtp_loss` (`take_mtp_loss`).
+
+        Module k runs on every position held, reading the embedding and the target k
+        positions further along (`SequencePart.ahead`, which crosses to the rank holding them
+        under context parallelism); the last k positions of each sequence have none, and
+        their targets are ignored. Each module's loss is its sum over this part's targets
+        divided by the whole batch's (B x (S - k)), so the parts of a sequence add up to
+        its mean. Under the causal mask a position sees only earlier ones, so the ignored
+        positions change nothing the others compute."""
         if not self.mtp:
             return lm_loss
         if self.head is None or len(self.mtp) != self.config.mtp_depth:
             raise ValueError("the MTP loss needs the module holding the head")
-        cos, sin = self.rope(hidden_BSD.shape[1])
+        batch, held = hidden_BSD.shape[:2]
+        whole = held * self.sequence.parts
+        cos, sin = self.rope(whole)
+        cos, sin = self.sequence.rows(cos, held), self.sequence.rows(sin, held)
         losses, h_BSD = [], hidden_BSD
         for k, module in enumerate(self.mtp.values(), start=1):
-            h_BSD = module(h_BSD[:, :-1], embedded_BSD[:, k:], cos, sin)
-            losses.append(head_lm_loss(module.norm(h_BSD), self.head.weight, targets_BS[:, k:]))
+            h_BSD = module(h_BSD, self.sequence.ahead(embedded_BSD, k, 0.0), cos, sin)
+            targets_k_BS = self.sequence.ahead(targets_BS, k, IGNORE_INDEX)
+            normalizer = torch.tensor(batch * (whole - k), dtype=torch.float32)
+            losses.append(
+                head_lm_loss(
+                    module.norm(h_BSD),
+                    self.head.weight,
+                    targets_k_BS,
+                    normalizer.to(hidden_BSD.device),
+                )
+            )
         mtp_loss = torch.stack(losses).mean()
         self.last_mtp_loss = mtp_loss.detach()
         if self.training:

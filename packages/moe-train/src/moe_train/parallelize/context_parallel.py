@@ -6,7 +6,9 @@ chunk, D channels per head.
 A sequence of S positions is cut into 2 x cp chunks of C = S / (2 cp); rank r holds chunks r
 and 2 cp - 1 - r (the head-tail split), so that under a causal mask every rank attends over
 the same number of query-key pairs. Everything but attention runs on the rank's 2 C tokens;
-RoPE uses their global positions.
+RoPE uses their global positions; multi-token prediction reads the tokens and embeddings
+further along from the rank holding them (`ContextShard.ahead`, an all-gather of the whole
+sequence's values, whose backward sums the gradients back to the rank holding each).
 
 Attention gathers the keys and values of every rank (one all-gather per layer, the Llama 3
 recipe; its backward is a reduce-scatter of their gradients) and runs, for each local query
@@ -33,7 +35,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from moe_parallel import Layout
-from moe_train.model import Documents
+from moe_train.model import Documents, shift_ahead
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,15 @@ class ContextShard:
     def rows(self, table: Tensor, local_length: int) -> Tensor:
         """The rows of a per-position `table` for this rank's `local_length` positions."""
         return table[self.positions(local_length, table.device)]
+
+    def ahead(self, x_BL: Tensor, k: int, fill: float) -> Tensor:
+        """For each position this rank holds, the value `k` positions further along the whole
+        sequence, gathered from the rank holding it (`SequencePart.ahead`); `x_BL` holds a
+        value per local position ([B, 2 C, ...])."""
+        x_B1LX = x_BL.reshape(*x_BL.shape[:2], -1).unsqueeze(1)  # one "head", values flat
+        whole_BS = gather_sequence(x_B1LX, self).squeeze(1)
+        ahead_BS = shift_ahead(whole_BS, k, fill)
+        return self.local(ahead_BS).reshape(x_BL.shape)
 
     def positions(self, local_length: int, device: torch.device | None = None) -> Tensor:
         """The global positions of this rank's `local_length` positions (int64)."""
