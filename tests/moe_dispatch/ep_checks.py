@@ -19,7 +19,16 @@ from torch import Tensor
 
 from assertions import assert_close_report
 from harness.ranks import run_distributed
-from moe_dispatch import Dispatcher, DispatchHandle, LocalDispatcher
+from moe_dispatch import (
+    AllToAllDispatcher,
+    CapacityScope,
+    DedupAllToAllDispatcher,
+    Dispatcher,
+    DispatchHandle,
+    LocalDispatcher,
+    make_dispatcher,
+    position_in_expert,
+)
 from moe_kernels import grouped_mm
 
 NUM_EXPERTS = 8
@@ -98,14 +107,18 @@ def run_moe(
     w_experts_LDH: Tensor,
     grad_out_TH: Tensor,
     poison_unused_rows: bool = False,
+    capacity_scope: CapacityScope | None = None,
 ) -> Run:
     """Experts multiply by their matrix; with ``poison_unused_rows`` every all-zero row of
     the expert output (padding, unused slots) is set to NaN, which combine must never read."""
     x_TD = x_TD.clone().requires_grad_()
     topk_weight_TK = topk_weight_TK.clone().requires_grad_()
     w_experts_LDH = w_experts_LDH.clone().requires_grad_()
-    expert_input, tokens_per_expert, handle = dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
-    check_kept_per_expert(dispatcher, handle, topk_idx_TK)
+    expert_input, tokens_per_expert, handle = dispatcher.dispatch(
+        x_TD, topk_idx_TK, topk_weight_TK, capacity_scope=capacity_scope
+    )
+    if capacity_scope is None:
+        check_kept_per_expert(dispatcher, handle, topk_idx_TK)
     expert_output = grouped_mm(expert_input, w_experts_LDH, torch.cumsum(tokens_per_expert, 0))
     if poison_unused_rows:
         unused_P1 = (expert_input == 0).all(dim=1, keepdim=True)
@@ -321,6 +334,66 @@ def record_reference_run(
     record(report, rank, name, check_against_reference, *args)
 
 
+SCOPE_CAPACITY = 0.6
+"""Capacity factor of the scope checks: drops copies of the skewed routing."""
+
+
+def check_scoped_run(
+    run: Run, reference: Run, problem: Problem, rank: int, kept: int, expected_kept: int
+) -> None:
+    """A scoped run against one call over all tokens: this rank's rows and experts, and the
+    copies kept over all ranks."""
+    compare_with_reference(run, reference, problem, rank, run.grad_w_experts.shape[0])
+    assert kept == expected_kept, (kept, expected_kept)
+    assert reference.dropped_copies > 0
+
+
+def record_scoped_runs(report: Report, rank: int, world_size: int) -> None:
+    """Capacity counted over every rank's tokens (`CapacityScope`): each backend that drops,
+    given each copy's place in the order of all ranks' tokens, keeps the copies one
+    LocalDispatcher call over all of them keeps (outputs and gradients alike)."""
+    problem = make_problem(uneven_tokens(world_size), "skewed", seed=41)
+    num_tokens = problem.x_ND.shape[0]
+    x_ND = problem.x_ND.clone().requires_grad_()
+    weight_NK = problem.topk_weight_NK.clone().requires_grad_()
+    w_EDH = problem.w_experts_EDH.clone().requires_grad_()
+    local = LocalDispatcher(NUM_EXPERTS, SCOPE_CAPACITY)
+    expert_input, tokens_per_expert, handle = local.dispatch(x_ND, problem.topk_idx_NK, weight_NK)
+    output = grouped_mm(expert_input, w_EDH, torch.cumsum(tokens_per_expert, 0))
+    y_NH = local.combine(output, handle)
+    y_NH.backward(problem.grad_out_NH)
+    reference = Run(y_NH.detach(), x_ND.grad, weight_NK.grad, w_EDH.grad, x_ND, x_ND, 0)
+    reference.dropped_copies = int(handle.dropped_copies)
+    positions_NK = position_in_expert(problem.topk_idx_NK.reshape(-1), NUM_EXPERTS)
+    rows = problem.rows(rank)
+    scope = CapacityScope(positions_NK.view_as(problem.topk_idx_NK)[rows], num_tokens)
+    group = dist.group.WORLD
+    dispatchers = {
+        "all_to_all": AllToAllDispatcher(NUM_EXPERTS, group, SCOPE_CAPACITY),
+        "dedup": DedupAllToAllDispatcher(NUM_EXPERTS, group, SCOPE_CAPACITY),
+        "rowwise": make_dispatcher(
+            "rowwise", num_experts=NUM_EXPERTS, group=group, capacity_factor=SCOPE_CAPACITY
+        ),
+    }
+    num_local = NUM_EXPERTS // world_size
+    for name, dispatcher in dispatchers.items():
+        run = run_moe(
+            dispatcher,
+            problem.x_ND[rows],
+            problem.topk_idx_NK[rows],
+            problem.topk_weight_NK[rows],
+            problem.w_experts_EDH[rank * num_local : (rank + 1) * num_local],
+            problem.grad_out_NH[rows],
+            poison_unused_rows=True,
+            capacity_scope=scope,
+        )
+        kept = torch.tensor((rows.stop - rows.start) * TOP_K - run.dropped_copies)
+        dist.all_reduce(kept)
+        expected_kept = num_tokens * TOP_K - reference.dropped_copies
+        args = (run, reference, problem, rank, int(kept), expected_kept)
+        record(report, rank, f"scope/{name}", check_scoped_run, *args)
+
+
 def _all_checks(rank: int, world_size: int) -> Report:
     # One spawn for all four files: imports dominate the cost.
     from test_all_to_all import all_to_all_checks
@@ -329,7 +402,9 @@ def _all_checks(rank: int, world_size: int) -> Report:
     from test_symmetric_memory import symmetric_memory_checks
 
     report = all_to_all_checks(rank, world_size) | rowwise_checks(rank, world_size)
-    return report | symmetric_memory_checks(rank, world_size) | dedup_checks(rank, world_size)
+    report |= symmetric_memory_checks(rank, world_size) | dedup_checks(rank, world_size)
+    record_scoped_runs(report, rank, world_size)
+    return report
 
 
 @functools.cache

@@ -79,3 +79,12 @@ def test_make_dispatcher_needs_a_group_for_expert_parallel_backends() -> None:
             make_dispatcher(name, num_experts=8, capacity_factor=1.0)
     with pytest.raises(ValueError, match="local, all_to_all, rowwise, deepep"):
         make_dispatcher("alltoall", num_experts=8)
+
+
+def test_capacity_over_a_scope_keeps_what_one_call_over_all_tokens_keeps(
+    reports: list[Report],
+) -> None:
+    """all_to_all, dedup and rowwise, each rank given its copies' places in the order of
+    every rank's tokens (`CapacityScope`, as a context-parallel rank is): the outputs,
+    gradients and kept copies of one LocalDispatcher call over all of them."""
+    assert_report_passed(reports, "scope/")

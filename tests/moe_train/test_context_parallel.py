@@ -8,7 +8,7 @@ from harness.ranks import run_distributed
 from moe_plan.config import config_from_dict
 from moe_plan.config.start_check import check_start
 from moe_train.errors import ConfigError
-from moe_train.model import Documents, shift_ahead
+from moe_train.model import WHOLE_SEQUENCES, Documents, shift_ahead, values_ahead
 from moe_train.parallelize.context_parallel import (
     ContextShard,
     attention_blocks,
@@ -128,10 +128,11 @@ def test_the_planner_plans_the_context_parallel_layout(tmp_path, token_file):
     assert "cp K/V all-gather" in plan.own.traffic.payload
 
 
-def _ahead_on_ranks(rank: int, world_size: int) -> list[str]:
-    """Body for `run_distributed`: `ContextShard.ahead` of each rank's chunks against
-    `shift_ahead` of the whole sequences, values and gradients (float64), and of integer
-    targets; the mismatches found."""
+def _whole_on_ranks(rank: int, world_size: int) -> list[str]:
+    """Body for `run_distributed`: the whole sequences each rank's chunks gather
+    (`ContextShard.whole`, then `held`) and the values further along (`values_ahead`, of
+    floats with their gradients and of integer targets) against the same of whole sequences
+    in one process; the mismatches found."""
     import torch.distributed as dist
 
     shard = ContextShard(world_size, rank, dist.group.WORLD)
@@ -140,29 +141,35 @@ def _ahead_on_ranks(rank: int, world_size: int) -> list[str]:
     weights = torch.randn_like(whole)
     targets = torch.randint(0, 50, (2, 8 * world_size))
     problems = []
+    if not torch.equal(shard.whole(shard.local(targets)), targets):
+        problems.append("whole of integers")
+    if not torch.equal(shard.held(whole), shard.local(whole)):
+        problems.append("held")
     for k in (1, 2, 5):
         expected = whole.clone().requires_grad_(True)
         (shift_ahead(expected, k, 0.0) * weights).sum().backward()
         mine = shard.local(whole).clone().requires_grad_(True)
-        ahead = shard.ahead(mine, k, 0.0)
+        ahead = values_ahead(shard, mine, k, 0.0)
         (ahead * shard.local(weights)).sum().backward()
         if not torch.equal(ahead, shard.local(shift_ahead(whole, k, 0.0))):
             problems.append(f"k={k}: values")
         if not torch.allclose(mine.grad, shard.local(expected.grad), rtol=0, atol=1e-12):
             problems.append(f"k={k}: gradients")
         want = shard.local(shift_ahead(targets, k, -100))
-        if not torch.equal(shard.ahead(shard.local(targets), k, -100), want):
+        if not torch.equal(values_ahead(shard, shard.local(targets), k, -100), want):
             problems.append(f"k={k}: integer targets")
     return problems
 
 
-def test_values_further_along_come_from_the_rank_holding_them():
+def test_whole_sequences_and_values_further_along_come_from_the_rank_holding_them():
     """Multi-token prediction reads the embeddings and targets k positions along the whole
-    sequence: at cp 2 and 4, every rank's `ahead` equals the whole sequence moved back by k
-    (the last k positions filled) taken at its positions, and its backward sends each
-    gradient to the rank holding the value."""
+    sequence, capacity counts the whole sequences' copies: at cp 2 and 4, every rank gathers
+    the whole sequences exactly, its values further along equal the whole sequence moved
+    back by k (the last k positions filled) taken at its positions, and their backward sends
+    each gradient to the rank holding the value."""
     whole = torch.arange(12).reshape(1, 6, 2)
     moved = torch.tensor([[[4, 5], [6, 7], [8, 9], [10, 11], [-1, -1], [-1, -1]]])
     assert torch.equal(shift_ahead(whole, 2, -1), moved)
+    assert torch.equal(values_ahead(WHOLE_SEQUENCES, whole, 2, -1), moved)
     for world_size in (2, 4):
-        assert run_distributed(_ahead_on_ranks, world_size=world_size) == [[]] * world_size
+        assert run_distributed(_whole_on_ranks, world_size=world_size) == [[]] * world_size

@@ -100,6 +100,9 @@ COMBINATIONS = {
         BF16_RTOL,
     ),
     "muon": ({"optim": {"name": "muon", "muon_ns_dtype": "float32", "lr": 0.02}}, 1e-5),
+    # Capacity counts the copies of whole sequences, as one process does (it counted each
+    # rank's chunks, which dropped other copies).
+    "capacity": ({"model": {"moe": {"capacity_factor": 1.0}}}, 1e-5),
     "lb_sequence": ({"model": {"moe": {"lb_scope": "sequence", "lb_loss_weight": 0.1}}}, 1e-5),
     "lb_global_batch": (
         {"model": {"moe": {"lb_scope": "global_batch", "lb_loss_weight": 0.1}}},

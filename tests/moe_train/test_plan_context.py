@@ -47,9 +47,9 @@ SAVED_CASES = {
     "qk-norm, dense first layer": ["--model.qk_norm=true", "--model.dense_layers=1"],
     "full recompute": ["--parallel.recompute=full"],
 }
-CP_MTP = [*SMALL, "--model.mtp_depth=2"]
+CP_MTP = [*SMALL, "--model.mtp_depth=2", "--model.moe.capacity_factor=1.0"]
 """cp2 with two multi-token-prediction modules, which read embeddings and targets across
-the ranks' chunks."""
+the ranks' chunks, and a capacity, which counts the copies of whole sequences."""
 BENCHMARK_SEQ = 1024
 """The long-context benchmark's model at this length, cp2, in the spawn (8K is the acceptance
 figure, run by the benchmark itself)."""
@@ -123,7 +123,7 @@ class Counter:
             size = dist.get_world_size(group)
             if tensor.is_floating_point():
                 self.bytes[name, size] += tensor.numel() * tensor.element_size()
-            elif name == "all_gather":  # MTP's targets further along under cp
+            elif name == "all_gather":  # under cp: MTP's targets, capacity's routing
                 self.bytes["all_gather ints", size] += tensor.numel() * tensor.element_size()
             if name == "all_to_all_single":  # rows of any dtype (dedup's expert ids too)
                 splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
@@ -271,11 +271,11 @@ def test_cp2_traffic_matches_the_bytes_of_the_process_group_calls(two_ranks):
 
 
 @pytest.mark.slow
-def test_cp2_mtp_gathers_and_activations_are_what_the_planner_predicts(two_ranks):
-    """Two MTP modules under cp2: the saved tensors of a forward exactly; the all-gathers
-    (K/V, and each module's embeddings and targets further along) exactly; the reduce-scatters
-    of their gradients (gloo: all-reduces) with the gradient all-reduce, scalars riding
-    along."""
+def test_cp2_mtp_and_capacity_gathers_and_activations_are_what_the_planner_predicts(two_ranks):
+    """Two MTP modules and a capacity under cp2: the saved tensors of a forward exactly; the
+    all-gathers (K/V, each module's embeddings and targets further along, each MoE layer's
+    routing) exactly; the reduce-scatters of their gradients (gloo: all-reduces) with the
+    gradient all-reduce, scalars riding along."""
     config = load_config(None, CP_MTP)
     layers = list(range(config.model.n_layers))
     predicted_saved = held_per_micro_batch(config, layers, first=True, last=True)
@@ -288,7 +288,8 @@ def test_cp2_mtp_gathers_and_activations_are_what_the_planner_predicts(two_ranks
         label = f"rank {rank}: counted {counted}, predicted {predicted}"
         gathers = counted.get(("all_gather", 2), 0)
         assert gathers == predicted["cp K/V all-gather"] + predicted["cp MTP all-gather"], label
-        assert counted[("all_gather ints", 2)] == predicted["cp MTP target all-gather"], label
+        ints = predicted["cp MTP target all-gather"] + predicted["cp routing all-gather"]
+        assert counted[("all_gather ints", 2)] == ints, label
         reductions = sum(v for k, v in predicted.items() if k.endswith("all-reduce"))
         want = reductions + predicted["cp K/V reduce-scatter"] + predicted["cp MTP reduce-scatter"]
         assert want <= counted[("all_reduce", 2)] <= want + 4096, label

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from moe_dispatch.all_to_all import AllToAllDispatcher
-from moe_dispatch.capacity import capacity_per_expert
+from moe_dispatch.capacity import CapacityScope, capacity_per_expert, position_in_expert
 from moe_dispatch.dedup import ROUTE_ID_DTYPE, DedupAllToAllDispatcher
 from moe_dispatch.deepep import DeepEPDispatcher, deep_ep_module
 from moe_dispatch.local import LocalDispatcher
@@ -29,6 +29,7 @@ __all__ = [
     "ROW_TRANSPORT_NAMES",
     "AllToAllDispatcher",
     "BackendUnavailable",
+    "CapacityScope",
     "DedupAllToAllDispatcher",
     "DeepEPDispatcher",
     "DispatchHandle",
@@ -43,6 +44,7 @@ __all__ = [
     "capacity_per_expert",
     "make_dispatcher",
     "make_row_transport",
+    "position_in_expert",
     "symm_mem_available",
 ]
 

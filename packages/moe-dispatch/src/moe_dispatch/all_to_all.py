@@ -107,7 +107,11 @@ class AllToAllDispatcher(ExpertsOverGroup):
         """Send each kept copy to its expert's rank; rows grouped by local expert."""
         ep, num_local = self.ep, self.num_local_experts
         keep_TK, kept_E = keep_within_capacity(
-            routing.topk_idx_TK, self.num_experts, self.capacity_factor, routing.copies_per_expert
+            routing.topk_idx_TK,
+            self.num_experts,
+            self.capacity_factor,
+            routing.copies_per_expert,
+            routing.scope,
         )
         x_sorted_FD, send_permutation = permute(
             x_TD, routing.topk_idx_TK, self.num_experts, keep_TK, tokens_per_expert_E=kept_E

@@ -1,13 +1,22 @@
-"""Capacity: how many copies one source may send each expert, and which copies fit."""
+"""Capacity: how many copies one source may send each expert, and which copies fit.
+
+By default capacity counts the copies of one dispatch call in its token order. A caller
+whose call holds part of a larger set of tokens (a context-parallel rank, which holds chunks
+of every sequence of a micro-batch) gives a `CapacityScope` instead: where each copy stands
+among its expert's copies in the order of the whole set, and the whole set's tokens, so that
+the copies kept are those one process holding the whole set would keep.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "CapacityScope",
     "capacity_keep_mask",
     "capacity_per_expert",
     "check_capacity_factor",
@@ -56,6 +65,17 @@ def position_in_expert(
     )
 
 
+@dataclass(frozen=True)
+class CapacityScope:
+    """The set of tokens capacity is counted over, when one dispatch call holds part of it."""
+
+    positions_TK: Tensor
+    """[T, K] int64: for each copy of the call, the copies before it (in the whole set's token
+    order, then k order) that went to the same expert."""
+    num_tokens: int
+    """Tokens of the whole set: capacity is `ceil(factor x num_tokens x K / E)`."""
+
+
 def capacity_keep_mask(
     topk_idx_TK: Tensor,
     num_experts: int,
@@ -77,14 +97,23 @@ def keep_within_capacity(
     num_experts: int,
     capacity_factor: float | None,
     copies_per_expert_E: Tensor | None = None,
+    scope: CapacityScope | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The [T, K] keep mask of the copies within each expert's capacity (None when dropless)
-    and, when `copies_per_expert_E` (the [E] int64 histogram of `topk_idx_TK`) is given, the
-    kept copies per expert (else None): what `permute` would count."""
+    and, when `copies_per_expert_E` (the [E] int64 histogram of `topk_idx_TK`) is given or
+    capacity is counted over a `scope`, the kept copies per expert (else None): what
+    `permute` would count."""
     num_tokens, top_k = topk_idx_TK.shape
+    if scope is not None:
+        num_tokens = scope.num_tokens
     capacity = capacity_per_expert(capacity_factor, num_tokens, top_k, num_experts)
     if capacity is None:
         return None, copies_per_expert_E
-    keep_TK = capacity_keep_mask(topk_idx_TK, num_experts, capacity, copies_per_expert_E)
-    kept_E = None if copies_per_expert_E is None else copies_per_expert_E.clamp(max=capacity)
+    if scope is None:
+        keep_TK = capacity_keep_mask(topk_idx_TK, num_experts, capacity, copies_per_expert_E)
+        kept_E = None if copies_per_expert_E is None else copies_per_expert_E.clamp(max=capacity)
+        return keep_TK, kept_E
+    keep_TK = scope.positions_TK < capacity
+    kept_E = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx_TK.device)
+    kept_E.scatter_add_(0, topk_idx_TK.reshape(-1).to(torch.int64), keep_TK.reshape(-1).long())
     return keep_TK, kept_E

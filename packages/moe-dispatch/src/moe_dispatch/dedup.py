@@ -121,12 +121,14 @@ class DedupAllToAllDispatcher(ExpertsOverGroup):
 
     backend = "DedupAllToAllDispatcher"
 
-    def _kept_copies(
-        self, expert_TK: Tensor, copies_per_expert: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
+    def _kept_copies(self, expert_TK: Tensor, routing: Routing) -> tuple[Tensor, Tensor]:
         """[T, K] keep mask (capacity drops; all True when dropless), [E] kept copies."""
         keep_TK, kept_E = keep_within_capacity(
-            expert_TK, self.num_experts, self.capacity_factor, copies_per_expert
+            expert_TK,
+            self.num_experts,
+            self.capacity_factor,
+            routing.copies_per_expert,
+            routing.scope,
         )
         if keep_TK is None:
             keep_TK = torch.ones_like(expert_TK, dtype=torch.bool)
@@ -183,7 +185,7 @@ class DedupAllToAllDispatcher(ExpertsOverGroup):
         """Send each token once to each rank holding a kept copy; rows grouped by local
         expert on arrival (one row per copy)."""
         expert_TK = routing.topk_idx_TK.to(torch.int64)
-        keep_TK, kept_E = self._kept_copies(expert_TK, routing.copies_per_expert)
+        keep_TK, kept_E = self._kept_copies(expert_TK, routing)
         destinations = _destinations(expert_TK // self.num_local_experts, keep_TK, self.ep)
         send_splits, recv_splits, copies_L = self._exchange_counts(kept_E, destinations.rows_P)
         peer_S, token_S = _rows_to_send(destinations, sum(send_splits))

@@ -59,7 +59,11 @@ class LocalDispatcher(RoutedDispatcher):
     def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Permute token copies into expert order (T*K rows; dropped copies after the kept ones)."""
         keep_TK, kept_E = keep_within_capacity(
-            routing.topk_idx_TK, self.num_experts, self.capacity_factor, routing.copies_per_expert
+            routing.topk_idx_TK,
+            self.num_experts,
+            self.capacity_factor,
+            routing.copies_per_expert,
+            routing.scope,
         )
         expert_input_PD, permutation = permute(
             x_TD,

@@ -7,6 +7,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor
 
+from moe_dispatch.capacity import CapacityScope
+
 __all__ = [
     "BackendUnavailable",
     "DispatchHandle",
@@ -79,12 +81,15 @@ class Dispatcher(Protocol):
         topk_idx_TK: Tensor,
         topk_weight_TK: Tensor,
         copies_per_expert: Tensor | None = None,
+        capacity_scope: CapacityScope | None = None,
     ) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Send each token copy to its expert.
 
         ``copies_per_expert``: the [num_experts] int64 histogram of ``topk_idx_TK`` if the
         caller counted it (the router does), so that the backend need not count again; it must
-        match ``topk_idx_TK`` (not checked).
+        match ``topk_idx_TK`` (not checked). ``capacity_scope``: the tokens capacity counts,
+        when these are part of them (see ``moe_dispatch.capacity``); a dropless backend
+        ignores it.
 
         Returns ``(expert_input, tokens_per_expert, handle)``: ``expert_input`` rows grouped by
         local expert; ``tokens_per_expert`` [num_local_experts] int64 on the device, the rows
@@ -116,6 +121,8 @@ class Routing:
     topk_weight_TK: Tensor
     copies_per_expert: Tensor | None
     """The [num_experts] int64 histogram of ``topk_idx_TK``, if the caller counted it."""
+    scope: CapacityScope | None = None
+    """The tokens capacity counts, when this call holds part of them."""
 
     @property
     def num_tokens(self) -> int:
@@ -144,10 +151,18 @@ class RoutedDispatcher:
         topk_idx_TK: Tensor,
         topk_weight_TK: Tensor,
         copies_per_expert: Tensor | None = None,
+        capacity_scope: CapacityScope | None = None,
     ) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Send each token copy to its expert (see ``Dispatcher.dispatch``)."""
         check_routing(self.backend, topk_idx_TK, topk_weight_TK)
-        return self._dispatch(x_TD, Routing(topk_idx_TK, topk_weight_TK, copies_per_expert))
+        if capacity_scope is not None and capacity_scope.positions_TK.shape != topk_idx_TK.shape:
+            raise ValueError(
+                f"{self.backend}.dispatch: the capacity scope's positions must be "
+                f"{tuple(topk_idx_TK.shape)} like topk_idx, got "
+                f"{tuple(capacity_scope.positions_TK.shape)}"
+            )
+        routing = Routing(topk_idx_TK, topk_weight_TK, copies_per_expert, capacity_scope)
+        return self._dispatch(x_TD, routing)
 
     def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:
         """``dispatch`` of the backend, on a checked routing."""

@@ -306,8 +306,28 @@ class RowwiseDispatcher(RoutedDispatcher):
 
     def rows_per_expert(self, num_tokens: int, top_k: int) -> int:
         """Rows of each local expert's group in expert_input (static)."""
-        rows = self.ep * self.capacity(num_tokens, top_k)
-        return -(-rows // self.group_alignment) * self.group_alignment
+        return self._aligned_rows(self.capacity(num_tokens, top_k))
+
+    def _aligned_rows(self, capacity: int) -> int:
+        """Rows of each local expert's group for a `capacity` per source: aligned."""
+        return -(-self.ep * capacity // self.group_alignment) * self.group_alignment
+
+    def _slots(self, routing: Routing) -> tuple[int, Tensor]:
+        """The capacity of each source and expert, and each copy's place among its expert's
+        copies ([T * K] int64): those of this call, or of its capacity scope (whose tokens
+        then set the capacity, the buffers growing with them)."""
+        expert_of_copy_F = routing.topk_idx_TK.reshape(-1).to(torch.int64)
+        if routing.scope is None:
+            capacity = self.capacity(routing.num_tokens, routing.top_k)
+            position_F = position_in_expert(
+                expert_of_copy_F, self.num_experts, routing.copies_per_expert
+            )
+            return capacity, position_F
+        scope = routing.scope
+        capacity = capacity_per_expert(
+            self.capacity_factor, scope.num_tokens, routing.top_k, self.num_experts
+        )
+        return capacity, scope.positions_TK.reshape(-1)
 
     def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Write each kept copy into its slot of its expert's buffer on the owner rank."""
@@ -318,11 +338,10 @@ class RowwiseDispatcher(RoutedDispatcher):
                 f"{self.max_tokens_per_rank}"
             )
         num_experts, num_local = self.num_experts, self.num_local_experts
-        capacity = self.capacity(num_tokens, top_k)
+        capacity, position_F = self._slots(routing)
         device = x_TD.device
 
         expert_of_copy_F = routing.topk_idx_TK.reshape(-1).to(torch.int64)
-        position_F = position_in_expert(expert_of_copy_F, num_experts, routing.copies_per_expert)
         kept_F = position_F < capacity
         slot_of_copy_F = torch.where(kept_F, expert_of_copy_F * capacity + position_F, 0)
         # Each slot's copy; dropped copies go to a trash slot past the end, cut off after.
@@ -334,7 +353,7 @@ class RowwiseDispatcher(RoutedDispatcher):
             torch.where(kept_F, slot_of_copy_F, num_slots),
             torch.arange(num_copies, device=device),
         )
-        rows_per_expert = self.rows_per_expert(num_tokens, top_k)
+        rows_per_expert = self._aligned_rows(capacity)
         plan = _SlotPlan(
             slot_of_copy_F=slot_of_copy_F,
             kept_F=kept_F,
@@ -353,7 +372,11 @@ class RowwiseDispatcher(RoutedDispatcher):
             dropped_copies=num_copies - kept_F.sum(),
             num_copies=num_copies,
             kept_per_expert=_kept_per_expert(
-                expert_of_copy_F, kept_F, num_experts, capacity, routing.copies_per_expert
+                expert_of_copy_F,
+                kept_F,
+                num_experts,
+                capacity,
+                routing.copies_per_expert if routing.scope is None else None,
             ),
         )
         return expert_input_PD, tokens_per_expert_L, handle

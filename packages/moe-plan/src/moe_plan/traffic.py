@@ -19,7 +19,8 @@ gloo, which has no reduce-scatter, an all-reduce of the same bytes). On the last
 multi-token-prediction module gathers, per micro-batch, the token embeddings and the targets
 further along (`ContextShard.ahead`): one all-gather of the rank's embeddings (parameter
 dtype) and one of its int64 targets, and in the backward one reduce-scatter of the
-embeddings' gradients.
+embeddings' gradients. With a capacity, each MoE layer's forward gathers the rank's routing
+(int64 expert ids), so that capacity counts the copies of whole sequences.
 """
 
 from __future__ import annotations
@@ -76,6 +77,18 @@ def predict_traffic(
         _add_context_gathers(traffic, config, (layers + mtp_modules) * num_micro, rounds - 1)
     if parallel.cp > 1 and mtp_modules:
         _add_mtp_gathers(traffic, config, mtp_modules * num_micro)
+    if parallel.cp > 1 and model.moe.capacity_factor is not None and moe_layers:
+        # Capacity counts the whole sequences' copies: each MoE layer gathers the routing.
+        routing = data.micro_batch_size * data.seq_len // parallel.cp * model.moe.top_k
+        calls = moe_layers * num_micro * (rounds - 1)
+        shard = routing * INDEX_BYTES
+        traffic.add(
+            "cp routing all-gather",
+            calls * shard,
+            calls * shard * (parallel.cp - 1),
+            parallel.cp,
+            calls,
+        )
     if ep > 1 and moe_layers:
         exchange = _exchange_bytes(config)
         per_layer = exchange * (ep - 1) / ep

@@ -10,7 +10,12 @@ from moe_train.model.documents import Documents
 from moe_train.model.loss import head_lm_loss, head_token_logprobs, lm_loss
 from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput, local_dispatcher
 from moe_train.model.routing_stats import RoutingStats
-from moe_train.model.sequence_part import WHOLE_SEQUENCES, SequencePart, shift_ahead
+from moe_train.model.sequence_part import (
+    WHOLE_SEQUENCES,
+    SequencePart,
+    shift_ahead,
+    values_ahead,
+)
 from moe_train.model.training_choices import (
     EXPERT_GEMMS,
     LINEAR_PRECISIONS,
@@ -55,4 +60,5 @@ __all__ = [
     "local_dispatcher",
     "resolve_expert_gemm",
     "shift_ahead",
+    "values_ahead",
 ]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_dispatch import Dispatcher, make_dispatcher
+from moe_dispatch import CapacityScope, Dispatcher, make_dispatcher, position_in_expert
 from moe_kernels import fp8_rowwise_grouped_mm, grouped_mm, mxfp8_grouped_mm
 from moe_parallel import mark_expert_parameter
 from moe_plan.config import MoEConfig
@@ -343,6 +343,7 @@ class MoEFeedForward(nn.Module):
             routed.topk_idx_TK,
             routed.topk_weight_TK,
             routed.copies_per_expert,
+            self.capacity_scope(routed.topk_idx_TK, x_BSD.shape[0]),
         )
         expert_output = self.experts(expert_input, tokens_per_expert, handle.group_ends)
         # Left in the compute dtype, as a dense feed-forward under autocast returns it: the
@@ -368,6 +369,23 @@ class MoEFeedForward(nn.Module):
                 self.step_lb_loss += routed.lb_loss.detach().double()
                 self.step_z_loss += routed.z_loss.detach().double()
         return y_TD.view_as(x_BSD)
+
+    @torch.no_grad()
+    def capacity_scope(self, topk_idx_TK: Tensor, batch: int) -> CapacityScope | None:
+        """With a capacity and the sequences in parts (context parallelism), capacity counted
+        over the whole sequences as one process holding them counts it: each copy's place
+        among its expert's copies in their token order (one gather of the routing); else
+        None (the dispatcher counts this call's copies)."""
+        sequence = self.router.sequence
+        if self.config.capacity_factor is None or sequence.parts == 1:
+            return None
+        top_k = topk_idx_TK.shape[1]
+        whole_BSK = sequence.whole(topk_idx_TK.view(batch, -1, top_k).long())
+        position_F = position_in_expert(whole_BSK.reshape(-1), self.config.num_experts)
+        positions_BLK = sequence.held(position_F.view_as(whole_BSK))
+        return CapacityScope(
+            positions_BLK.reshape(-1, top_k), whole_BSK.shape[0] * whole_BSK.shape[1]
+        )
 
     @torch.no_grad()
     def reset_buffers(self) -> None:

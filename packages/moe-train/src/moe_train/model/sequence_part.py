@@ -4,7 +4,8 @@ A model built from its config holds whole sequences (`WHOLE_SEQUENCES`). A layou
 every sequence over processes (context parallelism, see `moe_train.parallelize`) gives the
 built model its own `SequencePart`: the positions the inputs hold, for the rotary tables, and
 the sum over the processes holding the other parts, for the routers' balancing statistics,
-and the values further along each sequence, for multi-token prediction.
+and the whole sequences of a value per position held, for multi-token prediction (which reads
+further along) and capacity (which counts the copies of whole sequences).
 
 B batch, L positions held, S positions of the whole sequence.
 """
@@ -38,10 +39,14 @@ class SequencePart(Protocol):
         positions held."""
         ...
 
-    def ahead(self, x_BL: Tensor, k: int, fill: float) -> Tensor:
-        """For each position held, the value `k` positions further along its whole sequence
-        ([B, L, ...] like `x_BL`, which holds a value per position held), `fill` where that
-        lies past the sequence's end; differentiable."""
+    def whole(self, x_BL: Tensor) -> Tensor:
+        """The whole sequences [B, S, ...] of a value per position held (`x_BL`), gathered
+        from the processes holding the other parts; differentiable (the gradient of each
+        value goes back to the process holding it)."""
+        ...
+
+    def held(self, x_BS: Tensor) -> Tensor:
+        """The positions held [B, L, ...] of whole sequences `x_BS`."""
         ...
 
 
@@ -59,8 +64,18 @@ class WholeSequences:
     def rows(self, table: Tensor, local_length: int) -> Tensor:
         return table[:local_length]  # a view: nothing new is kept for backward
 
-    def ahead(self, x_BL: Tensor, k: int, fill: float) -> Tensor:
-        return shift_ahead(x_BL, k, fill)
+    def whole(self, x_BL: Tensor) -> Tensor:
+        return x_BL
+
+    def held(self, x_BS: Tensor) -> Tensor:
+        return x_BS
+
+
+def values_ahead(part: SequencePart, x_BL: Tensor, k: int, fill: float) -> Tensor:
+    """For each position `part` holds, the value `k` positions further along its whole
+    sequence ([B, L, ...] like `x_BL`, a value per position held), `fill` where that lies past
+    the sequence's end; differentiable."""
+    return part.held(shift_ahead(part.whole(x_BL), k, fill))
 
 
 def shift_ahead(x_BS: Tensor, k: int, fill: float) -> Tensor:

@@ -18,7 +18,7 @@ from moe_train.model.loss import head_lm_loss
 from moe_train.model.moe import AttachAuxLoss, Experts, MoEFeedForward, SwiGLU
 from moe_train.model.mtp import MTPModule
 from moe_train.model.recompute import RecomputeMode, run_with_recompute
-from moe_train.model.sequence_part import WHOLE_SEQUENCES, SequencePart
+from moe_train.model.sequence_part import WHOLE_SEQUENCES, SequencePart, values_ahead
 
 
 class KVCache:
@@ -265,7 +265,7 @@ class Transformer(nn.Module):
         forwards into `step_mtp_loss` (`take_mtp_loss`).
 
         Module k runs on every position held, reading the embedding and the target k
-        positions further along (`SequencePart.ahead`, which crosses to the rank holding them
+        positions further along (`values_ahead`, which crosses to the rank holding them
         under context parallelism); the last k positions of each sequence have none, and
         their targets are ignored. Each module's loss is its sum over this part's targets
         divided by the whole batch's (B x (S - k)), so the parts of a sequence add up to
@@ -281,8 +281,8 @@ class Transformer(nn.Module):
         cos, sin = self.sequence.rows(cos, held), self.sequence.rows(sin, held)
         losses, h_BSD = [], hidden_BSD
         for k, module in enumerate(self.mtp.values(), start=1):
-            h_BSD = module(h_BSD, self.sequence.ahead(embedded_BSD, k, 0.0), cos, sin)
-            targets_k_BS = self.sequence.ahead(targets_BS, k, IGNORE_INDEX)
+            h_BSD = module(h_BSD, values_ahead(self.sequence, embedded_BSD, k, 0.0), cos, sin)
+            targets_k_BS = values_ahead(self.sequence, targets_BS, k, IGNORE_INDEX)
             normalizer = torch.tensor(batch * (whole - k), dtype=torch.float32)
             losses.append(
                 head_lm_loss(

@@ -6,9 +6,10 @@ chunk, D channels per head.
 A sequence of S positions is cut into 2 x cp chunks of C = S / (2 cp); rank r holds chunks r
 and 2 cp - 1 - r (the head-tail split), so that under a causal mask every rank attends over
 the same number of query-key pairs. Everything but attention runs on the rank's 2 C tokens;
-RoPE uses their global positions; multi-token prediction reads the tokens and embeddings
-further along from the rank holding them (`ContextShard.ahead`, an all-gather of the whole
-sequence's values, whose backward sums the gradients back to the rank holding each).
+RoPE uses their global positions. Multi-token prediction, which reads the embeddings and
+targets further along, and capacity, which keeps the copies one process holding whole
+sequences would keep, gather what they need of the whole sequences (`ContextShard.whole`, an
+all-gather whose backward sums each gradient back to the rank holding the value).
 
 Attention gathers the keys and values of every rank (one all-gather per layer, the Llama 3
 recipe; its backward is a reduce-scatter of their gradients) and runs, for each local query
@@ -35,7 +36,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from moe_parallel import Layout
-from moe_train.model import Documents, shift_ahead
+from moe_train.model import Documents
 
 
 @dataclass(frozen=True)
@@ -83,14 +84,16 @@ class ContextShard:
         """The rows of a per-position `table` for this rank's `local_length` positions."""
         return table[self.positions(local_length, table.device)]
 
-    def ahead(self, x_BL: Tensor, k: int, fill: float) -> Tensor:
-        """For each position this rank holds, the value `k` positions further along the whole
-        sequence, gathered from the rank holding it (`SequencePart.ahead`); `x_BL` holds a
-        value per local position ([B, 2 C, ...])."""
+    def whole(self, x_BL: Tensor) -> Tensor:
+        """The whole sequences [B, S, ...] of a value per local position ([B, 2 C, ...]),
+        gathered from the group's ranks (`SequencePart.whole`)."""
         x_B1LX = x_BL.reshape(*x_BL.shape[:2], -1).unsqueeze(1)  # one "head", values flat
         whole_BS = gather_sequence(x_B1LX, self).squeeze(1)
-        ahead_BS = shift_ahead(whole_BS, k, fill)
-        return self.local(ahead_BS).reshape(x_BL.shape)
+        return whole_BS.reshape(whole_BS.shape[0], -1, *x_BL.shape[2:])
+
+    def held(self, x_BS: Tensor) -> Tensor:
+        """This rank's positions of whole sequences (`SequencePart.held`)."""
+        return self.local(x_BS)
 
     def positions(self, local_length: int, device: torch.device | None = None) -> Tensor:
         """The global positions of this rank's `local_length` positions (int64)."""
