@@ -204,6 +204,13 @@ def test_the_card_shows_each_cell_ran_and_why_one_did_not_pass(tmp_path):
     assert "Ran on commit `abc` with uncommitted changes: 2 of 4 cells" in text
     assert "| plain | ok 3e-06 | · |" in text and "| muon | · | refused |" in text
     assert "- muon on cp2 (refused): no muon here" in text
+    low = {"feature": "bf16_distopt", "layout": "dp2", "status": "ok", "params": 1e-2}
+    low |= {"metrics": {"loss": 3e-4, "grad_norm": 5e-4}, "rtol": 2e-3, "params_rtol": 5e-2}
+    fp32 = {**ok, "layout": "ep2", "metrics": {"loss": 5e-8, "grad_norm": 1e-7}, "params": 2e-6}
+    fp32 |= {"rtol": 1e-5, "params_rtol": 1e-5}
+    table = card({**document, "cells": [*document["cells"], low, fp32]}, ["plain"], ["dp2"])
+    assert "| fp32 features | 2 | 5.0e-08 | 1.0e-07 | 3.0e-06 | 1e-05 / 1e-05 |" in table
+    assert "| bf16_distopt | 1 | 3.0e-04 | 5.0e-04 | 1.0e-02 | 2e-03 / 5e-02 |" in table
     assert (
         cell_mark({"status": "fail", "metrics": {"loss": 1.0}, "params": None}) == "**FAIL** 1e+00"
     )
