@@ -175,27 +175,27 @@ LAYOUTS: dict[str, Layout] = {
 
 CI_CELLS: tuple[tuple[str, str], ...] = (
     ("plain", "dp2"),
-    ("plain", "pp2_dp2_ep2"),
     ("aux_free", "ep2"),
     ("lb_global", "dp2_ep2"),
-    ("z_loss", "cp2"),
-    ("shared_experts", "pp2_ep2"),
-    ("capacity", "ep4"),
-    ("mtp", "pp2"),
-    ("document_masking", "cp2_ep2"),
+    ("z_loss", "pp2_ep2"),
+    ("shared_experts", "pp2_dp2_ep2"),
+    ("capacity", "cp2"),
+    ("mtp", "cp2_pp2"),
+    ("document_masking", "cp2"),
     ("label_mask", "pp2_interleaved"),
     ("muon", "dp2_distopt"),
-    ("recompute_selective", "cp2_pp2"),
+    ("recompute_selective", "pp2"),
     ("recompute_full", "pp2_interleaved"),
     ("node_limited", "ep4"),
     ("bf16_distopt", "dp2_ep2"),
     ("fp8_rowwise", "ep2"),
-    ("dispatch_rowwise", "ep2"),
+    ("dispatch_rowwise", "cp2_ep2"),
     ("dispatch_dedup", "dp2_ep2"),
 )
-"""The fixed subset CI runs: every feature and every layout at least once, each feature on a
-layout where it does something (the dispatchers, node-limited routing and capacity where
-experts are split over ranks, MTP and label masks under a pipeline)."""
+"""The fixed subset CI runs: every feature once and every layout at least once, each feature
+on a layout where it does something (the dispatchers, node-limited routing and capacity
+where experts are split over ranks or capacity counts the copies of sequences split over
+ranks, MTP under context and pipeline parallelism, label masks under a pipeline)."""
 
 STEPS = 4
 """Optimizer steps of a cell by default (the first checks the forward, the later ones the
