@@ -71,24 +71,9 @@ def predict_traffic(
     # Forward: dispatch and combine (or the K/V gathers); backward: their gradients;
     # recompute reruns the forward's exchanges.
     rounds = 3 if parallel.recompute != "none" else 2
-    mtp_modules = model.mtp_depth if pp_rank == parallel.pp - 1 else 0  # on the last stage
-    if parallel.cp > 1 and layers + mtp_modules:
-        # Each MTP module's block attends over the whole sequence too.
-        _add_context_gathers(traffic, config, (layers + mtp_modules) * num_micro, rounds - 1)
-    if parallel.cp > 1 and mtp_modules:
-        _add_mtp_gathers(traffic, config, mtp_modules * num_micro)
-    if parallel.cp > 1 and model.moe.capacity_factor is not None and moe_layers:
-        # Capacity counts the whole sequences' copies: each MoE layer gathers the routing.
-        routing = data.micro_batch_size * data.seq_len // parallel.cp * model.moe.top_k
-        calls = moe_layers * num_micro * (rounds - 1)
-        shard = routing * INDEX_BYTES
-        traffic.add(
-            "cp routing all-gather",
-            calls * shard,
-            calls * shard * (parallel.cp - 1),
-            parallel.cp,
-            calls,
-        )
+    if parallel.cp > 1:
+        last = pp_rank == parallel.pp - 1
+        _add_context_traffic(traffic, config, (layers, moe_layers), last, num_micro, rounds - 1)
     if ep > 1 and moe_layers:
         exchange = _exchange_bytes(config)
         per_layer = exchange * (ep - 1) / ep
@@ -120,6 +105,34 @@ def predict_traffic(
         calls = (sends + receives) * num_micro
         traffic.add("pipeline", per_micro * num_micro, per_micro * num_micro, 2, calls)
     return traffic
+
+
+def _add_context_traffic(
+    traffic: Traffic,
+    config: Config,
+    layers: tuple[int, int],
+    last: bool,
+    num_micro: int,
+    forwards: int,
+) -> None:
+    """What context parallelism exchanges on a rank of `layers` (attention layers, of which
+    MoE layers) and, on the `last` stage, the MTP modules, over `num_micro` micro-batches
+    whose layer forwards run `forwards` times (recompute reruns them)."""
+    model, cp = config.model, config.parallel.cp
+    attention_layers, moe_layers = layers
+    mtp_modules = model.mtp_depth if last else 0
+    if attention_layers + mtp_modules:
+        # Each MTP module's block attends over the whole sequence too.
+        passes = (attention_layers + mtp_modules) * num_micro
+        _add_context_gathers(traffic, config, passes, forwards)
+    if mtp_modules:
+        _add_mtp_gathers(traffic, config, mtp_modules * num_micro)
+    if model.moe.capacity_factor is not None and moe_layers:
+        # Capacity counts the whole sequences' copies: each MoE layer gathers the routing.
+        routing = config.data.micro_batch_size * config.data.seq_len // cp * model.moe.top_k
+        calls = moe_layers * num_micro * forwards
+        shard = routing * INDEX_BYTES
+        traffic.add("cp routing all-gather", calls * shard, calls * shard * (cp - 1), cp, calls)
 
 
 def _add_context_gathers(traffic: Traffic, config: Config, passes: int, forwards: int) -> None:
