@@ -264,7 +264,11 @@ def copies_received(problem: Problem, rank: int, num_local: int, alignment: int 
 
 
 def run_reference_problem(
-    dispatcher: Dispatcher, problem: Problem, rank: int, poison_unused_rows: bool = True
+    dispatcher: Dispatcher,
+    problem: Problem,
+    rank: int,
+    poison_unused_rows: bool = True,
+    capacity_scope: CapacityScope | None = None,
 ) -> Run:
     """``run_moe`` on this rank's tokens and experts of ``problem``."""
     rows = problem.rows(rank)
@@ -277,6 +281,7 @@ def run_reference_problem(
         problem.w_experts_EDH[rank * num_local : (rank + 1) * num_local],
         problem.grad_out_NH[rows],
         poison_unused_rows=poison_unused_rows,
+        capacity_scope=capacity_scope,
     )
 
 
@@ -375,18 +380,8 @@ def record_scoped_runs(report: Report, rank: int, world_size: int) -> None:
             "rowwise", num_experts=NUM_EXPERTS, group=group, capacity_factor=SCOPE_CAPACITY
         ),
     }
-    num_local = NUM_EXPERTS // world_size
     for name, dispatcher in dispatchers.items():
-        run = run_moe(
-            dispatcher,
-            problem.x_ND[rows],
-            problem.topk_idx_NK[rows],
-            problem.topk_weight_NK[rows],
-            problem.w_experts_EDH[rank * num_local : (rank + 1) * num_local],
-            problem.grad_out_NH[rows],
-            poison_unused_rows=True,
-            capacity_scope=scope,
-        )
+        run = run_reference_problem(dispatcher, problem, rank, capacity_scope=scope)
         kept = torch.tensor((rows.stop - rows.start) * TOP_K - run.dropped_copies)
         dist.all_reduce(kept)
         expected_kept = num_tokens * TOP_K - reference.dropped_copies

@@ -19,7 +19,6 @@ from torch import Tensor
 from moe_dispatch.capacity import (
     capacity_per_expert,
     check_capacity_factor,
-    keep_within_capacity,
 )
 from moe_dispatch.protocol import (
     DispatchHandle,
@@ -106,13 +105,7 @@ class AllToAllDispatcher(ExpertsOverGroup):
     def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Send each kept copy to its expert's rank; rows grouped by local expert."""
         ep, num_local = self.ep, self.num_local_experts
-        keep_TK, kept_E = keep_within_capacity(
-            routing.topk_idx_TK,
-            self.num_experts,
-            self.capacity_factor,
-            routing.copies_per_expert,
-            routing.scope,
-        )
+        keep_TK, kept_E = routing.keep(self.num_experts, self.capacity_factor)
         x_sorted_FD, send_permutation = permute(
             x_TD, routing.topk_idx_TK, self.num_experts, keep_TK, tokens_per_expert_E=kept_E
         )

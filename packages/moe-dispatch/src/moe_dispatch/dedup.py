@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_dispatch.all_to_all import ExpertsOverGroup
-from moe_dispatch.capacity import keep_within_capacity
 from moe_dispatch.protocol import DispatchHandle, Routing, check_expert_output, state_of
 from moe_dispatch.transport_a2a import exchange_rows
 from moe_kernels import Permutation, permute, unpermute
@@ -123,13 +122,7 @@ class DedupAllToAllDispatcher(ExpertsOverGroup):
 
     def _kept_copies(self, expert_TK: Tensor, routing: Routing) -> tuple[Tensor, Tensor]:
         """[T, K] keep mask (capacity drops; all True when dropless), [E] kept copies."""
-        keep_TK, kept_E = keep_within_capacity(
-            expert_TK,
-            self.num_experts,
-            self.capacity_factor,
-            routing.copies_per_expert,
-            routing.scope,
-        )
+        keep_TK, kept_E = routing.keep(self.num_experts, self.capacity_factor)
         if keep_TK is None:
             keep_TK = torch.ones_like(expert_TK, dtype=torch.bool)
         if kept_E is None:

@@ -10,7 +10,6 @@ from moe_dispatch.capacity import (
     capacity_keep_mask,
     capacity_per_expert,
     check_capacity_factor,
-    keep_within_capacity,
 )
 from moe_dispatch.protocol import DispatchHandle, RoutedDispatcher, Routing, state_of
 from moe_kernels import Permutation, permute, unpermute
@@ -58,13 +57,7 @@ class LocalDispatcher(RoutedDispatcher):
 
     def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Permute token copies into expert order (T*K rows; dropped copies after the kept ones)."""
-        keep_TK, kept_E = keep_within_capacity(
-            routing.topk_idx_TK,
-            self.num_experts,
-            self.capacity_factor,
-            routing.copies_per_expert,
-            routing.scope,
-        )
+        keep_TK, kept_E = routing.keep(self.num_experts, self.capacity_factor)
         expert_input_PD, permutation = permute(
             x_TD,
             routing.topk_idx_TK,

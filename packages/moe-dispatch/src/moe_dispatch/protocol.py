@@ -7,7 +7,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor
 
-from moe_dispatch.capacity import CapacityScope
+from moe_dispatch.capacity import CapacityScope, keep_within_capacity
 
 __all__ = [
     "BackendUnavailable",
@@ -123,6 +123,15 @@ class Routing:
     """The [num_experts] int64 histogram of ``topk_idx_TK``, if the caller counted it."""
     scope: CapacityScope | None = None
     """The tokens capacity counts, when this call holds part of them."""
+
+    def keep(
+        self, num_experts: int, capacity_factor: float | None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The copies within capacity and the kept copies per expert
+        (`moe_dispatch.capacity.keep_within_capacity`, over the scope if there is one)."""
+        return keep_within_capacity(
+            self.topk_idx_TK, num_experts, capacity_factor, self.copies_per_expert, self.scope
+        )
 
     @property
     def num_tokens(self) -> int:

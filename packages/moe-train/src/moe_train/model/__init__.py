@@ -10,12 +10,7 @@ from moe_train.model.documents import Documents
 from moe_train.model.loss import head_lm_loss, head_token_logprobs, lm_loss
 from moe_train.model.moe import ExpertGemm, MoEFeedForward, Router, RouterOutput, local_dispatcher
 from moe_train.model.routing_stats import RoutingStats
-from moe_train.model.sequence_part import (
-    WHOLE_SEQUENCES,
-    SequencePart,
-    shift_ahead,
-    values_ahead,
-)
+from moe_train.model.sequence_part import WHOLE_SEQUENCES, SequencePart, shift_ahead, values_ahead
 from moe_train.model.training_choices import (
     EXPERT_GEMMS,
     LINEAR_PRECISIONS,
