@@ -283,14 +283,12 @@ class Transformer(nn.Module):
         for k, module in enumerate(self.mtp.values(), start=1):
             h_BSD = module(h_BSD, values_ahead(self.sequence, embedded_BSD, k, 0.0), cos, sin)
             targets_k_BS = values_ahead(self.sequence, targets_BS, k, IGNORE_INDEX)
-            normalizer = torch.tensor(batch * (whole - k), dtype=torch.float32)
+            # The targets of the whole batch, made on the device (no copy from the host).
+            normalizer = torch.full(
+                (), batch * (whole - k), dtype=torch.float32, device=h_BSD.device
+            )
             losses.append(
-                head_lm_loss(
-                    module.norm(h_BSD),
-                    self.head.weight,
-                    targets_k_BS,
-                    normalizer.to(hidden_BSD.device),
-                )
+                head_lm_loss(module.norm(h_BSD), self.head.weight, targets_k_BS, normalizer)
             )
         mtp_loss = torch.stack(losses).mean()
         self.last_mtp_loss = mtp_loss.detach()
