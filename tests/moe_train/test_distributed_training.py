@@ -219,3 +219,48 @@ def test_tiny_config_expert_parallel(tmp_path, tiny_reference, world_size):
     for dispatcher, losses in per_rank[0].items():
         assert all(r[dispatcher] == losses for r in per_rank), f"{dispatcher}: ranks disagree"
         assert_losses_match(dispatcher, losses, tiny_reference)
+
+
+RECORD_GROUPS = """
+import gc, sys, weakref
+import torch.distributed as dist
+from moe_train.cli import main
+
+made = []
+new_group = dist.new_group
+
+
+def recording(*args, **kwargs):
+    group = new_group(*args, **kwargs)
+    if isinstance(group, dist.ProcessGroup):  # not the marker of a rank outside the group
+        made.append(weakref.ref(group))
+    return group
+
+
+dist.new_group = recording
+gc.disable()  # only what the command frees itself counts
+code = main(sys.argv[1:])
+print(f"groups made {len(made)}, alive {sum(ref() is not None for ref in made)}")
+sys.exit(code)
+"""
+"""A wrapper of `moe-train` that says how many process groups the run made and how many are
+still alive when the command returns (the cyclic garbage collector off)."""
+
+
+def test_a_finished_rank_frees_its_process_groups_before_the_interpreter_exits(
+    token_file, tmp_path
+):
+    """pp2 x ep2 under torchrun: when `moe-train train` returns on a rank, every process group
+    its layout made is freed (the model and trainer that hold them, in reference cycles,
+    collected), so no gloo group is torn down during interpreter exit, where a rank that
+    trained to the end could abort."""
+    config_path = tmp_path / "config.yaml"
+    save_config(config_path, _config_data(token_file, tmp_path / "run", pp=2, ep=2))
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(RECORD_GROUPS)
+    result = run_torchrun(4, "train", str(config_path), entry=[str(wrapper)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = [line for line in result.stdout.splitlines() if line.startswith("groups made")]
+    assert len(counts) == 4, result.stdout
+    made = {int(line.split()[2].rstrip(",")) for line in counts}
+    assert min(made) > 0 and all(line.endswith("alive 0") for line in counts), counts

@@ -39,7 +39,7 @@ from torch.distributed import ProcessGroup
 from moe_parallel.expert_params import is_expert_parameter
 from moe_parallel.flat_shards import ShardedBucket
 from moe_parallel.grad_norm import scale_to_norm_, squared_norm
-from moe_parallel.grad_sync import DEFAULT_BUCKET_BYTES, _runs
+from moe_parallel.grad_sync import DEFAULT_BUCKET_BYTES, _runs, weak_grad_hook
 from moe_parallel.layout import Layout
 from moe_parallel.optimizer_state import StatePiece, StateRequest, fill_from_read
 
@@ -118,7 +118,7 @@ class DistributedAdamW:
         self._next_launch = 0
         for bucket in buckets:
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad_ready))
 
     def _make_buckets(
         self, group: ProcessGroup | None, named: list[tuple[str, nn.Parameter]]

@@ -21,7 +21,8 @@ path above (their `.grad` a view into the bucket; no bucket without a collective
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -156,7 +157,9 @@ class GradientReducer:
         for bucket in self._buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(
-                    self._on_fp32_grad if bucket.fp32_accumulation else self._on_grad_ready
+                    weak_grad_hook(
+                        self._on_fp32_grad if bucket.fp32_accumulation else self._on_grad_ready
+                    )
                 )
 
     def arm(self) -> None:
@@ -269,3 +272,20 @@ def _runs(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Paramet
         runs[-1].append(p)
         size += nbytes
     return runs
+
+
+def weak_grad_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
+    """A post-accumulate-grad hook that calls the bound `method` while its object lives.
+
+    The hook holds the object weakly: parameter -> hook -> object -> parameter would be a
+    reference cycle that Python's collector cannot see through (it does not follow a tensor's
+    hooks), so the object, and the process groups it holds, would live until the interpreter
+    exits, where tearing down a gloo group can abort a rank that trained to the end."""
+    method_ref = weakref.WeakMethod(method)
+
+    def hook(param: nn.Parameter) -> None:
+        bound = method_ref()
+        if bound is not None:
+            bound(param)
+
+    return hook

@@ -1,10 +1,18 @@
 """`moe-train train CONFIG.yaml [--nproc-per-node N] [--section.key=value ...]`."""
 
+from __future__ import annotations
+
 import argparse
+import gc
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moe_train.cli.command import Command
+
+if TYPE_CHECKING:
+    from moe_plan.config import Config
+    from moe_train.train import TrainResult
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +30,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _handle(args: argparse.Namespace) -> int:
     """Train (with --nproc-per-node: start the ranks that train); exit 0 when the run reached
     train.max_steps (now or before), PREEMPTED_EXIT when a signal stopped it early."""
-    from moe_data import PREEMPTED_EXIT
     from moe_plan.config import load_config
     from moe_train.errors import MoeTrainError, on_every_rank
     from moe_train.signals import StopRequests
@@ -47,6 +54,20 @@ def _handle(args: argparse.Namespace) -> int:
             tell_launcher(e)
             leave_report_to_rank_0(e, stops)
             raise
+    code = _report(config, result)
+    # The run's model and trainer hold the process groups (dispatchers, sequence parts,
+    # pipeline stages), partly in reference cycles. Free them now: left to the interpreter's
+    # exit, a gloo group's threads are torn down with the interpreter half gone, and a rank
+    # that trained to the end can abort (SIGABRT) and fail the launch.
+    del result
+    gc.collect()
+    return code
+
+
+def _report(config: Config, result: TrainResult) -> int:
+    """Say how the run ended (on the first rank); the exit code."""
+    from moe_data import PREEMPTED_EXIT
+
     if not result.is_main:
         return PREEMPTED_EXIT if result.stopped_by else 0
     steps = config.train.max_steps
