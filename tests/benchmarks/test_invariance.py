@@ -320,6 +320,6 @@ def test_the_ci_subset_passes_with_the_real_trainer(tmp_path, capsys):
     assert [(c["feature"], c["layout"]) for c in cells] == list(CI_CELLS)
     not_ok = [(c["feature"], c["layout"], c["reason"]) for c in cells if c["status"] != "ok"]
     assert (code, not_ok) == (0, [])
-    assert all(c["metrics"]["eval_loss"] is not None and c["params"] for c in cells)
+    assert all(c["metrics"]["eval_loss"] is not None and c["params"] is not None for c in cells)
     assert any(c["metrics"]["mtp_loss"] is not None for c in cells)
     assert "plain    dp2" in capsys.readouterr().out
