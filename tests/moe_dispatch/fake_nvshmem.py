@@ -3,7 +3,8 @@
 
 ``install()`` puts it in ``sys.modules`` in a process of a gloo group whose world is the
 NVSHMEM job (PE = rank). It follows nvshmem4py 0.4.1 as read in the ``nvshmem4py-cu13`` 0.4.1
-wheel, with the same signatures and the checks that decide whether a call is valid:
+wheel, with the same signatures (test_fakes_match_the_libraries.py compares them with the
+installed package's) and the checks that decide whether a call is valid:
 
 - ``get_unique_id(empty=False)``; ``init(device=None, uid=None, rank=None, nranks=None,
   mpi_comm=None, initializer_method="")``: "uid" needs uid, rank and nranks and no mpi_comm
@@ -318,11 +319,11 @@ def barrier(team: int, stream: Any = None) -> None:
     dist.barrier()
 
 
-def install() -> None:
-    """Make ``import nvshmem.core`` and ``import cuda.core`` find the fake (this process)."""
-    nvshmem = types.ModuleType("nvshmem")
-    core = types.ModuleType("nvshmem.core")
-    for name in (
+FOLLOWS_VERSION = "0.4.1"
+"""The nvshmem4py (``nvshmem4py-cu13``) this fake follows, the version the dev group pins."""
+
+MODULES = {
+    "nvshmem.core": (
         "NvshmemError",
         "NvshmemInvalid",
         "Teams",
@@ -332,12 +333,21 @@ def install() -> None:
         "init",
         "put",
         "tensor",
-    ):
-        setattr(core, name, globals()[name])
-    nvshmem.core = core  # type: ignore[attr-defined]
+    ),
+    "cuda.core": ("Buffer", "Device"),
+}
+"""What the fake puts in each module: the names of this file it exports there."""
+
+
+def install() -> None:
+    """Make ``import nvshmem.core`` and ``import cuda.core`` find the fake (this process)."""
+    nvshmem = types.ModuleType("nvshmem")
+    core = types.ModuleType("nvshmem.core")
     cuda_core = types.ModuleType("cuda.core")
-    cuda_core.Buffer = Buffer  # type: ignore[attr-defined]
-    cuda_core.Device = Device  # type: ignore[attr-defined]
+    for module, names in zip((core, cuda_core), MODULES.values(), strict=True):
+        for name in names:
+            setattr(module, name, globals()[name])
+    nvshmem.core = core  # type: ignore[attr-defined]
     sys.modules.update({"nvshmem": nvshmem, "nvshmem.core": core, "cuda.core": cuda_core})
     if "cuda" not in sys.modules:
         try:

@@ -47,7 +47,9 @@ against nvshmem4py 0.4.1's source (the ``nvshmem4py-cu13`` 0.4.1 wheel):
 - ``cuda.core.Device(device_id)`` (cuda-core, a dependency of nvshmem4py), as ``init``'s device.
 
 The CPU tests run this module's exact calls against a fake ``nvshmem.core``
-(``tests/moe_dispatch/fake_nvshmem.py``) that checks those signatures.
+(``tests/moe_dispatch/fake_nvshmem.py``) that checks those signatures, and check every name and
+call here, and the fake's parameters, against the installed nvshmem4py and cuda-core
+(``tests/moe_dispatch/test_fakes_match_the_libraries.py``; nvshmem4py imports without a GPU).
 """
 
 from __future__ import annotations
