@@ -110,6 +110,13 @@ def test_resolved_config_round_trips(tmp_path):
         ({"optim": {"betas": [0.9]}}, "optim.betas=[0.9] must be two numbers in [0, 1)"),
         ({"train": {"max_steps": 0}}, "train.max_steps=0 must be positive"),
         (
+            {"train": {"max_steps": 5, "profile": [2, 6]}},
+            "train.profile=[2, 6]: steps to trace must be whole numbers from 1 to "
+            "train.max_steps=5; 6 is not",
+        ),
+        ({"train": {"profile": [0]}}, "0 is not"),
+        ({"train": {"profile": ["x"]}}, "train.profile"),
+        (
             {"model": {"moe": {"capacity_factor": -1}}},
             "model.moe.capacity_factor=-1.0 must be positive",
         ),

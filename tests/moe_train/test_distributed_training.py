@@ -1,6 +1,8 @@
 """Data-parallel and expert-parallel training reproduce the single-process losses."""
 
+import json
 import re
+from collections import Counter
 
 import pytest
 
@@ -194,20 +196,52 @@ sys.exit(code)
 still alive when the command returns (the cyclic garbage collector off)."""
 
 
+TRACED_STEP = 2
+
+
+@pytest.fixture(scope="module")
+def finished_pp2_ep2_run(shared_token_file, tmp_path_factory):
+    """pp2 x ep2 under torchrun (4 ranks), through `RECORD_GROUPS`, tracing step
+    `TRACED_STEP`: (the finished command, its run directory)."""
+    folder = tmp_path_factory.mktemp("pp2_ep2")
+    config_path = folder / "config.yaml"
+    data = _config_data(shared_token_file, folder / "run", pp=2, ep=2)
+    data["train"]["profile"] = [TRACED_STEP]
+    save_config(config_path, data)
+    wrapper = folder / "wrapper.py"
+    wrapper.write_text(RECORD_GROUPS)
+    result = run_torchrun(4, "train", str(config_path), entry=[str(wrapper)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, folder / "run"
+
+
 def test_a_finished_rank_frees_its_process_groups_before_the_interpreter_exits(
-    token_file, tmp_path
+    finished_pp2_ep2_run,
 ):
     """pp2 x ep2 under torchrun: when `moe-train train` returns on a rank, every process group
     its layout made is freed (the model and trainer that hold them, in reference cycles,
     collected), so no gloo group is torn down during interpreter exit, where a rank that
     trained to the end could abort."""
-    config_path = tmp_path / "config.yaml"
-    save_config(config_path, _config_data(token_file, tmp_path / "run", pp=2, ep=2))
-    wrapper = tmp_path / "wrapper.py"
-    wrapper.write_text(RECORD_GROUPS)
-    result = run_torchrun(4, "train", str(config_path), entry=[str(wrapper)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    result, _ = finished_pp2_ep2_run
     counts = [line for line in result.stdout.splitlines() if line.startswith("groups made")]
     assert len(counts) == 4, result.stdout
     made = {int(line.split()[2].rstrip(",")) for line in counts}
     assert min(made) > 0 and all(line.endswith("alive 0") for line in counts), counts
+
+
+def test_each_rank_traces_the_steps_of_train_profile_with_the_moe_ranges(finished_pp2_ep2_run):
+    """train.profile: every rank writes a Chrome trace of the traced step alone, with the
+    named ranges of each MoE layer it runs (one per layer and micro-batch)."""
+    _, run_dir = finished_pp2_ep2_run
+    traces = sorted(p.name for p in (run_dir / "profile").iterdir())
+    assert traces == [f"step_{TRACED_STEP:08d}_rank_{rank}.json" for rank in range(4)]
+    # 8 sequences a step in micro-batches of 2, over 2 data-parallel ranks; each pipeline
+    # stage holds one of the 2 MoE layers
+    micro_batches = 8 // 2 // 2
+    for name in traces:
+        events = json.loads((run_dir / "profile" / name).read_text())["traceEvents"]
+        ranges = Counter(e["name"] for e in events if e.get("name", "").startswith("moe."))
+        assert ranges == {
+            part: micro_batches
+            for part in ("moe.route", "moe.dispatch", "moe.experts", "moe.combine")
+        }, name

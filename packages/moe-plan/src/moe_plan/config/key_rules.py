@@ -76,6 +76,7 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("train.tensorboard", RECORDS),
     KeyRule("train.wandb_project", RECORDS),
     KeyRule("train.routing_check", RECORDS),
+    KeyRule("train.profile", RECORDS),
     KeyRule("checkpoint.", RECORDS),
     KeyRule("eval.", RECORDS),
 )

@@ -184,9 +184,20 @@ class TrainConfig:
     moestack-train[wandb]; WANDB_MODE=offline keeps the run in RUN_DIR/wandb for `wandb sync`)."""
     routing_check: RoutingCheckConfig = field(default_factory=RoutingCheckConfig)
     """The balance-versus-load check on the logged steps' routing."""
+    profile: list[int] = field(default_factory=list)
+    """Steps to trace with the torch profiler (step N is the N-th optimizer step): each rank
+    writes RUN_DIR/profile/step_NNNNNNNN_rank_R.json, a Chrome trace with named ranges around
+    each MoE layer's routing, dispatch, experts, shared experts and combine (NVTX ranges too
+    on GPUs); see docs/speed.md for how to read one. Empty: nothing is traced."""
 
     def validate(self, path: str) -> None:
         _positive(self, path, "max_steps", "log_interval")
+        bad = [s for s in self.profile if not isinstance(s, int) or not 1 <= s <= self.max_steps]
+        if bad:
+            raise ConfigError(
+                f"{path}.profile={self.profile}: steps to trace must be whole numbers from 1 to "
+                f"{path}.max_steps={self.max_steps}; {bad[0]!r} is not"
+            )
         _non_negative(self, path, "max_skipped_steps")
         self.routing_check.validate(f"{path}.routing_check")
         if self.seed < 0:

@@ -18,6 +18,7 @@ from moe_kernels import fp8_rowwise_grouped_mm, grouped_mm, mxfp8_grouped_mm
 from moe_parallel import mark_expert_parameter
 from moe_plan.config import MoEConfig
 from moe_train.model.fused import swiglu
+from moe_train.model.ranges import traced
 from moe_train.model.recompute import recording_side_effects
 from moe_train.model.routing_stats import RoutingStats
 from moe_train.model.sequence_part import WHOLE_SEQUENCES, SequencePart
@@ -336,23 +337,29 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x_BSD: Tensor) -> Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        routed = self.router(x_TD, num_sequences=x_BSD.shape[0])
-        # Tokens travel in the compute dtype: half the bytes to permute and exchange.
-        expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(
-            x_TD.to(compute_dtype_of(x_TD)),
-            routed.topk_idx_TK,
-            routed.topk_weight_TK,
-            routed.copies_per_expert,
-            self.capacity_scope(routed.topk_idx_TK, x_BSD.shape[0]),
-        )
-        expert_output = self.experts(expert_input, tokens_per_expert, handle.group_ends)
-        # Left in the compute dtype, as a dense feed-forward under autocast returns it: the
-        # residual add promotes it, so a separate cast pass (and its backward) is saved.
-        y_TD = self.dispatcher.combine(expert_output, handle)
+        device = x_TD.device
+        with traced("moe.route", device):
+            routed = self.router(x_TD, num_sequences=x_BSD.shape[0])
+        with traced("moe.dispatch", device):
+            # Tokens travel in the compute dtype: half the bytes to permute and exchange.
+            expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(
+                x_TD.to(compute_dtype_of(x_TD)),
+                routed.topk_idx_TK,
+                routed.topk_weight_TK,
+                routed.copies_per_expert,
+                self.capacity_scope(routed.topk_idx_TK, x_BSD.shape[0]),
+            )
+        with traced("moe.experts", device):
+            expert_output = self.experts(expert_input, tokens_per_expert, handle.group_ends)
+        with traced("moe.combine", device):
+            # Left in the compute dtype, as a dense feed-forward under autocast returns it:
+            # the residual add promotes it, so a separate cast pass (and its backward) is saved.
+            y_TD = self.dispatcher.combine(expert_output, handle)
         if self.shared is not None:
-            shared_TD = self.shared(x_TD)
-            if self.shared_gate is not None:
-                shared_TD = torch.sigmoid(self.shared_gate(x_TD)) * shared_TD
+            with traced("moe.shared_experts", device):
+                shared_TD = self.shared(x_TD)
+                if self.shared_gate is not None:
+                    shared_TD = torch.sigmoid(self.shared_gate(x_TD)) * shared_TD
             y_TD = y_TD + shared_TD
         aux_loss = (
             self.config.lb_loss_weight * routed.lb_loss + self.config.z_loss_weight * routed.z_loss

@@ -40,6 +40,7 @@ from moe_train.train.schedule import lr_at
 from moe_train.train.step import DTYPES, StepResult, StepRunner
 from moe_train.train.step_record import StepRecord
 from moe_train.train.task_scoring import open_task_scorer
+from moe_train.train.tracing import traced_step
 from moe_train.train.tracking import Trackers, check_tracking_available
 
 
@@ -318,7 +319,9 @@ class Trainer:
             self.dataset.tokens_per_source(index, config.data.global_batch_size, config.train.seed)
         )
         lr = lr_at(index, config.optim, config.train.max_steps)
-        result = self.runner.train_on(self.runner.as_micro_batches(rows), lr)
+        rank = runtime.layout.rank
+        with traced_step(config.train.profile, step, self.run_dir, rank, runtime.device):
+            result = self.runner.train_on(self.runner.as_micro_batches(rows), lr)
         self.losses.append(result.stats.lm_loss)
         if not result.applied:
             self.skipped_steps += 1
