@@ -11,6 +11,7 @@ from moe_plan.config import (
     Config,
     DataConfig,
     config_from_dict,
+    dispatch_choice,
     dump_config,
     load_config,
     parse_overrides,
@@ -331,3 +332,21 @@ def test_saved_configs_with_unused_values_still_load(tmp_path):
     assert resumed.optim.muon_momentum == 0.9
     with pytest.raises(ConfigError, match=r"^optim\.muon_momentum is set on the command line"):
         load_config(tmp_path / "config.yaml", ["--optim.muon_momentum=0.8"])
+
+
+def test_the_dispatch_choice_names_the_backend_its_transport_and_why():
+    def choice(ep: int, **parallel) -> tuple:
+        made = dispatch_choice(config_from_dict({"parallel": {"ep": ep, **parallel}}).parallel, ep)
+        return made.dispatcher, made.transport, made.describe()
+
+    assert choice(1, dispatcher="rowwise")[:2] == ("local", None)
+    dispatcher, transport, line = choice(2)
+    assert (dispatcher, transport) == ("all_to_all", None)
+    assert line.startswith("all_to_all (parallel.dispatcher=auto at ep 2: it reads")
+    assert choice(2, dispatcher="rowwise", rowwise_transport="symmetric_memory") == (
+        "rowwise",
+        "symmetric_memory",
+        "rowwise over symmetric_memory (parallel.dispatcher=rowwise, "
+        "parallel.rowwise_transport=symmetric_memory)",
+    )
+    assert choice(4, dispatcher="all_to_all_dedup")[:2] == ("all_to_all_dedup", None)

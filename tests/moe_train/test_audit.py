@@ -61,6 +61,11 @@ def test_the_manifest_records_config_data_code_and_each_launch(tmp_path, token_f
         "expert_gemm": "torch (as configured)",
         "linear": "in the compute dtype",
     }
+    assert segment["dispatch"] == {
+        "dispatcher": "local",
+        "transport": None,
+        "why": "one rank holds every expert: tokens are only permuted",
+    }
     assert segment["source"]["commit"] == _git("rev-parse", "HEAD")
     assert segment["source"]["dirty"] == bool(_git("status", "--porcelain", "--untracked-files=no"))
     # Every checkpoint carries the manifest as of its step.

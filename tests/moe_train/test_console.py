@@ -103,20 +103,23 @@ def test_a_real_run_prints_a_readable_banner_lines_and_a_summary(tmp_path, make_
     err = capsys.readouterr().err.splitlines()
     # The ceiling of `load` (4 experts, top-2), and a run that is all warmup says so.
     assert "4 experts top-2 (load from 1.00 (even) to at most 2.00)" in err[1], err[1]
-    assert err[5].endswith(
+    assert err[5] == (
+        "dispatch     local (one rank holds every expert: tokens are only permuted)"
+    ), err[5]
+    assert err[6].endswith(
         "float32 params, float32 compute; expert GEMMs torch (as configured); linears in the "
         "compute dtype"
-    ), err[5]
-    assert err[7].endswith(
+    ), err[6]
+    assert err[8].endswith(
         "(cosine schedule, peak lr 0.003; all 6 steps are warmup, optim.warmup_steps=6: "
         "the lr rises to 0.003 and never decays)"
-    ), err[7]
+    ), err[8]
     assert err[3] == (
         "masking      label mask off (every token is a target); document masking off "
         "(attention crosses document ends)"
     ), err[3]
     assert (
-        err[6] == "optimizer    adamw (betas 0.9, 0.95, eps 1e-08); weight decay 0.1, grad clip 1"
+        err[7] == "optimizer    adamw (betas 0.9, 0.95, eps 1e-08); weight decay 0.1, grad clip 1"
     )
     banner = [line for line in err if not line.startswith(("step ", "summary: "))]
     assert [line.split()[0] for line in banner] == [
@@ -125,6 +128,7 @@ def test_a_real_run_prints_a_readable_banner_lines_and_a_summary(tmp_path, make_
         "data",
         "masking",
         "layout",
+        "dispatch",
         "precision",
         "optimizer",
         "steps",

@@ -15,7 +15,7 @@ planner share live here too: a layout's shape (`layout_shape`), whether it can s
 from moe_plan.config.accounting import ParamCounts, count_params, flops_per_token
 from moe_plan.config.changes import Change, config_changes, flatten_config
 from moe_plan.config.data import DataConfig, MixtureSourceConfig
-from moe_plan.config.dispatcher_choice import choose_dispatcher
+from moe_plan.config.dispatcher_choice import DispatchChoice, choose_dispatcher, dispatch_choice
 from moe_plan.config.key_rules import (
     KEY_RULES,
     LAYOUT,
@@ -49,6 +49,7 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "DataConfig",
+    "DispatchChoice",
     "EvalConfig",
     "LayoutShape",
     "MixtureSourceConfig",
@@ -67,6 +68,7 @@ __all__ = [
     "config_changes",
     "config_from_dict",
     "count_params",
+    "dispatch_choice",
     "dump_config",
     "flatten_config",
     "flops_per_token",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_data import MixedDataset, TokenDataset
-from moe_plan.config import Config
+from moe_plan.config import Config, dispatch_choice
 from moe_train.model import count_params
 from moe_train.train.console import load_scale
 from moe_train.train.data_feed import describe_sources
@@ -70,6 +70,7 @@ def banner_rows(config: Config, runtime: Runtime, facts: RunFacts) -> list[tuple
             f"{layout.ep} on {runtime.device.type}; peak {facts.peak_flops / 1e12:.2f} TFLOP/s "
             f"per device ({facts.peak_source})",
         ),
+        ("dispatch", dispatch_choice(config.parallel, layout.ep).describe()),
         (
             "precision",
             f"{config.precision.param_dtype} params, {config.precision.compute_dtype} "

@@ -10,6 +10,7 @@ commit (when run from a git checkout), the command, the layout, the device and t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from moe_data import file_sha256, mask_file_of
-from moe_plan.config import Config
+from moe_plan.config import Config, DispatchChoice
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "moe-stack-manifest-v1"
@@ -180,11 +181,13 @@ def start_manifest(
     start_step: int,
     previous: dict[str, Any] | None,
     kernels: dict[str, str] | None = None,
+    dispatch: DispatchChoice | None = None,
 ) -> dict[str, Any]:
     """The manifest of a run starting (or, with the `previous` manifest of the checkpoint it
     resumes from, continuing) at `start_step`: the config and data as they are now, and the
     segments of the run so far plus this one (code, environment, layout, the `kernels` the
-    expert GEMMs and linears ran, steps)."""
+    expert GEMMs and linears ran, the token `dispatch` between expert-parallel ranks (keys
+    dispatcher, transport and why), steps)."""
     segment = {
         "start_step": start_step,
         "end_step": start_step,
@@ -195,6 +198,7 @@ def start_manifest(
         "environment": environment(device),
         "topology": topology,
         "kernels": kernels or {},
+        "dispatch": dataclasses.asdict(dispatch) if dispatch else None,
     }
     earlier = list(previous.get("segments", [])) if previous else []
     return {

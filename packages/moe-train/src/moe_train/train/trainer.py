@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from moe_plan.config import Config, dump_config
+from moe_plan.config import Config, dispatch_choice, dump_config
 from moe_train.errors import TrainingDiverged
 from moe_train.model import Transformer, flops_per_token
 from moe_train.run_paths import checkpoint_root
@@ -201,7 +201,13 @@ class Trainer:
             previous = self.start.saved("manifest")
             topology = runtime.layout.describe()
             self.manifest = start_manifest(
-                config, topology, runtime.device, self.start_step, previous, self.runner.kernels
+                config,
+                topology,
+                runtime.device,
+                self.start_step,
+                previous,
+                self.runner.kernels,
+                dispatch_choice(config.parallel, runtime.layout.ep),
             )
             write_manifest(self.run_dir, self.manifest)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl") if runtime.is_main else None
