@@ -57,10 +57,10 @@ class _ByteCounter:
     def exchange_blocks(self, transport: Any) -> Callable[..., Any]:
         exchange_blocks = transport.exchange_blocks
 
-        def counted(block_shape, dtype, device, write_block, read) -> Any:
+        def counted(block_shape, dtype, device, write_block, read, *args, **kwargs) -> Any:
             if self.enabled:
                 self.bytes += transport.ep * math.prod(block_shape) * dtype.itemsize
-            return exchange_blocks(block_shape, dtype, device, write_block, read)
+            return exchange_blocks(block_shape, dtype, device, write_block, read, *args, **kwargs)
 
         return counted
 

@@ -229,6 +229,13 @@ def test_a_finished_rank_frees_its_process_groups_before_the_interpreter_exits(
     assert min(made) > 0 and all(line.endswith("alive 0") for line in counts), counts
 
 
+def test_the_metrics_rows_carry_rank_0s_expert_parallel_traffic(finished_pp2_ep2_run):
+    """pp2 x ep2: every row says what rank 0's exchanges sent its expert-parallel peer."""
+    _, run_dir = finished_pp2_ep2_run
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert rows and all(0 < r["dispatch_bytes"] < r["exchange_bytes"] for r in rows), rows
+
+
 def test_each_rank_traces_the_steps_of_train_profile_with_the_moe_ranges(finished_pp2_ep2_run):
     """train.profile: every rank writes a Chrome trace of the traced step alone, with the
     named ranges of each MoE layer it runs (one per layer and micro-batch)."""

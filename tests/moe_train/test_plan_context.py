@@ -64,6 +64,13 @@ NODE_LIMITED = [
 """Two ranks, each a node of one device: experts 0-1 (group 0) on rank 0, 2-3 on rank 1."""
 NODE_LIMITED_DEDUP = [*NODE_LIMITED, "--parallel.dispatcher=all_to_all_dedup"]
 """The same, each token sent once per rank its experts lie on (so at most once across)."""
+ROWWISE_SHM = [
+    *NODE_LIMITED,
+    "--parallel.dispatcher=rowwise",
+    "--parallel.rowwise_transport=symmetric_memory",
+    "--model.moe.capacity_factor=1.5",
+]
+"""The same over the rowwise dispatcher, writing its blocks into the peer's memory."""
 
 
 def _saved_bytes(config, rank: int) -> int:
@@ -138,9 +145,11 @@ class Counter:
 
 
 def _train_step_counted(config, record_routing: bool = False) -> dict:
-    """One step's collectives after a warm step of the real trainer; with `record_routing`
-    also each dispatch's chosen experts and the rank's first local expert."""
-    from moe_dispatch import AllToAllDispatcher, DedupAllToAllDispatcher
+    """One step's collectives after a warm step of the real trainer, and the traffic the step
+    reports; with `record_routing` also each dispatch's chosen experts and the rank's first
+    local expert (and a forward without gradients before the step, as evaluation runs,
+    whose exchanges are not the step's)."""
+    from moe_dispatch import AllToAllDispatcher, DedupAllToAllDispatcher, RowwiseDispatcher
     from moe_train.train.runtime import start_runtime
     from moe_train.train.step import StepRunner
 
@@ -151,11 +160,15 @@ def _train_step_counted(config, record_routing: bool = False) -> dict:
         0, config.model.vocab_size, shape, generator=torch.Generator().manual_seed(0)
     )
     runner.train_step(batch, 1e-4)
+    if record_routing:
+        with torch.no_grad():
+            runner.model(batch[: config.data.micro_batch_size, :-1])
     chosen: list[torch.Tensor] = []
     first: list[int] = []
-    backend = {"all_to_all_dedup": DedupAllToAllDispatcher}.get(
-        config.parallel.dispatcher, AllToAllDispatcher
-    )
+    backend = {
+        "all_to_all_dedup": DedupAllToAllDispatcher,
+        "rowwise": RowwiseDispatcher,
+    }.get(config.parallel.dispatcher, AllToAllDispatcher)
     original = backend.dispatch
 
     def dispatch(self, x, topk_idx, *args, **kwargs):
@@ -167,13 +180,14 @@ def _train_step_counted(config, record_routing: bool = False) -> dict:
         backend.dispatch = dispatch
     try:
         with Counter() as counter:
-            runner.train_step(batch, 1e-4)
+            stats = runner.train_step(batch, 1e-4).stats
     finally:
         backend.dispatch = original
     runtime.close(clean=True)
     return {
         "bytes": dict(counter.bytes),
         "to_peer": dict(counter.to_peer),
+        "traffic": (stats.dispatch_bytes, stats.exchange_bytes),
         "chosen": chosen,
         "first_local_expert": first,
     }
@@ -194,6 +208,8 @@ def _rank_body(rank: int, world_size: int) -> dict:
     out["node-limited step"] = _train_step_counted(limited, record_routing=True)
     dedup = memory_benchmark.row_config(NODE_LIMITED_DEDUP, "none", Path("/unused"), 4)
     out["node-limited dedup step"] = _train_step_counted(dedup, record_routing=True)
+    rowwise = memory_benchmark.row_config(ROWWISE_SHM, "none", Path("/unused"), 4)
+    out["rowwise step"] = _train_step_counted(rowwise, record_routing=True)
     return out
 
 
@@ -324,6 +340,13 @@ def test_two_simulated_nodes_send_across_only_what_the_planner_predicts(two_rank
     crossing = [_copies_to_peer(run["chosen"], rank, local) for rank, run in enumerate(runs)]
     for rank, run in enumerate(runs):
         assert run["to_peer"] == {1 - rank: 2 * sum(crossing) * row}, (rank, crossing)
+    # The step reports the same bytes, and the [L] int64 counts each dispatch sends the peer
+    # ahead of the rows (not the forward without gradients run before it).
+    counts = local * 8
+    for rank, run in enumerate(runs):
+        headers = len(run["chosen"]) * counts
+        dispatched = crossing[rank] * row + headers
+        assert run["traffic"] == (dispatched, 2 * sum(crossing) * row + headers), rank
     # The planner's figure: with balanced routing half of each rank's copies cross.
     device = device_with("h100", gpus_per_node=1)
     nodes = expert_nodes(config, device.gpus_per_node)
@@ -381,6 +404,9 @@ def test_dedup_dispatch_sends_a_token_across_once(two_ranks, capsys):
         )
         sent = run["to_peer"][1 - rank]
         assert run["to_peer"] == {1 - rank: expected}, (rank, crossing)
+        # What the step reports: the same, and per dispatch [L + 1] int64 counts ahead.
+        headers = len(run["chosen"]) * (local + 1) * 8
+        assert run["traffic"] == (mine * (row + ids + weights) + headers, expected + headers)
         assert sent == pytest.approx(predicted, rel=0.05), (rank, sent, predicted)
         assert sent < 0.6 * per_copy[rank], (rank, sent, per_copy[rank])
         with capsys.disabled():
@@ -390,6 +416,25 @@ def test_dedup_dispatch_sends_a_token_across_once(two_ranks, capsys):
                 f"(dedup/per-copy {sent / per_copy[rank]:.3f}; planner per-copy "
                 f"{_predicted_across(config_with_dispatcher(config, 'all_to_all')):,.0f})"
             )
+
+
+@pytest.mark.slow
+def test_rowwise_steps_report_the_blocks_they_write_into_the_peer(two_ranks):
+    """rowwise over symmetric memory: each of the four exchanges of a dispatch (the dispatch,
+    the combine and their gradients) writes one [L, capacity, D] block into the other rank's
+    memory; the forward without gradients before the step is not counted."""
+    config = memory_benchmark.row_config(ROWWISE_SHM, "none", Path("/unused"), 4)
+    moe, d = config.model.moe, config.model.d_model
+    local = moe.num_experts // config.parallel.ep
+    tokens = config.data.micro_batch_size * config.data.seq_len
+    capacity = math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.num_experts)
+    block = local * capacity * d * 4
+    for rank, two in enumerate(two_ranks):
+        run = two["rowwise step"]
+        assert run["to_peer"] == {}, "symmetric memory: no all_to_all"
+        dispatches = len(run["chosen"])
+        assert dispatches == 2  # two MoE layers, one micro-batch a rank
+        assert run["traffic"] == (dispatches * block, 4 * dispatches * block), rank
 
 
 def test_ranks_per_token_by_hand():

@@ -51,6 +51,7 @@ def test_metrics_file_and_resolved_config(tmp_path, make_config):
         )
         assert record["dropped_token_frac"] == 0.0
         assert record["mfu"] > 0
+        assert record["dispatch_bytes"] == record["exchange_bytes"] == 0  # nothing to send
     # The same figure from the per-expert counts of expert_load.jsonl, computed here.
     routing = read_metrics(result.run_dir / "expert_load.jsonl")
     assert [r["step"] for r in routing] == list(range(1, 7))

@@ -27,6 +27,7 @@ from moe_dispatch.protocol import (
     check_expert_output,
     state_of,
 )
+from moe_dispatch.traffic import Traffic
 from moe_dispatch.transport_a2a import exchange_rows
 from moe_kernels import Permutation, permute, unpermute
 
@@ -84,6 +85,13 @@ class ExpertsOverGroup(RoutedDispatcher):
         self.first_local_expert = dist.get_rank(group) * self.num_local_experts
         self.capacity_factor = capacity_factor
         self.group_alignment = group_alignment
+        self.traffic = Traffic()
+        """The bytes this rank's exchanges send to the other ranks of the group."""
+
+    def _count_header(self, counts: Tensor) -> None:
+        """Count an even exchange of ``counts`` (one block per group rank) as dispatch traffic."""
+        to_peers = counts.numel() * counts.element_size() * (self.ep - 1) // self.ep
+        self.traffic.count(to_peers, dispatch=True)
 
     def capacity(self, num_tokens: int, top_k: int) -> int | None:
         """Copies one source rank may send each expert; None if dropless."""
@@ -114,12 +122,18 @@ class AllToAllDispatcher(ExpertsOverGroup):
         send_counts_E = send_permutation.tokens_per_expert
         recv_counts_E = torch.empty_like(send_counts_E)
         dist.all_to_all_single(recv_counts_E, send_counts_E, group=self.group)
+        self._count_header(send_counts_E)
         # The one host sync of this backend: all_to_all_single needs split sizes on the host.
         counts_2E = torch.stack([send_counts_E, recv_counts_E]).view(2, ep, num_local)
         send_splits, recv_splits = counts_2E.sum(2).tolist()
 
         recv_rows_RD = exchange_rows(
-            x_sorted_FD[: sum(send_splits)], recv_splits, send_splits, self.group
+            x_sorted_FD[: sum(send_splits)],
+            recv_splits,
+            send_splits,
+            self.group,
+            self.traffic,
+            dispatch=True,
         )
         # Received rows come grouped by source rank, then local expert: label each row with
         # its local expert and stable-sort them into expert groups (source order within one).
@@ -155,7 +169,9 @@ class AllToAllDispatcher(ExpertsOverGroup):
         check_expert_output("AllToAllDispatcher", expert_output, num_rows)
         # Alignment padding rows are never read (index_select only picks received rows).
         y_recv_RD = expert_output.index_select(0, state.recv_permutation.row_of_copy)
-        y_sent_SD = exchange_rows(y_recv_RD, state.send_splits, state.recv_splits, self.group)
+        y_sent_SD = exchange_rows(
+            y_recv_RD, state.send_splits, state.recv_splits, self.group, self.traffic
+        )
         # Dropped copies sat after the kept ones and were never sent: zero rows stand in.
         num_dropped_rows = state.send_permutation.row_of_copy.shape[0] - y_sent_SD.shape[0]
         y_sorted_FD = F.pad(y_sent_SD, (0, 0, 0, num_dropped_rows))

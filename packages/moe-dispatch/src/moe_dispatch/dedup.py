@@ -139,6 +139,7 @@ class DedupAllToAllDispatcher(ExpertsOverGroup):
         send_counts = torch.cat([kept_E.view(ep, num_local), rows_P.view(ep, 1)], 1)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        self._count_header(send_counts)
         # The one host sync: split sizes and the expert groups' sizes.
         sent, received = send_counts.flatten().tolist(), recv_counts.flatten().tolist()
         width = num_local + 1
@@ -151,9 +152,11 @@ class DedupAllToAllDispatcher(ExpertsOverGroup):
         """Send the rows with their routing; returns what arrived: [R, D] tokens, [R, K] local
         experts (int64), [R, K] weights. ``splits``: rows sent, then received, per peer."""
         send_splits, recv_splits = splits
-        recv_x_RD = exchange_rows(rows_SD, recv_splits, send_splits, self.group)
-        recv_weight_RK = exchange_rows(weight_SK, recv_splits, send_splits, self.group)
-        recv_local_RK = exchange_rows(local_SK, recv_splits, send_splits, self.group)
+        exchanged = [
+            exchange_rows(rows, recv_splits, send_splits, self.group, self.traffic, dispatch=True)
+            for rows in (rows_SD, weight_SK, local_SK)
+        ]
+        recv_x_RD, recv_weight_RK, recv_local_RK = exchanged
         return recv_x_RD, recv_local_RK.to(torch.int64), recv_weight_RK
 
     def _group_by_expert(
@@ -215,6 +218,8 @@ class DedupAllToAllDispatcher(ExpertsOverGroup):
         num_rows = state.recv_permutation.source_token.shape[0]
         padded_CH = F.pad(expert_output, (0, 0, 0, num_rows - state.expert_rows))
         y_recv_RH = unpermute(padded_CH, state.recv_permutation, state.recv_weight_RK)
-        y_sent_SH = exchange_rows(y_recv_RH, state.send_splits, state.recv_splits, self.group)
+        y_sent_SH = exchange_rows(
+            y_recv_RH, state.send_splits, state.recv_splits, self.group, self.traffic
+        )
         y_TH = y_sent_SH.new_zeros(state.num_tokens, y_sent_SH.shape[1])
         return y_TH.index_add(0, state.token_of_row_S, y_sent_SH)

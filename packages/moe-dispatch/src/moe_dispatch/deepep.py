@@ -208,6 +208,8 @@ class DeepEPDispatcher(RoutedDispatcher):
         self.max_tokens_per_rank = max_tokens_per_rank
         self.max_hidden = max_hidden
         self.group_alignment = group_alignment
+        self.traffic = None
+        """Not counted: DeepEP's kernels decide what they send (see the README)."""
         self._buffer: Any = None
         self._buffer_size: _BufferSize | None = None
 

@@ -12,6 +12,7 @@ from moe_dispatch.capacity import (
     check_capacity_factor,
 )
 from moe_dispatch.protocol import DispatchHandle, RoutedDispatcher, Routing, state_of
+from moe_dispatch.traffic import Traffic
 from moe_kernels import Permutation, permute, unpermute
 
 __all__ = ["LocalDispatcher", "capacity_keep_mask"]
@@ -50,6 +51,8 @@ class LocalDispatcher(RoutedDispatcher):
         self.first_local_expert = 0
         self.capacity_factor = capacity_factor
         self.group_alignment = group_alignment
+        self.traffic = Traffic()
+        """Stays zero: every expert is on this rank, nothing is exchanged."""
 
     def capacity(self, num_tokens: int, top_k: int) -> int | None:
         """Copies each expert may take for ``num_tokens`` tokens at ``top_k``; None if dropless."""

@@ -8,6 +8,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from torch import Tensor
 
 from moe_dispatch.capacity import CapacityScope, keep_within_capacity
+from moe_dispatch.traffic import Traffic
 
 __all__ = [
     "BackendUnavailable",
@@ -74,6 +75,9 @@ class Dispatcher(Protocol):
     """Experts held by this rank."""
     first_local_expert: int
     """Global index of this rank's first expert (its experts are a contiguous block)."""
+    traffic: Traffic | None
+    """What this dispatcher's exchanges send the other ranks of its group, counted by the
+    exchanges; None where the backend does not count it (deepep)."""
 
     def dispatch(
         self,

@@ -29,6 +29,7 @@ from moe_dispatch.protocol import (
     check_expert_output,
     state_of,
 )
+from moe_dispatch.traffic import Traffic
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
 from moe_dispatch.transport_nvshmem import NvshmemTransport
 from moe_dispatch.transport_symm import SymmetricMemoryTransport
@@ -63,10 +64,14 @@ class RowTransport(Protocol):
         device: torch.device,
         write_block: Callable[[int, Tensor], None],
         read: Callable[[Tensor], Tensor],
+        traffic: Traffic | None = None,
+        dispatch: bool = False,
     ) -> Tensor:
         """``write_block(p, dest)`` fills ``dest`` (``block_shape``) with the block for group
         rank p; returns ``read(received)``, ``received`` being ``[ep, *block_shape]`` with
-        block s from rank s. ``read`` must copy what it keeps: the memory is reused."""
+        block s from rank s. ``read`` must copy what it keeps: the memory is reused.
+        ``traffic`` counts what the exchange sends the other ranks (``dispatch``: it is a
+        forward dispatch)."""
         ...
 
 
@@ -116,6 +121,7 @@ class _SlotPlan:
     rows_per_expert: int
     """Rows of each local expert's group in the expert input: ``ep * capacity``, aligned."""
     transport: RowTransport
+    traffic: Traffic
 
     @property
     def block_rows(self) -> int:
@@ -197,6 +203,8 @@ class _DispatchRows(torch.autograd.Function):
             x_TD.device,
             _gather_into_blocks(plan, token_of_slot_S, _with_zero_row(x_TD)),
             _read_expert_groups(plan),
+            plan.traffic,
+            dispatch=True,
         )
 
     @staticmethod
@@ -209,6 +217,7 @@ class _DispatchRows(torch.autograd.Function):
             grad_expert_input_PD.device,
             _expert_groups_into_blocks(plan, grad_expert_input_PD.contiguous()),
             _read_copies(plan),
+            plan.traffic,
         )
         return grad_copies_FD.view(-1, top_k, dim).sum(1), None, None
 
@@ -227,6 +236,7 @@ class _CombineRows(torch.autograd.Function):
             expert_output_PD.device,
             _expert_groups_into_blocks(plan, expert_output_PD.contiguous()),
             _read_copies(plan),
+            plan.traffic,
         )
 
     @staticmethod
@@ -239,6 +249,7 @@ class _CombineRows(torch.autograd.Function):
             grad_copies_FD.device,
             _gather_into_blocks(plan, plan.copy_of_slot_S, _with_zero_row(grad_copies_FD)),
             _read_expert_groups(plan),
+            plan.traffic,
         ), None
 
 
@@ -298,6 +309,8 @@ class RowwiseDispatcher(RoutedDispatcher):
         self.max_tokens_per_rank = max_tokens_per_rank
         self.group_alignment = group_alignment
         self.transport = transport
+        self.traffic = Traffic()
+        """The bytes this rank's exchanges send to the other ranks of the group."""
 
     def capacity(self, num_tokens: int, top_k: int) -> int:
         """Copies one source rank may send each expert (buffer rows per source and expert)."""
@@ -362,6 +375,7 @@ class RowwiseDispatcher(RoutedDispatcher):
             capacity=capacity,
             rows_per_expert=rows_per_expert,
             transport=self.transport,
+            traffic=self.traffic,
         )
         expert_input_PD = _DispatchRows.apply(x_TD, plan, top_k)
         tokens_per_expert_L = torch.full(

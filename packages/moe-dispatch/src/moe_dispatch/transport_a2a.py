@@ -3,10 +3,13 @@ transport of the rowwise dispatcher (CPU, and the GPU fallback)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe_dispatch.traffic import Traffic
 from moe_dispatch.transport_base import BlockTransport
 
 __all__ = ["PaddedAllToAllTransport", "exchange_rows"]
@@ -22,16 +25,33 @@ class _ExchangeRows(torch.autograd.Function):
         output_split_sizes: list[int] | None,
         input_split_sizes: list[int] | None,
         group: dist.ProcessGroup,
+        traffic: Traffic | None,
+        dispatch: bool,
     ) -> Tensor:
         ctx.split_sizes = (output_split_sizes, input_split_sizes)
-        ctx.group = group
+        ctx.group, ctx.traffic = group, traffic
+        if traffic is not None:
+            traffic.count(_bytes_to_peers(send_SD, input_split_sizes, group), dispatch=dispatch)
         return _all_to_all(send_SD, output_split_sizes, input_split_sizes, group)
 
     @staticmethod
-    def backward(ctx, grad_recv_RD: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx, grad_recv_RD: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         output_split_sizes, input_split_sizes = ctx.split_sizes
+        if ctx.traffic is not None:
+            sent = _bytes_to_peers(grad_recv_RD, output_split_sizes, ctx.group)
+            ctx.traffic.count(sent, dispatch=False)
         grad_send_SD = _all_to_all(grad_recv_RD, input_split_sizes, output_split_sizes, ctx.group)
-        return grad_send_SD, None, None, None
+        return grad_send_SD, None, None, None, None, None
+
+
+def _bytes_to_peers(
+    send_SD: Tensor, split_sizes: list[int] | None, group: dist.ProcessGroup
+) -> int:
+    """Bytes of the rows of ``send_SD`` that an exchange with ``split_sizes`` (None: even)
+    sends to the other ranks of ``group``: all but this rank's own."""
+    rows = send_SD.shape[0]
+    own = rows // group.size() if split_sizes is None else split_sizes[dist.get_rank(group)]
+    return (rows - own) * math.prod(send_SD.shape[1:]) * send_SD.element_size()
 
 
 def _all_to_all(
@@ -52,13 +72,18 @@ def exchange_rows(
     output_split_sizes: list[int] | None,
     input_split_sizes: list[int] | None,
     group: dist.ProcessGroup,
+    traffic: Traffic | None = None,
+    dispatch: bool = False,
 ) -> Tensor:
     """Send ``input_split_sizes[p]`` consecutive rows to group rank p; receive in rank order.
 
     Split sizes None means even splits (no host-side sizes needed). Differentiable wrt
-    ``send_SD``: the gradient travels the reverse way.
+    ``send_SD``: the gradient travels the reverse way. ``traffic`` counts the bytes sent to
+    other ranks both ways (``dispatch``: this forward is a dispatch).
     """
-    return _ExchangeRows.apply(send_SD, output_split_sizes, input_split_sizes, group)
+    return _ExchangeRows.apply(
+        send_SD, output_split_sizes, input_split_sizes, group, traffic, dispatch
+    )
 
 
 class _EvenExchange:

@@ -62,6 +62,12 @@ class StepStats:
     mtp_loss: float | None = None
     """Multi-token-prediction loss (unweighted, mean over micro-batches and MTP modules), or
     None without them (model.mtp_depth: 0)."""
+    dispatch_bytes: int | None = None
+    """Bytes this rank's forward dispatches sent the other ranks of its expert-parallel group
+    (all its MoE layers and micro-batches); None where a dispatcher does not count them."""
+    exchange_bytes: int | None = None
+    """Bytes all this rank's expert-parallel exchanges sent the other ranks (dispatch and
+    combine, forward and backward); None where a dispatcher does not count them."""
 
     @property
     def finite(self) -> bool:
@@ -99,10 +105,24 @@ def accumulate_gradients(
     return lm_loss_sum
 
 
+def take_traffic(model: Transformer, device: torch.device) -> torch.Tensor | None:
+    """The ``[dispatch, exchange]`` bytes this rank's MoE layers sent other ranks since the
+    last take (`moe_dispatch.Traffic`; int64 on `device`), or None where a layer's dispatcher
+    does not count them."""
+    totals_2 = torch.zeros(2, dtype=torch.int64, device=device)
+    for layer in model.moe_layers().values():
+        traffic = layer.dispatcher.traffic
+        if traffic is None:
+            return None
+        totals_2 += traffic.take(device)
+    return totals_2
+
+
 def reduce_step_stats(
     model: Transformer, lm_loss_sum: torch.Tensor, num_micro: int, runtime: Runtime
 ) -> StepStats:
-    """Sum losses and routing statistics over all ranks (one all-reduce, one host read).
+    """Sum losses and routing statistics over all ranks (one all-reduce, one host read),
+    with this rank's expert-parallel traffic (read in the same transfer).
 
     Every rank contributes a row for every MoE layer of the whole model (zeros for layers it
     does not hold), so ranks on different pipeline stages reduce tensors of the same shape.
@@ -124,13 +144,28 @@ def reduce_step_stats(
     totals = runtime.sum_over_world(torch.cat([losses, rows.flatten()]))
     first_moe = model_config.dense_layers
     copies_LE = RoutingStats.unpack(totals[2:].view_as(rows)[first_moe:], num_experts)
-    host = totals.cpu()
+    traffic_2 = take_traffic(model, totals.device)
+    sent = [] if traffic_2 is None else [traffic_2.double()]
+    host = torch.cat([totals, *sent]).cpu()
+    dispatch_bytes, exchange_bytes = (
+        (None, None) if traffic_2 is None else (int(host[-2]), int(host[-1]))
+    )
+    host = host[: totals.numel()]
     lm_loss = host[0].item() / num_micro
     mtp_loss = host[1].item() / num_micro if model_config.mtp_depth else None
     summed = RoutingStats.unpack(host[2:].view_as(rows)[first_moe:], num_experts)
     num_moe_layers = len(summed.routed_copies)
     if not num_moe_layers:
-        return StepStats(lm_loss, 0.0, 0.0, 1.0, 0.0, mtp_loss=mtp_loss)
+        return StepStats(
+            lm_loss,
+            0.0,
+            0.0,
+            1.0,
+            0.0,
+            mtp_loss=mtp_loss,
+            dispatch_bytes=dispatch_bytes,
+            exchange_bytes=exchange_bytes,
+        )
     dropped, routed = summed.dropped_copies.sum().item(), summed.routed_copies.sum().item()
     routing = StepRouting(
         layers=tuple(range(first_moe, model_config.n_layers)),
@@ -149,6 +184,8 @@ def reduce_step_stats(
         expert_copies_LE=copies_LE.copies_per_expert,
         routing=routing,
         mtp_loss=mtp_loss,
+        dispatch_bytes=dispatch_bytes,
+        exchange_bytes=exchange_bytes,
     )
 
 
@@ -318,6 +355,7 @@ class StepRunner:
         A step whose global loss or gradient norm is not finite is skipped: nothing is updated (every rank sees the same global figures, so every rank decides
         the same)."""
         data = self.config.data
+        take_traffic(self.model, self.runtime.device)  # what evaluation sent is not the step's
         if data.label_mask:
             trained = self.trained_tokens(micro_batches)
             lm_loss_sum = self.forward_backward(micro_batches, self.loss_normalizer(trained))

@@ -67,6 +67,15 @@ class StepRecord:
     mtp_loss: float | None = None
     """Multi-token-prediction loss (unweighted, mean over micro-batches and MTP modules);
     only in the rows of runs with model.mtp_depth > 0."""
+    dispatch_bytes: int | None = None
+    """Bytes the writing rank's forward dispatches sent the other ranks of its expert-parallel
+    group in the step (all its MoE layers and micro-batches, after deduplication where the
+    dispatcher deduplicates; 0 without expert parallelism); not in the rows of runs whose
+    dispatcher does not count them (deepep)."""
+    exchange_bytes: int | None = None
+    """Bytes all the writing rank's expert-parallel exchanges sent the other ranks in the step:
+    dispatch and combine, forward and backward (recomputed forwards included); as
+    dispatch_bytes, not in the rows of deepep runs."""
     task_metrics: dict[str, float] = field(default_factory=dict, metadata=_NOT_IN_ROW)
     """The eval.tasks figures after the step, keyed as in the row (`eval/<task>/acc`, ...,
     and `eval/tasks_s`, the seconds the scoring took); empty when it did not evaluate."""
@@ -78,7 +87,7 @@ class StepRecord:
     def row(self) -> dict[str, Any]:
         """The metrics.jsonl object of this step."""
         row = {f.name: _json_safe(getattr(self, f.name)) for f in fields(self) if not f.metadata}
-        for optional in ("eval_loss", "mtp_loss"):
+        for optional in ("eval_loss", "mtp_loss", "dispatch_bytes", "exchange_bytes"):
             if row[optional] is None:
                 del row[optional]
         row.update(self.task_metrics)

@@ -412,6 +412,8 @@ class Trainer:
             time=time.time(),
             eval_loss=eval_loss,
             mtp_loss=stats.mtp_loss,
+            dispatch_bytes=stats.dispatch_bytes,
+            exchange_bytes=stats.exchange_bytes,
             task_metrics=task_metrics,
             tokens=self.tokens_per_step,
             applied=result.applied,

@@ -1,0 +1,45 @@
+"""Traffic: the bytes a dispatcher's exchanges send to the other ranks of its group, counted
+by the exchanges themselves and kept on the device until the caller takes them."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["Traffic"]
+
+
+class Traffic:
+    """Bytes sent to the other ranks of the expert-parallel group (what a rank keeps for itself
+    moves nothing), summed over exchanges until ``take``: column 0 those of the forward
+    dispatch, column 1 those of every exchange (dispatch and combine, forward and backward).
+
+    Counts known on the host are kept as integers; counts that only the device knows (rows
+    routed, under a capacity) as a device tensor, so counting never makes the host wait.
+    """
+
+    def __init__(self) -> None:
+        self._host = [0, 0]
+        self._device_2: Tensor | None = None
+
+    def count(self, num_bytes: int | Tensor, *, dispatch: bool) -> None:
+        """Add one exchange's bytes to peers (``dispatch``: it is a forward dispatch)."""
+        if isinstance(num_bytes, Tensor):
+            num_bytes = num_bytes.to(torch.int64).reshape(())
+            added_2 = torch.stack(
+                [num_bytes if dispatch else torch.zeros_like(num_bytes), num_bytes]
+            )
+            self._device_2 = added_2 if self._device_2 is None else self._device_2 + added_2
+            return
+        if dispatch:
+            self._host[0] += num_bytes
+        self._host[1] += num_bytes
+
+    def take(self, device: torch.device) -> Tensor:
+        """``[dispatch bytes, exchange bytes]`` (int64 on ``device``) since the last take; then
+        starts again from zero."""
+        total_2 = torch.tensor(self._host, dtype=torch.int64, device=device)
+        if self._device_2 is not None:
+            total_2 = total_2 + self._device_2.to(device)
+        self._host, self._device_2 = [0, 0], None
+        return total_2

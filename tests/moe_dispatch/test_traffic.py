@@ -1,0 +1,31 @@
+"""Traffic: the counts of the exchanges, added on the host and on the device, taken once."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.host_reads import HostReadCounter
+from moe_dispatch import Traffic
+
+
+def test_counts_add_up_by_kind_and_a_take_starts_again():
+    traffic = Traffic()
+    traffic.count(100, dispatch=True)
+    traffic.count(torch.tensor(7, dtype=torch.int32), dispatch=True)
+    traffic.count(30, dispatch=False)
+    traffic.count(torch.tensor(5), dispatch=False)
+    taken = traffic.take(torch.device("cpu"))
+    assert taken.dtype == torch.int64 and taken.tolist() == [107, 142]
+    assert traffic.take(torch.device("cpu")).tolist() == [0, 0]
+
+
+def test_counting_what_the_device_knows_reads_nothing_on_the_host():
+    traffic = Traffic()
+    rows_kept = torch.tensor([3, 4]).sum()  # made outside the counter: a device tensor to it
+    with HostReadCounter() as counter:
+        traffic.count(rows_kept * 16, dispatch=False)
+        traffic.count(rows_kept * 2, dispatch=True)
+        traffic.count(8, dispatch=True)
+        taken = traffic.take(rows_kept.device)
+    assert counter.reads == []
+    assert taken.tolist() == [22, 134]
