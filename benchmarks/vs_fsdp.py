@@ -22,9 +22,9 @@ What the figures say:
 - bytes per step, counted at every collective call on each rank (mean over ranks): payload,
   the bytes of the inputs handed to the collectives (all-gather: the rank's shard), and
   wire, the bytes that leave the rank (all-to-all: the blocks for other ranks, exact; the
-  others as ring algorithms send them). They are what a GPU run of the same layout moves,
-  except rowwise, whose GPU transport (symmetric memory) writes only the used rows where
-  this CPU transport sends every capacity slot;
+  others as ring algorithms send them). They are what a GPU run of the same layout moves;
+  rowwise runs its padded all_to_all transport here, which sends every capacity slot (over
+  symmetric memory only the routed rows and one byte per slot would move);
 - tokens/s: on CPU cores with gloo over loopback, a proxy: the ratio between the
   designs depends on how compute compares with communication, which differs on GPUs with
   NVLink; the trend over expert counts is the point;

@@ -224,6 +224,73 @@ def transport_checks(report: Report, rank: int, world_size: int, transport_name:
         record(report, rank, f"rowwise/drops/{transport_name}/{name}", check_drops, *args)
 
 
+def _rows_written_here(transport: object) -> int:
+    """Rows of this rank's symmetric-memory receive buffers that are not NaN."""
+    buffers = transport._buffers.values()  # type: ignore[attr-defined]
+    return sum(
+        int((~b.local_PB.isnan()).all(-1).sum()) for b in buffers if b.local_PB.is_floating_point()
+    )
+
+
+def check_rows_only(
+    written: int,
+    received: int,
+    traffic: dict[str, list[int]],
+    copies: tuple[int, int],
+    header_bytes: tuple[int, int],
+    row_bytes: int,
+) -> None:
+    """Into this rank's memory: exactly the copies routed to its experts (every slot was NaN
+    before). Counted: those rows and the slot flags; the same rows as all_to_all sends."""
+    assert written == received, f"{written} rows written into this rank, {received} copies"
+    mine, theirs = copies  # this rank's copies to other ranks' experts, and theirs to its own
+    shm_header, a2a_header = header_bytes
+    assert traffic["shm dispatch"] == [mine * row_bytes + shm_header] * 2
+    assert traffic["a2a dispatch"] == [mine * row_bytes + a2a_header] * 2
+    # Dispatch and the combine's gradient carry this rank's copies; the combine and the
+    # dispatch's gradient the copies its experts received from the others.
+    exchange = 2 * (mine + theirs) * row_bytes + shm_header
+    assert traffic["shm step"] == [mine * row_bytes + shm_header, exchange]
+
+
+def rows_only_checks(report: Report, rank: int, world_size: int) -> None:
+    """rowwise over symmetric memory writes only the slots that hold a copy into a peer."""
+    group = dist.group.WORLD
+    tokens_per_rank = uneven_tokens(world_size)
+    max_tokens = max(tokens_per_rank)
+    problem = make_problem(tokens_per_rank, "skewed", seed=11)
+    shm = RowwiseDispatcher(
+        NUM_EXPERTS, group, float(NUM_EXPERTS), max_tokens, 1, "symmetric_memory"
+    )
+    a2a = AllToAllDispatcher(NUM_EXPERTS, group)
+    cpu = torch.device("cpu")
+    dispatch_combine_backward(shm, problem, rank)  # the buffers exist from here on
+    for buffers in shm.transport._buffers.values():  # type: ignore[attr-defined]
+        buffers.local_PB.fill_(float("nan") if buffers.local_PB.is_floating_point() else 7)
+    shm.traffic.take(cpu)
+    dist.barrier()
+    rows = problem.rows(rank)
+    routing = (problem.topk_idx_NK[rows], problem.topk_weight_NK[rows])
+    traffic = {}
+    with torch.no_grad():
+        for name, dispatcher in (("shm", shm), ("a2a", a2a)):
+            dispatcher.dispatch(problem.x_ND[rows], *routing)
+            traffic[f"{name} dispatch"] = dispatcher.traffic.take(cpu).tolist()
+    written = _rows_written_here(shm.transport)
+    dispatch_combine_backward(shm, problem, rank)
+    traffic["shm step"] = shm.traffic.take(cpu).tolist()
+    num_local = NUM_EXPERTS // world_size
+    owner_NK = problem.topk_idx_NK // num_local
+    mine = int((owner_NK[rows] != rank).sum())
+    theirs = int((owner_NK == rank).sum()) - int((owner_NK[rows] == rank).sum())
+    capacity = shm.capacity(max_tokens, TOP_K)
+    headers = ((world_size - 1) * num_local * capacity, (world_size - 1) * num_local * 8)
+    row_bytes = problem.x_ND.shape[1] * problem.x_ND.element_size()
+    received = sum(copies_received(problem, rank, num_local))
+    args = (written, received, traffic, (mine, theirs), headers, row_bytes)
+    record(report, rank, "rowwise/rows_only", check_rows_only, *args)
+
+
 def rowwise_checks(rank: int, world_size: int) -> Report:
     group = dist.group.WORLD
     report: Report = {}
@@ -253,6 +320,7 @@ def rowwise_checks(rank: int, world_size: int) -> Report:
         record(report, rank, name, check_no_host_reads, dropped, all_to_all_error)
 
     record(report, rank, "rowwise/make_dispatcher", check_make_dispatcher, group, rank, num_local)
+    rows_only_checks(report, rank, world_size)
     return report
 
 
@@ -275,6 +343,14 @@ def test_dispatch_and_combine_never_read_tensor_values_on_the_host(
     reports: list[Report],
 ) -> None:
     assert_report_passed(reports, "rowwise/no_host_reads")
+
+
+def test_symmetric_memory_writes_only_the_routed_rows_and_counts_them(
+    reports: list[Report],
+) -> None:
+    """Over symmetric memory a source writes a peer only the slots holding its copies (with
+    [L, capacity] slot flags ahead); dispatch_bytes are those rows, all_to_all's the same."""
+    assert_report_passed(reports, "rowwise/rows_only")
 
 
 def test_make_dispatcher_builds_rowwise_and_needs_a_capacity(reports: list[Report]) -> None:

@@ -68,9 +68,10 @@ ROWWISE_SHM = [
     *NODE_LIMITED,
     "--parallel.dispatcher=rowwise",
     "--parallel.rowwise_transport=symmetric_memory",
-    "--model.moe.capacity_factor=1.5",
+    "--model.moe.capacity_factor=4.0",
 ]
-"""The same over the rowwise dispatcher, writing its blocks into the peer's memory."""
+"""The same over the rowwise dispatcher, writing into the peer's memory; a capacity of every
+copy of a micro-batch, so that none is dropped."""
 
 
 def _saved_bytes(config, rank: int) -> int:
@@ -419,22 +420,27 @@ def test_dedup_dispatch_sends_a_token_across_once(two_ranks, capsys):
 
 
 @pytest.mark.slow
-def test_rowwise_steps_report_the_blocks_they_write_into_the_peer(two_ranks):
-    """rowwise over symmetric memory: each of the four exchanges of a dispatch (the dispatch,
-    the combine and their gradients) writes one [L, capacity, D] block into the other rank's
-    memory; the forward without gradients before the step is not counted."""
+def test_rowwise_steps_send_the_routed_rows_as_all_to_all_does(two_ranks):
+    """rowwise over symmetric memory writes into the other rank's memory only the slots that
+    hold a copy, each dispatch with one byte per slot of its block ahead (which slots are
+    used): the same rows as all_to_all sends, and the forward without gradients before the
+    step not counted."""
     config = memory_benchmark.row_config(ROWWISE_SHM, "none", Path("/unused"), 4)
-    moe, d = config.model.moe, config.model.d_model
+    moe = config.model.moe
     local = moe.num_experts // config.parallel.ep
     tokens = config.data.micro_batch_size * config.data.seq_len
     capacity = math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.num_experts)
-    block = local * capacity * d * 4
-    for rank, two in enumerate(two_ranks):
-        run = two["rowwise step"]
+    assert capacity >= tokens * moe.top_k, "no copy may be dropped"
+    row = config.model.d_model * 4
+    runs = [two["rowwise step"] for two in two_ranks]
+    crossing = [_copies_to_peer(run["chosen"], rank, local) for rank, run in enumerate(runs)]
+    for rank, run in enumerate(runs):
         assert run["to_peer"] == {}, "symmetric memory: no all_to_all"
         dispatches = len(run["chosen"])
         assert dispatches == 2  # two MoE layers, one micro-batch a rank
-        assert run["traffic"] == (dispatches * block, 4 * dispatches * block), rank
+        flags = dispatches * local * capacity
+        expected = (crossing[rank] * row + flags, 2 * sum(crossing) * row + flags)
+        assert run["traffic"] == expected, rank
 
 
 def test_ranks_per_token_by_hand():

@@ -6,8 +6,9 @@ slot of each copy: ``global expert * capacity + position of the copy among this 
 copies to that expert``; copies at position >= capacity are dropped and counted. Slots are
 global-expert-major, so the ``[L, capacity]`` block for rank p is contiguous. A transport hands
 the source, for each destination rank, the memory that rank will receive its block in (the
-peer's own buffer, for symmetric memory), and the source gathers its tokens straight into it.
-Nothing reads a count on the host.
+peer's own buffer, for symmetric memory), and the source gathers its tokens straight into it:
+over symmetric memory only the slots that hold a copy (``rowwise_exchange``). Nothing reads a
+count on the host.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from moe_dispatch.protocol import (
     check_expert_output,
     state_of,
 )
+from moe_dispatch.rowwise_exchange import CombineRows, DispatchRows, SlotPlan
 from moe_dispatch.traffic import Traffic
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
 from moe_dispatch.transport_nvshmem import NvshmemTransport
@@ -51,6 +53,9 @@ class RowTransport(Protocol):
     """Moves one fixed-size block from every group rank to every group rank (not autograd)."""
 
     name: str
+    writes_rows: bool
+    """True where the writes are the transfer (into the peers' memory): the dispatcher then
+    writes only the slots that hold a copy. False where whole blocks move."""
 
     def connect(self, device: torch.device) -> None:
         """Set up what the first exchange would (a collective), raising ``RuntimeError`` with
@@ -64,14 +69,10 @@ class RowTransport(Protocol):
         device: torch.device,
         write_block: Callable[[int, Tensor], None],
         read: Callable[[Tensor], Tensor],
-        traffic: Traffic | None = None,
-        dispatch: bool = False,
     ) -> Tensor:
         """``write_block(p, dest)`` fills ``dest`` (``block_shape``) with the block for group
         rank p; returns ``read(received)``, ``received`` being ``[ep, *block_shape]`` with
-        block s from rank s. ``read`` must copy what it keeps: the memory is reused.
-        ``traffic`` counts what the exchange sends the other ranks (``dispatch``: it is a
-        forward dispatch)."""
+        block s from rank s. ``read`` must copy what it keeps: the memory is reused."""
         ...
 
 
@@ -107,155 +108,8 @@ def _kept_per_expert(
 
 
 @dataclass(frozen=True)
-class _SlotPlan:
-    """Where every copy goes, for one dispatch (all on the device but the sizes)."""
-
-    slot_of_copy_F: Tensor
-    """[T * K] int64: the copy's slot among this source's ``E * capacity`` (0 if dropped)."""
-    kept_F: Tensor
-    """[T * K] bool."""
-    copy_of_slot_S: Tensor
-    """[E * capacity] int64: the copy in each slot, ``T * K`` for an unused slot."""
-    num_local: int
-    capacity: int
-    rows_per_expert: int
-    """Rows of each local expert's group in the expert input: ``ep * capacity``, aligned."""
-    transport: RowTransport
-    traffic: Traffic
-
-    @property
-    def block_rows(self) -> int:
-        """Slots one source sends one destination rank: ``L * capacity``."""
-        return self.num_local * self.capacity
-
-
-def _gather_into_blocks(
-    plan: _SlotPlan, rows_of_slot_S: Tensor, source_RD: Tensor
-) -> Callable[[int, Tensor], None]:
-    """``write_block`` that gathers ``source_RD[rows_of_slot_S]`` for block p into dest."""
-    block_rows = plan.block_rows
-
-    def write_block(peer: int, dest_LCD: Tensor) -> None:
-        index = rows_of_slot_S[peer * block_rows : (peer + 1) * block_rows]
-        torch.index_select(source_RD, 0, index, out=dest_LCD.view(block_rows, -1))
-
-    return write_block
-
-
-def _expert_groups_into_blocks(
-    plan: _SlotPlan, expert_rows_PD: Tensor
-) -> Callable[[int, Tensor], None]:
-    """``write_block`` that copies each local expert's region for source p into dest."""
-    groups_LRD = expert_rows_PD.view(plan.num_local, plan.rows_per_expert, -1)
-    capacity = plan.capacity
-
-    def write_block(source: int, dest_LCD: Tensor) -> None:
-        dest_LCD.copy_(groups_LRD[:, source * capacity : (source + 1) * capacity])
-
-    return write_block
-
-
-def _read_expert_groups(plan: _SlotPlan) -> Callable[[Tensor], Tensor]:
-    """``read`` that lays received ``[source, L, C, D]`` out as ``[L * rows_per_expert, D]``:
-    expert-major, slot ``source * C + position``; alignment rows exactly zero."""
-
-    def read(recv_PLCD: Tensor) -> Tensor:
-        ep, num_local, capacity, dim = recv_PLCD.shape
-        groups_LRD = recv_PLCD.new_empty(num_local, plan.rows_per_expert, dim)
-        groups_LRD[:, ep * capacity :].zero_()
-        regions_LPCD = groups_LRD[:, : ep * capacity].view(num_local, ep, capacity, dim)
-        regions_LPCD.copy_(recv_PLCD.transpose(0, 1))
-        return groups_LRD.view(-1, dim)
-
-    return read
-
-
-def _read_copies(plan: _SlotPlan) -> Callable[[Tensor], Tensor]:
-    """``read`` that takes each kept copy's slot from received ``[E * C, D]`` (0 if dropped:
-    a select, not a multiply, so whatever sits in unused slots, even NaN, stays out)."""
-
-    def read(recv_PLCD: Tensor) -> Tensor:
-        slots_SD = recv_PLCD.view(-1, recv_PLCD.shape[-1])
-        rows_FD = slots_SD.index_select(0, plan.slot_of_copy_F)
-        return torch.where(plan.kept_F.unsqueeze(1), rows_FD, 0)
-
-    return read
-
-
-def _with_zero_row(rows_ND: Tensor) -> Tensor:
-    """``rows_ND`` and one zero row after them (what unused slots gather)."""
-    return torch.cat([rows_ND, rows_ND.new_zeros(1, rows_ND.shape[1])])
-
-
-class _DispatchRows(torch.autograd.Function):
-    """x [T, D] -> expert input [L * rows_per_expert, D]; backward sends the slots' gradients
-    back and sums each token's kept copies."""
-
-    @staticmethod
-    def forward(ctx, x_TD: Tensor, plan: _SlotPlan, top_k: int) -> Tensor:  # type: ignore[override]
-        ctx.plan, ctx.top_k = plan, top_k
-        num_tokens, dim = x_TD.shape
-        copies = plan.copy_of_slot_S
-        token_of_slot_S = torch.where(copies < num_tokens * top_k, copies // top_k, num_tokens)
-        return plan.transport.exchange_blocks(
-            (plan.num_local, plan.capacity, dim),
-            x_TD.dtype,
-            x_TD.device,
-            _gather_into_blocks(plan, token_of_slot_S, _with_zero_row(x_TD)),
-            _read_expert_groups(plan),
-            plan.traffic,
-            dispatch=True,
-        )
-
-    @staticmethod
-    def backward(ctx, grad_expert_input_PD: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        plan, top_k = ctx.plan, ctx.top_k
-        dim = grad_expert_input_PD.shape[1]
-        grad_copies_FD = plan.transport.exchange_blocks(
-            (plan.num_local, plan.capacity, dim),
-            grad_expert_input_PD.dtype,
-            grad_expert_input_PD.device,
-            _expert_groups_into_blocks(plan, grad_expert_input_PD.contiguous()),
-            _read_copies(plan),
-            plan.traffic,
-        )
-        return grad_copies_FD.view(-1, top_k, dim).sum(1), None, None
-
-
-class _CombineRows(torch.autograd.Function):
-    """Expert output [L * rows_per_expert, D] -> each copy's row at its source [T * K, D]
-    (zero if dropped); backward gathers the copies' gradients into their slots."""
-
-    @staticmethod
-    def forward(ctx, expert_output_PD: Tensor, plan: _SlotPlan) -> Tensor:  # type: ignore[override]
-        ctx.plan = plan
-        dim = expert_output_PD.shape[1]
-        return plan.transport.exchange_blocks(
-            (plan.num_local, plan.capacity, dim),
-            expert_output_PD.dtype,
-            expert_output_PD.device,
-            _expert_groups_into_blocks(plan, expert_output_PD.contiguous()),
-            _read_copies(plan),
-            plan.traffic,
-        )
-
-    @staticmethod
-    def backward(ctx, grad_copies_FD: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        plan = ctx.plan
-        dim = grad_copies_FD.shape[1]
-        return plan.transport.exchange_blocks(
-            (plan.num_local, plan.capacity, dim),
-            grad_copies_FD.dtype,
-            grad_copies_FD.device,
-            _gather_into_blocks(plan, plan.copy_of_slot_S, _with_zero_row(grad_copies_FD)),
-            _read_expert_groups(plan),
-            plan.traffic,
-        ), None
-
-
-@dataclass(frozen=True)
 class _RowwiseState:
-    plan: _SlotPlan
+    plan: SlotPlan
     topk_weight_TK: Tensor
 
 
@@ -367,7 +221,7 @@ class RowwiseDispatcher(RoutedDispatcher):
             torch.arange(num_copies, device=device),
         )
         rows_per_expert = self._aligned_rows(capacity)
-        plan = _SlotPlan(
+        plan = SlotPlan(
             slot_of_copy_F=slot_of_copy_F,
             kept_F=kept_F,
             copy_of_slot_S=copy_of_slot_S[:num_slots],
@@ -376,8 +230,10 @@ class RowwiseDispatcher(RoutedDispatcher):
             rows_per_expert=rows_per_expert,
             transport=self.transport,
             traffic=self.traffic,
+            rank=self.rank,
+            ep=self.ep,
         )
-        expert_input_PD = _DispatchRows.apply(x_TD, plan, top_k)
+        expert_input_PD = DispatchRows.apply(x_TD, plan, top_k)
         tokens_per_expert_L = torch.full(
             (num_local,), rows_per_expert, dtype=torch.int64, device=device
         )
@@ -402,6 +258,6 @@ class RowwiseDispatcher(RoutedDispatcher):
         num_tokens, top_k = state.topk_weight_TK.shape
         num_rows = plan.num_local * plan.rows_per_expert
         check_expert_output("RowwiseDispatcher", expert_output, num_rows)
-        y_TKD = _CombineRows.apply(expert_output, plan).view(num_tokens, top_k, -1)
+        y_TKD = CombineRows.apply(expert_output, plan).view(num_tokens, top_k, -1)
         weight_TK = state.topk_weight_TK.to(y_TKD.dtype)
         return torch.bmm(weight_TK.unsqueeze(1), y_TKD).squeeze(1)

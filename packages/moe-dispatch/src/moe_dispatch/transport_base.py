@@ -3,15 +3,12 @@ rank receives it, wait until every rank's blocks have landed, read what this ran
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from moe_dispatch.traffic import Traffic
 
 __all__ = ["BlockExchange", "BlockTransport"]
 
@@ -33,6 +30,10 @@ class BlockTransport:
     """Base of the rowwise transports (see ``RowTransport``): ``exchange_blocks`` runs the
     exchange that ``_begin`` lays out."""
 
+    writes_rows = False
+    """True where the writes are the transfer (into a peer's memory), so rows a writer
+    leaves alone do not move; False where whole blocks move whatever was written."""
+
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.ep = group.size()
@@ -44,17 +45,11 @@ class BlockTransport:
         device: torch.device,
         write_block: Callable[[int, Tensor], None],
         read: Callable[[Tensor], Tensor],
-        traffic: Traffic | None = None,
-        dispatch: bool = False,
     ) -> Tensor:
-        """``write_block(p, dest)`` for every group rank p, then ``read(received)``;
-        ``traffic`` counts the blocks written for the other ranks, whole."""
+        """``write_block(p, dest)`` for every group rank p, then ``read(received)``."""
         exchange = self._begin(block_shape, dtype, torch.device(device))
         for peer in range(self.ep):
             write_block(peer, exchange.destination(peer))
-        if traffic is not None:
-            block_bytes = math.prod(block_shape) * dtype.itemsize
-            traffic.count((self.ep - 1) * block_bytes, dispatch=dispatch)
         return read(exchange.deliver())
 
     def _begin(

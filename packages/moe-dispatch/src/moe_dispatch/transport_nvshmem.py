@@ -219,6 +219,8 @@ class NvshmemTransport(SymmetricMemoryTransport):
     """
 
     name = "nvshmem"
+    writes_rows = False
+    """Blocks for peers on other nodes go whole through a staging block and ``put``."""
 
     def _new_buffers(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

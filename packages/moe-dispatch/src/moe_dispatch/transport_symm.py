@@ -205,6 +205,7 @@ class SymmetricMemoryTransport(BlockTransport):
     """
 
     name = "symmetric_memory"
+    writes_rows = True
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         super().__init__(group)

@@ -32,6 +32,7 @@ from moe_kernels.permute import (
     permute,
     unpermute,
 )
+from moe_kernels.row_store import ROW_STORE_BACKENDS, RowStoreBackend, store_rows
 from moe_kernels.torchao_import import quiet_torchao_import
 
 __all__ = [
@@ -41,12 +42,14 @@ __all__ = [
     "MXFP8_KERNELS",
     "MXFP8_SCALE_MODES",
     "PERMUTE_BACKENDS",
+    "ROW_STORE_BACKENDS",
     "Fp8RowwiseKernel",
     "GroupedMmBackend",
     "Mxfp8Kernel",
     "Mxfp8ScaleMode",
     "Permutation",
     "PermuteBackend",
+    "RowStoreBackend",
     "__version__",
     "dequantize_fp8_rowwise",
     "dequantize_mxfp8",
@@ -58,6 +61,7 @@ __all__ = [
     "mxfp8_grouped_mm",
     "permute",
     "quiet_torchao_import",
+    "store_rows",
     "to_fp8_rowwise",
     "to_fp8_rowwise_token_groups",
     "to_mxfp8",
