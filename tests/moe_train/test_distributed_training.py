@@ -171,7 +171,7 @@ def test_data_and_expert_parallel_match_single_process(
 
 
 RECORD_GROUPS = """
-import gc, sys, weakref
+import gc, os, sys, weakref
 import torch.distributed as dist
 from moe_train.cli import main
 
@@ -189,7 +189,8 @@ def recording(*args, **kwargs):
 dist.new_group = recording
 gc.disable()  # only what the command frees itself counts
 code = main(sys.argv[1:])
-print(f"groups made {len(made)}, alive {sum(ref() is not None for ref in made)}")
+alive = sum(ref() is not None for ref in made)
+os.write(1, f"groups made {len(made)}, alive {alive}\\n".encode())  # one write: ranks share stdout
 sys.exit(code)
 """
 """A wrapper of `moe-train` that says how many process groups the run made and how many are
