@@ -59,8 +59,8 @@ LAUNCH_OPTION = (
 
 INVARIANCE = (
     "trains each cell and its single process in fresh processes, minutes each on 2 cores; "
-    "tests/benchmarks/test_invariance.py checks --list, the comparison and the card, and "
-    "trains one cell"
+    "tests/benchmarks/test_invariance.py checks --list, the comparison, the card and "
+    "--spread, and trains the CI subset"
 )
 WALKTHROUGH = (
     "the fine-tuning walkthrough, on the tiny model its script builds; "
@@ -188,6 +188,15 @@ COMMANDS: dict[str, Run | Skip] = {
     "python benchmarks/invariance.py --features muon,mtp --layouts ep2,pp2": Skip(INVARIANCE),
     "python benchmarks/invariance.py --all --json invariance.json": Skip(INVARIANCE),
     "python benchmarks/invariance.py --card invariance.json": Skip(INVARIANCE),
+    "python benchmarks/invariance.py --all --json seed0.json": Skip(INVARIANCE),
+    "python benchmarks/invariance.py --features bf16_distopt,fp8_rowwise --seed 1 --json "
+    "seed1.json": Skip(INVARIANCE),
+    "python benchmarks/invariance.py --features bf16_distopt,fp8_rowwise --seed 2 --json "
+    "seed2.json": Skip(INVARIANCE),
+    "python benchmarks/invariance.py --spread seed0.json seed1.json seed2.json": Skip(
+        "reads the matrices the commands above write; tests/benchmarks/test_invariance.py "
+        "runs --spread on matrices of its own"
+    ),
     "python benchmarks/invariance.py --all --backend auto --json invariance-nccl.json": Skip(
         "a node of 8 GPUs"
     ),
