@@ -151,9 +151,8 @@ def _expert_groups_into_blocks(
     num_local, capacity, rows_per_expert = plan.num_local, plan.capacity, plan.rows_per_expert
     groups_LGD = expert_rows_RD.view(num_local, rows_per_expert, -1)
     device = expert_rows_RD.device
-    region_LC = torch.arange(num_local, device=device).unsqueeze(
-        1
-    ) * rows_per_expert + torch.arange(capacity, device=device).unsqueeze(0)
+    group_start_L1 = torch.arange(num_local, device=device).unsqueeze(1) * rows_per_expert
+    region_LC = group_start_L1 + torch.arange(capacity, device=device)
 
     def write_block(source: int, dest_LCD: Tensor) -> None:
         if not plan.rows_only:

@@ -64,10 +64,9 @@ def store_rows(
             f"store_rows: backend={backend!r} is not a row-store backend; valid: "
             f"{', '.join(ROW_STORE_BACKENDS)}"
         )
-    kernels = import_kernels("triton_row_store", "store_rows")
+    kernels = import_kernels("triton_permute", "store_rows")
     check_device("store_rows", dest_RD, kernels.KERNELS_INTERPRETED)
     if not dest_RD.is_contiguous():
         raise ValueError("store_rows: backend='triton' writes a contiguous dest only")
-    kernels.launch_store_rows(
-        dest_RD, source_ND.contiguous(), index_R.contiguous(), used_R.to(torch.uint8)
-    )
+    source_of_row_R = torch.where(used_R, index_R, -1)  # -1: neither loaded nor stored
+    kernels.launch_store_rows(dest_RD, source_ND.contiguous(), source_of_row_R)

@@ -26,7 +26,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from moe_kernels.triton_support import check_device
 
-__all__ = ["KERNELS_INTERPRETED", "combine_rows", "gather_rows"]
+__all__ = ["KERNELS_INTERPRETED", "combine_rows", "gather_rows", "launch_store_rows"]
 
 _BLOCK_ROWS = 32
 _BLOCK_DIM = 64
@@ -42,6 +42,7 @@ def _gather_rows_kernel(
     dim,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
+    SOURCED_ONLY: tl.constexpr = False,
 ):
     rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_DIM + tl.arange(0, BLOCK_DIM)
@@ -54,10 +55,12 @@ def _gather_rows_kernel(
         mask=has_source[:, None] & col_ok[None, :],
         other=0.0,
     )
+    # SOURCED_ONLY: rows without a source are neither loaded nor stored (store_rows).
+    stored = has_source if SOURCED_ONLY else row_ok
     tl.store(
         out_ptr + rows[:, None] * dim + cols[None, :],
         values,
-        mask=row_ok[:, None] & col_ok[None, :],
+        mask=stored[:, None] & col_ok[None, :],
     )
 
 
@@ -175,6 +178,25 @@ def _launch_gather(x_TD: Tensor, source_token_P: Tensor) -> Tensor:
             BLOCK_DIM=_BLOCK_DIM,
         )
     return out_PD
+
+
+def launch_store_rows(dest_RD: Tensor, source_ND: Tensor, source_of_row_R: Tensor) -> None:
+    """``dest_RD[r] = source_ND[source_of_row_R[r]]`` where that is in range; other rows are
+    neither loaded nor stored (every tensor contiguous)."""
+    num_rows, dim = dest_RD.shape
+    if num_rows and dim:
+        grid = (triton.cdiv(num_rows, _BLOCK_ROWS), triton.cdiv(dim, _BLOCK_DIM))
+        _gather_rows_kernel[grid](
+            source_ND,
+            source_of_row_R,
+            dest_RD,
+            num_rows,
+            source_ND.shape[0],
+            dim,
+            BLOCK_ROWS=_BLOCK_ROWS,
+            BLOCK_DIM=_BLOCK_DIM,
+            SOURCED_ONLY=True,
+        )
 
 
 def _launch_combine(

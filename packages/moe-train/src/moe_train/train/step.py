@@ -118,6 +118,18 @@ def take_traffic(model: Transformer, device: torch.device) -> torch.Tensor | Non
     return totals_2
 
 
+def _read_with_traffic(
+    model: Transformer, totals: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, int | None]]:
+    """`totals` on the host, and this rank's traffic since the last take (`take_traffic`) as
+    StepStats' `dispatch_bytes` and `exchange_bytes`, read in the same transfer."""
+    traffic_2 = take_traffic(model, totals.device)
+    if traffic_2 is None:
+        return totals.cpu(), {"dispatch_bytes": None, "exchange_bytes": None}
+    host = torch.cat([totals, traffic_2.double()]).cpu()
+    return host[:-2], {"dispatch_bytes": int(host[-2]), "exchange_bytes": int(host[-1])}
+
+
 def reduce_step_stats(
     model: Transformer, lm_loss_sum: torch.Tensor, num_micro: int, runtime: Runtime
 ) -> StepStats:
@@ -144,28 +156,13 @@ def reduce_step_stats(
     totals = runtime.sum_over_world(torch.cat([losses, rows.flatten()]))
     first_moe = model_config.dense_layers
     copies_LE = RoutingStats.unpack(totals[2:].view_as(rows)[first_moe:], num_experts)
-    traffic_2 = take_traffic(model, totals.device)
-    sent = [] if traffic_2 is None else [traffic_2.double()]
-    host = torch.cat([totals, *sent]).cpu()
-    dispatch_bytes, exchange_bytes = (
-        (None, None) if traffic_2 is None else (int(host[-2]), int(host[-1]))
-    )
-    host = host[: totals.numel()]
+    host, traffic = _read_with_traffic(model, totals)
     lm_loss = host[0].item() / num_micro
     mtp_loss = host[1].item() / num_micro if model_config.mtp_depth else None
     summed = RoutingStats.unpack(host[2:].view_as(rows)[first_moe:], num_experts)
     num_moe_layers = len(summed.routed_copies)
     if not num_moe_layers:
-        return StepStats(
-            lm_loss,
-            0.0,
-            0.0,
-            1.0,
-            0.0,
-            mtp_loss=mtp_loss,
-            dispatch_bytes=dispatch_bytes,
-            exchange_bytes=exchange_bytes,
-        )
+        return StepStats(lm_loss, 0.0, 0.0, 1.0, 0.0, mtp_loss=mtp_loss, **traffic)
     dropped, routed = summed.dropped_copies.sum().item(), summed.routed_copies.sum().item()
     routing = StepRouting(
         layers=tuple(range(first_moe, model_config.n_layers)),
@@ -184,8 +181,7 @@ def reduce_step_stats(
         expert_copies_LE=copies_LE.copies_per_expert,
         routing=routing,
         mtp_loss=mtp_loss,
-        dispatch_bytes=dispatch_bytes,
-        exchange_bytes=exchange_bytes,
+        **traffic,
     )
 
 

@@ -402,6 +402,8 @@ class Trainer:
                 self.expert_load.collapsed_layers if self.expert_load is not None else 0
             ),
             dropped_token_frac=stats.dropped_fraction,
+            dispatch_bytes=stats.dispatch_bytes,
+            exchange_bytes=stats.exchange_bytes,
             peak_mem_bytes=peak,
             step_time_s=step_time,
             data_wait_s=data_wait,
@@ -412,8 +414,6 @@ class Trainer:
             time=time.time(),
             eval_loss=eval_loss,
             mtp_loss=stats.mtp_loss,
-            dispatch_bytes=stats.dispatch_bytes,
-            exchange_bytes=stats.exchange_bytes,
             task_metrics=task_metrics,
             tokens=self.tokens_per_step,
             applied=result.applied,
