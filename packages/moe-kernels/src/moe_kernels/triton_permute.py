@@ -162,41 +162,34 @@ def _empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
-def _launch_gather(x_TD: Tensor, source_token_P: Tensor) -> Tensor:
-    num_rows, dim = source_token_P.shape[0], x_TD.shape[1]
-    out_PD = _empty((num_rows, dim), x_TD)
+def _gather_into(out_RD: Tensor, x_ND: Tensor, source_R: Tensor, sourced_only: bool) -> None:
+    """Run the gather kernel: row r of ``out_RD`` from ``x_ND[source_R[r]]`` (see the kernel)."""
+    num_rows, dim = out_RD.shape
     if num_rows and dim:
         grid = (triton.cdiv(num_rows, _BLOCK_ROWS), triton.cdiv(dim, _BLOCK_DIM))
         _gather_rows_kernel[grid](
-            x_TD,
-            source_token_P,
-            out_PD,
+            x_ND,
+            source_R,
+            out_RD,
             num_rows,
-            x_TD.shape[0],
+            x_ND.shape[0],
             dim,
             BLOCK_ROWS=_BLOCK_ROWS,
             BLOCK_DIM=_BLOCK_DIM,
+            SOURCED_ONLY=sourced_only,
         )
+
+
+def _launch_gather(x_TD: Tensor, source_token_P: Tensor) -> Tensor:
+    out_PD = _empty((source_token_P.shape[0], x_TD.shape[1]), x_TD)
+    _gather_into(out_PD, x_TD, source_token_P, sourced_only=False)
     return out_PD
 
 
 def launch_store_rows(dest_RD: Tensor, source_ND: Tensor, source_of_row_R: Tensor) -> None:
     """``dest_RD[r] = source_ND[source_of_row_R[r]]`` where that is in range; other rows are
     neither loaded nor stored (every tensor contiguous)."""
-    num_rows, dim = dest_RD.shape
-    if num_rows and dim:
-        grid = (triton.cdiv(num_rows, _BLOCK_ROWS), triton.cdiv(dim, _BLOCK_DIM))
-        _gather_rows_kernel[grid](
-            source_ND,
-            source_of_row_R,
-            dest_RD,
-            num_rows,
-            source_ND.shape[0],
-            dim,
-            BLOCK_ROWS=_BLOCK_ROWS,
-            BLOCK_DIM=_BLOCK_DIM,
-            SOURCED_ONLY=True,
-        )
+    _gather_into(dest_RD, source_ND, source_of_row_R, sourced_only=True)
 
 
 def _launch_combine(
