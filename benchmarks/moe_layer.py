@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -133,11 +134,8 @@ def _moe_stage_steps(
 
     def unpermute() -> Tensor:
         clear_leaf_grads()
-        handle_with_leaf = type(handle)(
-            state=type(state)(permutation=state.permutation, topk_weight_TK=weight_leaf),
-            dropped_copies=handle.dropped_copies,
-            num_copies=handle.num_copies,
-        )
+        leaf_state = type(state)(permutation=state.permutation, topk_weight_TK=weight_leaf)
+        handle_with_leaf = dataclasses.replace(handle, state=leaf_state)
         return moe.dispatcher.combine(expert_output_leaf, handle_with_leaf)
 
     yield "router", router, torch.ones(())
