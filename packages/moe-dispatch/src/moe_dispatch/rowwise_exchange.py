@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,10 +75,10 @@ class SlotPlan:
         """Whether unused slots stay unwritten (the transport's writes are the transfer)."""
         return self.transport.writes_rows
 
-    @property
+    @cached_property
     def used_PB(self) -> Tensor:
         """[ep, L * capacity] bool: the slots of this source's block for each rank that hold
-        a kept copy."""
+        a kept copy (made once per dispatch, read by its four exchanges)."""
         return (self.copy_of_slot_S < self.kept_F.shape[0]).view(self.ep, self.block_rows)
 
 
@@ -174,13 +175,16 @@ def _read_expert_groups(plan: SlotPlan) -> Callable[[Tensor], Tensor]:
 
     def read(recv_PLCD: Tensor) -> Tensor:
         ep, num_local, capacity, dim = recv_PLCD.shape
-        if plan.rows_only:
-            assert plan.received.used_PLC is not None
-            recv_PLCD = torch.where(plan.received.used_PLC.unsqueeze(-1), recv_PLCD, 0)
         groups_LGD = recv_PLCD.new_empty(num_local, plan.rows_per_expert, dim)
         groups_LGD[:, ep * capacity :].zero_()
         regions_LPCD = groups_LGD[:, : ep * capacity].view(num_local, ep, capacity, dim)
-        regions_LPCD.copy_(recv_PLCD.transpose(0, 1))
+        if plan.rows_only:  # one pass: the select writes straight into the groups
+            assert plan.received.used_PLC is not None
+            used_LPC1 = plan.received.used_PLC.transpose(0, 1).unsqueeze(-1)
+            zero = recv_PLCD.new_zeros(())
+            torch.where(used_LPC1, recv_PLCD.transpose(0, 1), zero, out=regions_LPCD)
+        else:
+            regions_LPCD.copy_(recv_PLCD.transpose(0, 1))
         return groups_LGD.view(-1, dim)
 
     return read
