@@ -263,11 +263,10 @@ def rows_only_checks(report: Report, rank: int, world_size: int) -> None:
         NUM_EXPERTS, group, float(NUM_EXPERTS), max_tokens, 1, "symmetric_memory"
     )
     a2a = AllToAllDispatcher(NUM_EXPERTS, group)
-    cpu = torch.device("cpu")
     dispatch_combine_backward(shm, problem, rank)  # the buffers exist from here on
     for buffers in shm.transport._buffers.values():  # type: ignore[attr-defined]
         buffers.local_PB.fill_(float("nan") if buffers.local_PB.is_floating_point() else 7)
-    shm.traffic.take(cpu)
+    shm.traffic.take()
     dist.barrier()
     rows = problem.rows(rank)
     routing = (problem.topk_idx_NK[rows], problem.topk_weight_NK[rows])
@@ -275,10 +274,10 @@ def rows_only_checks(report: Report, rank: int, world_size: int) -> None:
     with torch.no_grad():
         for name, dispatcher in (("shm", shm), ("a2a", a2a)):
             dispatcher.dispatch(problem.x_ND[rows], *routing)
-            traffic[f"{name} dispatch"] = dispatcher.traffic.take(cpu).tolist()
+            traffic[f"{name} dispatch"] = dispatcher.traffic.take().tolist()
     written = _rows_written_here(shm.transport)
     dispatch_combine_backward(shm, problem, rank)
-    traffic["shm step"] = shm.traffic.take(cpu).tolist()
+    traffic["shm step"] = shm.traffic.take().tolist()
     num_local = NUM_EXPERTS // world_size
     owner_NK = problem.topk_idx_NK // num_local
     mine = int((owner_NK[rows] != rank).sum())

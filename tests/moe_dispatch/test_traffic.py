@@ -14,9 +14,17 @@ def test_counts_add_up_by_kind_and_a_take_starts_again():
     traffic.count(torch.tensor(7, dtype=torch.int32), dispatch=True)
     traffic.count(30, dispatch=False)
     traffic.count(torch.tensor(5), dispatch=False)
-    taken = traffic.take(torch.device("cpu"))
-    assert taken.dtype == torch.int64 and taken.tolist() == [107, 142]
-    assert traffic.take(torch.device("cpu")).tolist() == [0, 0]
+    taken = traffic.take()
+    assert taken.host_2 == (100, 130) and taken.device_2.dtype == torch.int64
+    assert taken.tolist() == [107, 142]
+    assert traffic.take() == ((0, 0), None)
+
+
+def test_counts_known_on_the_host_make_no_tensor():
+    traffic = Traffic()
+    traffic.count(64, dispatch=True)
+    traffic.count(32, dispatch=False)
+    assert traffic.take() == ((64, 96), None)
 
 
 def test_counting_what_the_device_knows_reads_nothing_on_the_host():
@@ -26,6 +34,6 @@ def test_counting_what_the_device_knows_reads_nothing_on_the_host():
         traffic.count(rows_kept * 16, dispatch=False)
         traffic.count(rows_kept * 2, dispatch=True)
         traffic.count(8, dispatch=True)
-        taken = traffic.take(rows_kept.device)
+        taken = traffic.take()
     assert counter.reads == []
     assert taken.tolist() == [22, 134]

@@ -16,7 +16,7 @@ from moe_dispatch.rowwise import (
     RowwiseDispatcher,
     make_row_transport,
 )
-from moe_dispatch.traffic import Traffic
+from moe_dispatch.traffic import TakenTraffic, Traffic
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
 from moe_dispatch.transport_nvshmem import NvshmemTransport
 from moe_dispatch.transport_symm import SymmetricMemoryTransport, symm_mem_available
@@ -41,6 +41,7 @@ __all__ = [
     "RowTransport",
     "RowwiseDispatcher",
     "SymmetricMemoryTransport",
+    "TakenTraffic",
     "Traffic",
     "__version__",
     "capacity_per_expert",

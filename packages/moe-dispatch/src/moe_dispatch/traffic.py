@@ -3,10 +3,28 @@ by the exchanges themselves and kept on the device until the caller takes them."
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-__all__ = ["Traffic"]
+__all__ = ["TakenTraffic", "Traffic"]
+
+
+class TakenTraffic(NamedTuple):
+    """``[dispatch bytes, exchange bytes]`` taken from a `Traffic`: the part known on the host
+    as integers, the part only the device knows as an int64 tensor (None where there is none).
+    """
+
+    host_2: tuple[int, int]
+    device_2: Tensor | None
+
+    def tolist(self) -> list[int]:
+        """Both counts as integers; reads the device part on the host (for reports and tests;
+        the trainer reads it with the step's other figures)."""
+        if self.device_2 is None:
+            return list(self.host_2)
+        return [h + int(d) for h, d in zip(self.host_2, self.device_2.tolist(), strict=True)]
 
 
 class Traffic:
@@ -35,11 +53,9 @@ class Traffic:
             self._host[0] += num_bytes
         self._host[1] += num_bytes
 
-    def take(self, device: torch.device) -> Tensor:
-        """``[dispatch bytes, exchange bytes]`` (int64 on ``device``) since the last take; then
-        starts again from zero."""
-        total_2 = torch.tensor(self._host, dtype=torch.int64, device=device)
-        if self._device_2 is not None:
-            total_2 = total_2 + self._device_2.to(device)
+    def take(self) -> TakenTraffic:
+        """The bytes counted since the last take; then starts again from zero. Makes no tensor
+        and reads nothing on the host."""
+        taken = TakenTraffic((self._host[0], self._host[1]), self._device_2)
         self._host, self._device_2 = [0, 0], None
-        return total_2
+        return taken

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moe_data import trained_targets
+from moe_dispatch import TakenTraffic
 from moe_parallel import TrainingOptimizer
 from moe_plan.config import Config
 from moe_train.model import Transformer
@@ -105,17 +106,19 @@ def accumulate_gradients(
     return lm_loss_sum
 
 
-def take_traffic(model: Transformer, device: torch.device) -> torch.Tensor | None:
-    """The ``[dispatch, exchange]`` bytes this rank's MoE layers sent other ranks since the
-    last take (`moe_dispatch.Traffic`; int64 on `device`), or None where a layer's dispatcher
-    does not count them."""
-    totals_2 = torch.zeros(2, dtype=torch.int64, device=device)
+def take_traffic(model: Transformer) -> TakenTraffic | None:
+    """The bytes this rank's MoE layers sent other ranks since the last take, summed over the
+    layers (`moe_dispatch.Traffic`), or None where a layer's dispatcher does not count them.
+    Reads nothing on the host."""
+    host_2, device_2 = (0, 0), None
     for layer in model.moe_layers().values():
-        traffic = layer.dispatcher.traffic
-        if traffic is None:
+        if layer.dispatcher.traffic is None:
             return None
-        totals_2 += traffic.take(device)
-    return totals_2
+        taken = layer.dispatcher.traffic.take()
+        host_2 = (host_2[0] + taken.host_2[0], host_2[1] + taken.host_2[1])
+        if taken.device_2 is not None:
+            device_2 = taken.device_2 if device_2 is None else device_2 + taken.device_2
+    return TakenTraffic(host_2, device_2)
 
 
 def _read_with_traffic(
@@ -123,11 +126,16 @@ def _read_with_traffic(
 ) -> tuple[torch.Tensor, dict[str, int | None]]:
     """`totals` on the host, and this rank's traffic since the last take (`take_traffic`) as
     StepStats' `dispatch_bytes` and `exchange_bytes`, read in the same transfer."""
-    traffic_2 = take_traffic(model, totals.device)
-    if traffic_2 is None:
+    taken = take_traffic(model)
+    if taken is None:
         return totals.cpu(), {"dispatch_bytes": None, "exchange_bytes": None}
-    host = torch.cat([totals, traffic_2.double()]).cpu()
-    return host[:-2], {"dispatch_bytes": int(host[-2]), "exchange_bytes": int(host[-1])}
+    if taken.device_2 is None:
+        host, sent_2 = totals.cpu(), taken.host_2
+    else:
+        both = torch.cat([totals, taken.device_2.to(totals.device, totals.dtype)]).cpu()
+        host = both[:-2]
+        sent_2 = [h + int(d) for h, d in zip(taken.host_2, both[-2:].tolist(), strict=True)]
+    return host, {"dispatch_bytes": int(sent_2[0]), "exchange_bytes": int(sent_2[1])}
 
 
 def reduce_step_stats(
@@ -351,7 +359,7 @@ class StepRunner:
         A step whose global loss or gradient norm is not finite is skipped: nothing is updated (every rank sees the same global figures, so every rank decides
         the same)."""
         data = self.config.data
-        take_traffic(self.model, self.runtime.device)  # what evaluation sent is not the step's
+        take_traffic(self.model)  # what evaluation sent is not the step's
         if data.label_mask:
             trained = self.trained_tokens(micro_batches)
             lm_loss_sum = self.forward_backward(micro_batches, self.loss_normalizer(trained))
