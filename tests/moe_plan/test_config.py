@@ -10,11 +10,14 @@ import yaml
 from moe_plan.config import (
     Config,
     DataConfig,
+    DispatchChoice,
+    choose_dispatcher,
     config_from_dict,
-    dispatch_choice,
+    dispatcher_reason,
     dump_config,
     load_config,
     parse_overrides,
+    transport_candidates,
 )
 from moe_plan.errors import ConfigError, DataError
 
@@ -106,7 +109,7 @@ def test_resolved_config_round_trips(tmp_path):
         ),
         (
             {"parallel": {"rowwise_transport": "nvlink"}},
-            "parallel.rowwise_transport='nvlink' must be one of 'all_to_all', 'symmetric_memory'",
+            "parallel.rowwise_transport='nvlink' must be one of 'auto', 'all_to_all', 'symmetric_memory'",
         ),
         ({"optim": {"betas": [0.9]}}, "optim.betas=[0.9] must be two numbers in [0, 1)"),
         ({"train": {"max_steps": 0}}, "train.max_steps=0 must be positive"),
@@ -195,9 +198,9 @@ def test_config_changes_compare_the_keys_both_configs_have():
 OPTION_SETTINGS = {
     ("optim.name",): (["--optim.name=adamw"], ["--optim.name=muon"]),
     ("optim.schedule",): (["--optim.schedule=constant"], ["--optim.schedule=linear"]),
-    ("parallel.dispatcher",): (
-        ["--parallel.dispatcher=all_to_all"],
-        ["--parallel.dispatcher=rowwise"],
+    ("parallel.dispatcher", "model.moe.capacity_factor"): (
+        ["--parallel.dispatcher=all_to_all", "--model.moe.capacity_factor=1.25"],
+        ["--parallel.dispatcher=auto", "--model.moe.capacity_factor=1.25"],
     ),
     ("model.mtp_depth",): (["--model.mtp_depth=0"], ["--model.mtp_depth=1"]),
     ("train.routing_check.max_rank_imbalance",): (
@@ -308,12 +311,19 @@ def test_a_rowwise_key_in_a_file_under_another_dispatcher_is_refused(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert str(info.value) == (
-        f"parallel.rowwise_transport is set in {path} but parallel.dispatcher=auto; it is used "
-        "only with parallel.dispatcher=rowwise"
+        f"parallel.rowwise_transport is set in {path} but parallel.dispatcher=auto, "
+        "model.moe.capacity_factor=null; it is used only with parallel.dispatcher=rowwise, or "
+        "auto with a model.moe.capacity_factor"
     )
     # At its default in the file: nothing to refuse (a hand-written file may list defaults).
-    path.write_text("parallel:\n  dispatcher: auto\n  rowwise_transport: all_to_all\n")
-    assert load_config(path).parallel.rowwise_transport == "all_to_all"
+    path.write_text("parallel:\n  dispatcher: auto\n  rowwise_transport: auto\n")
+    assert load_config(path).parallel.rowwise_transport == "auto"
+    # auto with a capacity runs rowwise, which reads the transport.
+    path.write_text(
+        "model:\n  moe:\n    capacity_factor: 1.25\n"
+        "parallel:\n  dispatcher: auto\n  rowwise_transport: nvshmem\n"
+    )
+    assert load_config(path).parallel.rowwise_transport == "nvshmem"
 
 
 def test_saved_configs_with_unused_values_still_load(tmp_path):
@@ -334,19 +344,27 @@ def test_saved_configs_with_unused_values_still_load(tmp_path):
         load_config(tmp_path / "config.yaml", ["--optim.muon_momentum=0.8"])
 
 
-def test_the_dispatch_choice_names_the_backend_its_transport_and_why():
-    def choice(ep: int, **parallel) -> tuple:
-        made = dispatch_choice(config_from_dict({"parallel": {"ep": ep, **parallel}}).parallel, ep)
-        return made.dispatcher, made.transport, made.describe()
-
-    assert choice(1, dispatcher="rowwise")[:2] == ("local", None)
-    dispatcher, transport, line = choice(2)
-    assert (dispatcher, transport) == ("all_to_all", None)
-    assert line.startswith("all_to_all (parallel.dispatcher=auto at ep 2: it reads")
-    assert choice(2, dispatcher="rowwise", rowwise_transport="symmetric_memory") == (
-        "rowwise",
+def test_auto_dispatch_is_rowwise_with_a_capacity_and_all_to_all_without():
+    assert choose_dispatcher("rowwise", 1, 1.0) == "local"
+    assert choose_dispatcher("auto", 2, None) == "all_to_all"
+    assert choose_dispatcher("auto", 2, 1.25) == "rowwise"
+    assert choose_dispatcher("local", 4, 1.25) == "all_to_all"
+    assert choose_dispatcher("all_to_all_dedup", 4, 1.25) == "all_to_all_dedup"
+    # auto prefers nvshmem, then torch symmetric memory, of what the machine has.
+    assert transport_candidates("auto", ("symmetric_memory", "nvshmem")) == (
+        "nvshmem",
         "symmetric_memory",
-        "rowwise over symmetric_memory (parallel.dispatcher=rowwise, "
-        "parallel.rowwise_transport=symmetric_memory)",
     )
-    assert choice(4, dispatcher="all_to_all_dedup")[:2] == ("all_to_all_dedup", None)
+    assert transport_candidates("auto", ()) == ()
+    assert transport_candidates("all_to_all", ("nvshmem",)) == ("all_to_all",)
+
+    def reason(ep: int, capacity: float | None, **parallel) -> str:
+        config = config_from_dict({"parallel": {"ep": ep, **parallel}})
+        return dispatcher_reason(config.parallel, capacity, ep)
+
+    assert reason(1, None).startswith("one rank holds every expert")
+    assert "a model.moe.capacity_factor would make dispatch sync-free" in reason(2, None)
+    assert "model.moe.capacity_factor=1.25: static per-expert buffers" in reason(2, 1.25)
+    assert reason(2, 1.25, dispatcher="all_to_all") == "parallel.dispatcher=all_to_all"
+    choice = DispatchChoice("rowwise", "symmetric_memory", "why")
+    assert choice.describe() == "rowwise over symmetric_memory (why)"

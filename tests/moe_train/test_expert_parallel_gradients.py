@@ -183,6 +183,29 @@ def _symmetric_memory_across_hosts(run_dir: str) -> str:
         return _config_error_of_training("rowwise/symmetric_memory", run_dir)
 
 
+def _dispatch_across_hosts(dispatcher: str) -> tuple:
+    """With parallel.rowwise_transport=auto, when the shared memory of the two ranks is not
+    the same (two hosts): what runs, why, and the dispatcher class the layers get."""
+    import tempfile
+    from pathlib import Path
+    from unittest import mock
+
+    import moe_dispatch.transport_symm as transport_symm
+
+    config = _config(2, dispatcher)
+    config.model.moe.capacity_factor = 8.0
+    config.parallel.rowwise_transport = "auto"
+    runtime = start_runtime(config)
+    own_folder = Path(tempfile.mkdtemp(prefix="moe-shm-test-"))
+    with mock.patch.object(transport_symm, "_shared_memory_folder", lambda: own_folder):
+        made = layer_dispatchers(config, runtime.layout.ep_group, runtime.device)
+    choice = made.choice
+    layer = made(0)
+    transport = getattr(layer, "transport", None)
+    transport_name = transport.name if transport is not None else None
+    return choice.dispatcher, choice.transport, choice.why, type(layer).__name__, transport_name
+
+
 def _deepep_installed() -> bool:
     try:
         import deep_ep  # noqa: F401
@@ -194,6 +217,8 @@ def _deepep_installed() -> bool:
 def _errors_of_training(rank: int, world_size: int, run_root: str) -> dict[str, str]:
     """Body for `run_distributed`: the errors of the layouts these two ranks cannot run."""
     errors = {"symmetric_memory": _symmetric_memory_across_hosts(f"{run_root}/symmetric_memory")}
+    for dispatcher in ("auto", "rowwise"):
+        errors[f"{dispatcher} across hosts"] = _dispatch_across_hosts(dispatcher)
     if not _deepep_installed():
         errors["deepep"] = _config_error_of_training("deepep", f"{run_root}/deepep")
     return errors
@@ -214,6 +239,21 @@ def test_deepep_without_deepep_is_one_clear_error_on_every_rank(errors_on_two_ra
     assert messages[0] == messages[1]
     assert not (root / "deepep").exists()
     assert "DeepEP" in messages[0] and "all_to_all or rowwise" in messages[0]
+
+
+def test_auto_transport_across_hosts_falls_back_to_the_all_to_all_exchange(errors_on_two_ranks):
+    """No peer-memory transport connects: auto dispatch runs all_to_all, rowwise its padded
+    all-to-all transport; every rank agrees, and the reason names what failed."""
+    _, errors = errors_on_two_ranks
+    auto = [e["auto across hosts"] for e in errors]
+    rowwise = [e["rowwise across hosts"] for e in errors]
+    assert auto[0][:2] == auto[1][:2] == ("all_to_all", None)
+    assert auto[0][3] == "AllToAllDispatcher"
+    assert auto[0][2].startswith("parallel.dispatcher=auto fell back to all_to_all: no ")
+    assert "symmetric_memory: " in auto[0][2] and "share one host" in auto[0][2]
+    assert rowwise[0][:2] == rowwise[1][:2] == ("rowwise", "all_to_all")
+    assert rowwise[0][3:] == ("RowwiseDispatcher", "all_to_all")
+    assert "parallel.rowwise_transport=auto: all_to_all, as no transport" in rowwise[0][2]
 
 
 def test_symmetric_memory_across_hosts_is_one_clear_error_on_every_rank(errors_on_two_ranks):

@@ -15,6 +15,7 @@ from moe_dispatch.rowwise import (
     RowTransport,
     RowwiseDispatcher,
     make_row_transport,
+    peer_memory_transports,
 )
 from moe_dispatch.traffic import TakenTraffic, Traffic
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
@@ -47,6 +48,7 @@ __all__ = [
     "capacity_per_expert",
     "make_dispatcher",
     "make_row_transport",
+    "peer_memory_transports",
     "position_in_expert",
     "symm_mem_available",
 ]

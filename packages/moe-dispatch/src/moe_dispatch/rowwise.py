@@ -33,14 +33,15 @@ from moe_dispatch.protocol import (
 from moe_dispatch.rowwise_exchange import CombineRows, DispatchRows, SlotPlan
 from moe_dispatch.traffic import Traffic
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
-from moe_dispatch.transport_nvshmem import NvshmemTransport
-from moe_dispatch.transport_symm import SymmetricMemoryTransport
+from moe_dispatch.transport_nvshmem import NvshmemTransport, nvshmem_available
+from moe_dispatch.transport_symm import SymmetricMemoryTransport, symm_mem_available
 
 __all__ = [
     "ROW_TRANSPORT_NAMES",
     "RowTransport",
     "RowwiseDispatcher",
     "make_row_transport",
+    "peer_memory_transports",
     "position_in_expert",
 ]
 
@@ -91,6 +92,21 @@ def make_row_transport(name: str, group: dist.ProcessGroup) -> RowTransport:
         f"parallel.rowwise_transport={name!r} is not a rowwise transport; valid: "
         f"{', '.join(ROW_TRANSPORT_NAMES)}"
     )
+
+
+def peer_memory_transports(device: torch.device) -> tuple[str, ...]:
+    """The transports that write rows into peers' memory that this process has for tensors
+    on ``device``, best first: on CUDA nvshmem where nvshmem4py imports, and
+    symmetric_memory where torch's symmetric memory module does; on a CPU symmetric_memory
+    (shared memory). Whether the group's ranks can reach each other is known at ``connect``."""
+    if torch.device(device).type != "cuda":
+        return ("symmetric_memory",)
+    found = []
+    if nvshmem_available():
+        found.append("nvshmem")
+    if symm_mem_available():
+        found.append("symmetric_memory")
+    return tuple(found)
 
 
 def _kept_per_expert(

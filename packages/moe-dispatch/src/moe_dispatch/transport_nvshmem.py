@@ -66,7 +66,7 @@ from torch import Tensor
 from moe_dispatch.protocol import BackendUnavailable
 from moe_dispatch.transport_symm import SymmetricMemoryTransport, _gather, _PeerBuffers
 
-__all__ = ["NvshmemTransport"]
+__all__ = ["NvshmemTransport", "nvshmem_available"]
 
 INSTALL_HINT = "pip install 'moestack-dispatch[nvshmem]' (nvshmem4py-cu13)"
 """How to get nvshmem4py, as the errors say it."""
@@ -86,6 +86,17 @@ def _libraries() -> tuple[ModuleType, ModuleType]:
             f"{INSTALL_HINT}; or use the all_to_all transport"
         ) from e
     return nvshmem_core, cuda_core
+
+
+def nvshmem_available() -> bool:
+    """True when CUDA is present and nvshmem4py imports (not a proof NVSHMEM starts)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _libraries()
+    except BackendUnavailable:
+        return False
+    return True
 
 
 def _cuda_index(device: torch.device) -> int:

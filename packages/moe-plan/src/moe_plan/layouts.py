@@ -200,7 +200,9 @@ def fixed_sections_valid(config: Config) -> bool:
 def _resolved(config: Config) -> Config:
     """The config with the dispatcher the trainer would run at its expert-parallel size."""
     parallel = config.parallel
-    dispatcher = choose_dispatcher(parallel.dispatcher, parallel.ep)
+    dispatcher = choose_dispatcher(
+        parallel.dispatcher, parallel.ep, config.model.moe.capacity_factor
+    )
     if dispatcher == parallel.dispatcher:
         return config
     return dataclasses.replace(
@@ -285,7 +287,9 @@ def candidate_layouts(config: Config, world_size: int, device: Device) -> Iterat
             sizes = dataclasses.replace(parallel, pp=pp, ep=ep, cp=cp)
             batch_ranks = layout_shape(sizes, world_size).batch_ranks
             for schedule, virtual in _schedules(pp, model.n_layers):
-                parallels = _parallel_sections(parallel, pp, ep, cp, schedule, virtual)
+                parallels = _parallel_sections(
+                    parallel, model.moe.capacity_factor, pp, ep, cp, schedule, virtual
+                )
                 for micro in _micro_batch_sizes(data.global_batch_size // batch_ranks):
                     if micro not in datas:
                         datas[micro] = dataclasses.replace(data, micro_batch_size=micro)
@@ -303,10 +307,17 @@ def _stage_ranks(world_size: int, pp: int) -> int:
 
 
 def _parallel_sections(
-    parallel: ParallelConfig, pp: int, ep: int, cp: int, schedule: str, virtual: int
+    parallel: ParallelConfig,
+    capacity_factor: float | None,
+    pp: int,
+    ep: int,
+    cp: int,
+    schedule: str,
+    virtual: int,
 ) -> list[ParallelConfig]:
     """The parallel sections of these sizes and schedule the layouts try: each recompute
-    mode, without and with the distributed optimizer."""
+    mode, without and with the distributed optimizer (the dispatcher the trainer would run
+    at ep with `capacity_factor`)."""
     return [
         dataclasses.replace(
             parallel,
@@ -317,7 +328,7 @@ def _parallel_sections(
             virtual_stages=virtual,
             recompute=recompute,
             distributed_optimizer=dist_opt,
-            dispatcher=choose_dispatcher(parallel.dispatcher, ep),
+            dispatcher=choose_dispatcher(parallel.dispatcher, ep, capacity_factor),
         )
         for recompute in ("none", "selective", "full")
         for dist_opt in (False, True)

@@ -15,7 +15,13 @@ planner share live here too: a layout's shape (`layout_shape`), whether it can s
 from moe_plan.config.accounting import ParamCounts, count_params, flops_per_token
 from moe_plan.config.changes import Change, config_changes, flatten_config
 from moe_plan.config.data import DataConfig, MixtureSourceConfig
-from moe_plan.config.dispatcher_choice import DispatchChoice, choose_dispatcher, dispatch_choice
+from moe_plan.config.dispatcher_choice import (
+    PEER_MEMORY_TRANSPORTS,
+    DispatchChoice,
+    choose_dispatcher,
+    dispatcher_reason,
+    transport_candidates,
+)
 from moe_plan.config.key_rules import (
     KEY_RULES,
     LAYOUT,
@@ -44,6 +50,7 @@ __all__ = [
     "BUILTIN_TASK_PREFIX",
     "KEY_RULES",
     "LAYOUT",
+    "PEER_MEMORY_TRANSPORTS",
     "TASK_SUFFIXES",
     "Change",
     "CheckpointConfig",
@@ -68,7 +75,7 @@ __all__ = [
     "config_changes",
     "config_from_dict",
     "count_params",
-    "dispatch_choice",
+    "dispatcher_reason",
     "dump_config",
     "flatten_config",
     "flops_per_token",
@@ -78,6 +85,7 @@ __all__ = [
     "plan_stages",
     "resume_refuses",
     "task_name",
+    "transport_candidates",
     "verify_allows",
     "what_changes",
     "why_numbers",

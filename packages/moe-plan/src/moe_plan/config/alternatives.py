@@ -68,9 +68,12 @@ ALTERNATIVES: tuple[Alternative, ...] = (
     ),
     Alternative(
         keys=("parallel.rowwise_transport",),
-        options=("parallel.dispatcher",),
-        used_with="parallel.dispatcher=rowwise",
-        holds=lambda c: c.parallel.dispatcher == "rowwise",
+        options=("parallel.dispatcher", "model.moe.capacity_factor"),
+        used_with="parallel.dispatcher=rowwise, or auto with a model.moe.capacity_factor",
+        holds=lambda c: (
+            c.parallel.dispatcher == "rowwise"
+            or (c.parallel.dispatcher == "auto" and c.model.moe.capacity_factor is not None)
+        ),
     ),
     Alternative(
         keys=("model.mtp_loss_weight",),

@@ -1,6 +1,8 @@
-"""Which token dispatcher backend a layout runs, and why. Torch-free: the trainer builds the
-backend it names (`moe_train.parallelize.layer_dispatchers`) and reports the reason (banner and
-manifest), the planner models it."""
+"""Which token dispatcher backend a layout runs, over which transport, and why. Torch-free:
+the trainer finds which symmetric-memory transports its machine has
+(`moe_train.parallelize.layer_dispatchers`), builds what `choose_dispatcher` and
+`transport_candidates` name, and reports the `DispatchChoice` (banner and manifest); the
+planner models it."""
 
 from __future__ import annotations
 
@@ -8,20 +10,39 @@ from dataclasses import dataclass
 
 from moe_plan.config.runtime import ParallelConfig
 
+PEER_MEMORY_TRANSPORTS = ("nvshmem", "symmetric_memory")
+"""The rowwise transports that write rows straight into peers' memory, in the order
+`parallel.rowwise_transport=auto` prefers them."""
 
-def choose_dispatcher(requested: str, ep: int) -> str:
-    """The backend that runs `parallel.dispatcher` = `requested` at expert-parallel size `ep`.
 
-    Without expert parallelism every backend reduces to local; with it, auto means
-    all_to_all, and so does local, which cannot move tokens between ranks (the trainer
-    rejects an explicit local at ep > 1 before it builds anything; the planner relies on
-    this to try a config of ep = 1 at larger ep).
+def choose_dispatcher(requested: str, ep: int, capacity_factor: float | None) -> str:
+    """The backend that runs `parallel.dispatcher` = `requested` at expert-parallel size `ep`
+    with `model.moe.capacity_factor` = `capacity_factor`, where a peer-memory transport exists.
+
+    Without expert parallelism every backend reduces to local. With it, auto means rowwise
+    (static buffers sized by the capacity: no host reads) when there is a capacity, else
+    all_to_all; local, which cannot move tokens between ranks, means all_to_all too (the
+    trainer rejects an explicit local at ep > 1 before it builds anything; the planner relies
+    on this to try a config of ep = 1 at larger ep).
     """
     if ep == 1:
         return "local"
-    if requested in ("auto", "local"):
+    if requested == "auto":
+        return "rowwise" if capacity_factor is not None else "all_to_all"
+    if requested == "local":
         return "all_to_all"
     return requested
+
+
+def transport_candidates(requested: str, available: tuple[str, ...]) -> tuple[str, ...]:
+    """The rowwise transports to try in order, for `parallel.rowwise_transport` = `requested`
+    on a machine whose usable peer-memory transports are `available` (best first).
+
+    A named transport is tried alone. auto tries each available peer-memory transport; the
+    caller falls back when none connects (all_to_all, the dispatcher or the transport)."""
+    if requested != "auto":
+        return (requested,)
+    return tuple(name for name in PEER_MEMORY_TRANSPORTS if name in available)
 
 
 @dataclass(frozen=True)
@@ -41,20 +62,19 @@ class DispatchChoice:
         return f"{self.dispatcher}{over} ({self.why})"
 
 
-def dispatch_choice(parallel: ParallelConfig, ep: int) -> DispatchChoice:
-    """The dispatcher (`choose_dispatcher`) and transport a layout of expert-parallel size
-    `ep` runs, with the reason a user reads in the banner and the manifest."""
-    dispatcher = choose_dispatcher(parallel.dispatcher, ep)
-    transport = parallel.rowwise_transport if dispatcher == "rowwise" else None
+def dispatcher_reason(parallel: ParallelConfig, capacity_factor: float | None, ep: int) -> str:
+    """Why `choose_dispatcher` picked its backend, in words a user reads in the banner."""
     if ep == 1:
-        why = "one rank holds every expert: tokens are only permuted"
-    elif parallel.dispatcher == "auto":
-        why = (
-            f"parallel.dispatcher=auto at ep {ep}: it reads each MoE layer's split sizes on "
-            "the host; rowwise, with a model.moe.capacity_factor, would not"
+        return "one rank holds every expert: tokens are only permuted"
+    if parallel.dispatcher != "auto":
+        return f"parallel.dispatcher={parallel.dispatcher}"
+    if capacity_factor is None:
+        return (
+            f"parallel.dispatcher=auto at ep {ep}, dropless: it reads each MoE layer's split "
+            "sizes on the host; a model.moe.capacity_factor would make dispatch sync-free "
+            "(rowwise)"
         )
-    else:
-        why = f"parallel.dispatcher={parallel.dispatcher}"
-        if transport:
-            why += f", parallel.rowwise_transport={transport}"
-    return DispatchChoice(dispatcher, transport, why)
+    return (
+        f"parallel.dispatcher=auto at ep {ep} with model.moe.capacity_factor={capacity_factor}: "
+        "static per-expert buffers, no host reads"
+    )

@@ -30,19 +30,24 @@ class ParallelConfig:
     dispatcher: Literal["auto", "local", "all_to_all", "rowwise", "deepep", "all_to_all_dedup"] = (
         "auto"
     )
-    """Token dispatch backend between expert-parallel ranks: auto (local with ep = 1,
-    all_to_all with ep > 1), or one by name; with ep = 1 every one is local. all_to_all sends
-    one row per token copy; all_to_all_dedup sends a token once to each rank holding any of
-    its experts (the rank sums its experts' weighted outputs and sends one row back), which
-    saves bytes where tokens choose several experts on one rank, as node-limited routing
+    """Token dispatch backend between expert-parallel ranks: auto, or one by name; with ep = 1
+    every one is local. auto at ep > 1: rowwise when model.moe.capacity_factor is set (static
+    buffers, no host reads) and a peer-memory transport exists (see rowwise_transport),
+    otherwise all_to_all. all_to_all sends one row per token copy and reads each layer's split
+    sizes on the host; all_to_all_dedup sends a token once to each rank holding any of its
+    experts (the rank sums its experts' weighted outputs and sends one row back), which saves
+    bytes where tokens choose several experts on one rank, as node-limited routing
     (model.moe.topk_group) does when groups lie on ranks or nodes."""
-    rowwise_transport: Literal["all_to_all", "symmetric_memory", "nvshmem"] = "all_to_all"
-    """How dispatcher=rowwise moves its fixed-size blocks: all_to_all (an even all-to-all over
-    the process group, any backend), symmetric_memory (written straight into peers' buffers;
-    every rank of an EP group on one node: torch symmetric memory on GPUs, not yet run on one,
-    and shared memory on CPUs) or nvshmem (the same exchange on NVSHMEM's symmetric heap, GPUs
-    only, peers on other nodes reached by put; needs moestack-dispatch[nvshmem]; not yet run on
-    a GPU)."""
+    rowwise_transport: Literal["auto", "all_to_all", "symmetric_memory", "nvshmem"] = "auto"
+    """How the rowwise dispatcher moves its rows. symmetric_memory: written straight into
+    peers' buffers, only the slots that hold a row; every rank of an EP group on one node
+    (torch symmetric memory on GPUs, not yet run on one; shared memory on CPUs). nvshmem: the
+    same on NVSHMEM's symmetric heap, GPUs only, peers on other nodes reached by put (needs
+    moestack-dispatch[nvshmem]; not yet run on a GPU). all_to_all: every capacity slot, filled
+    or not, in an even all-to-all over the process group (any backend). auto: nvshmem where
+    nvshmem4py imports on a GPU, else symmetric_memory where it connects; where neither
+    does, dispatcher=auto falls back to the all_to_all dispatcher and dispatcher=rowwise to
+    this all_to_all transport (the banner says which ran and why)."""
     distributed_optimizer: bool = False
     """Shard optimizer state over each gradient-reduction group."""
     recompute: Literal["none", "selective", "full"] = "none"

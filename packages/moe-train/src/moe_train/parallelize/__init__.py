@@ -5,7 +5,6 @@ layout is that model transformed here (see `apply`), with the token dispatchers 
 layers (`dispatchers`) and its part of each sequence (`context_parallel`).
 """
 
-from moe_plan.config import choose_dispatcher
 from moe_train.parallelize.apply import (
     apply_context_parallel,
     apply_expert_parallel,
@@ -13,15 +12,19 @@ from moe_train.parallelize.apply import (
     materialize,
 )
 from moe_train.parallelize.context_parallel import ContextShard, context_shard
-from moe_train.parallelize.dispatchers import DispatcherFactory, layer_dispatchers
+from moe_train.parallelize.dispatchers import (
+    DispatcherFactory,
+    LayerDispatchers,
+    layer_dispatchers,
+)
 
 __all__ = [
     "ContextShard",
     "DispatcherFactory",
+    "LayerDispatchers",
     "apply_context_parallel",
     "apply_expert_parallel",
     "apply_pipeline_split",
-    "choose_dispatcher",
     "context_shard",
     "layer_dispatchers",
     "materialize",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_data import MixedDataset, TokenDataset
-from moe_plan.config import Config, dispatch_choice
+from moe_plan.config import Config, DispatchChoice
 from moe_train.model import count_params
 from moe_train.train.console import load_scale
 from moe_train.train.data_feed import describe_sources
@@ -32,6 +32,8 @@ class RunFacts:
     """The expert GEMM applied, the kernel that runs it, and why."""
     linear: str
     """How the linear layers run (precision.linear), and why."""
+    dispatch: DispatchChoice
+    """The token dispatcher and transport that run, and why."""
     dataset: TokenDataset | MixedDataset
     task_scorer: TaskScorer | None
 
@@ -70,7 +72,7 @@ def banner_rows(config: Config, runtime: Runtime, facts: RunFacts) -> list[tuple
             f"{layout.ep} on {runtime.device.type}; peak {facts.peak_flops / 1e12:.2f} TFLOP/s "
             f"per device ({facts.peak_source})",
         ),
-        ("dispatch", dispatch_choice(config.parallel, layout.ep).describe()),
+        ("dispatch", facts.dispatch.describe()),
         (
             "precision",
             f"{config.precision.param_dtype} params, {config.precision.compute_dtype} "

@@ -24,7 +24,7 @@ from moe_parallel import TrainingOptimizer
 from moe_plan.config import Config
 from moe_train.model import Transformer
 from moe_train.model.routing_stats import RoutingStats
-from moe_train.parallelize import ContextShard, DispatcherFactory, context_shard, layer_dispatchers
+from moe_train.parallelize import ContextShard, LayerDispatchers, context_shard, layer_dispatchers
 from moe_train.train.micro_batches import MicroBatches, model_inputs
 from moe_train.train.pipeline import PipelineRunner
 from moe_train.train.rank_build import (
@@ -229,7 +229,7 @@ class StepRunner:
         runtime: Runtime,
         eos_id: int | None = None,
         *,
-        dispatchers: DispatcherFactory | None = None,
+        dispatchers: LayerDispatchers | None = None,
     ) -> None:
         """`eos_id`: the data's end-of-document id, which data.document_masking needs.
         `dispatchers`: the MoE layers' (default: `layer_dispatchers` for the layout)."""
@@ -245,9 +245,12 @@ class StepRunner:
         plan = stage_plan(config, layout)
         self.context = context_shard(layout)
         """This rank's part of each sequence (None without context parallelism)."""
+        dispatchers = dispatchers or layer_dispatchers(config, layout.ep_group, device)
+        self.dispatch = dispatchers.choice
+        """The dispatcher and transport the MoE layers run, and why (banner and manifest)."""
         self.model = build_rank_model(
             config,
-            dispatchers or layer_dispatchers(config, layout.ep_group, device),
+            dispatchers,
             plan,
             device,
             self.context,

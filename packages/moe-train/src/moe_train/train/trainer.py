@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from moe_plan.config import Config, dispatch_choice, dump_config
+from moe_plan.config import Config, dump_config
 from moe_train.errors import TrainingDiverged
 from moe_train.model import Transformer, flops_per_token
 from moe_train.run_paths import checkpoint_root
@@ -207,7 +207,7 @@ class Trainer:
                 self.start_step,
                 previous,
                 self.runner.kernels,
-                dispatch_choice(config.parallel, runtime.layout.ep),
+                self.runner.dispatch,
             )
             write_manifest(self.run_dir, self.manifest)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl") if runtime.is_main else None
@@ -238,6 +238,7 @@ class Trainer:
             peak_source=self.peak_source,
             expert_gemm=self.runner.kernels["expert_gemm"],
             linear=self.runner.kernels["linear"],
+            dispatch=self.runner.dispatch,
             dataset=self.dataset,
             task_scorer=self.task_scorer,
         )
