@@ -106,6 +106,8 @@ class BenchSetup:
                 "dispatcher": variant.dispatcher,
                 "distributed_optimizer": variant.distributed_optimizer,
             }
+            if rowwise:  # collectives the counters see (symmetric memory moves none)
+                parallel["rowwise_transport"] = "all_to_all"
         return config_from_dict(
             {
                 "model": model,
