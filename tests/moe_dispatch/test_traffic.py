@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from harness.host_reads import HostReadCounter
-from moe_dispatch import Traffic
+from moe_dispatch import TakenTraffic, Traffic
 
 
 def test_counts_add_up_by_kind_and_a_take_starts_again():
@@ -37,3 +37,15 @@ def test_counting_what_the_device_knows_reads_nothing_on_the_host():
         taken = traffic.take()
     assert counter.reads == []
     assert taken.tolist() == [22, 134]
+
+
+def test_takes_add_host_parts_as_integers_and_device_parts_on_the_device():
+    host_only = TakenTraffic((10, 20), None)
+    device_part = TakenTraffic((1, 2), torch.tensor([100, 200]))
+    assert host_only.plus(host_only) == ((20, 40), None)
+    with HostReadCounter() as counter:
+        both = host_only.plus(device_part).plus(device_part)
+    assert counter.reads == []
+    assert both.host_2 == (12, 24)
+    assert both.tolist() == [212, 424]
+    assert device_part.plus(host_only).tolist() == [111, 222]

@@ -41,6 +41,9 @@ class ReceivedSlots:
 
     used_PLC: Tensor | None = None
     """[ep, L, C] bool: source p filled slot c of local expert l."""
+    from_peers: Tensor | None = None
+    """0-d int64: the slots of `used_PLC` that other ranks filled (rows an owner's exchange
+    sends back to them)."""
 
 
 @dataclass(frozen=True)
@@ -81,21 +84,32 @@ class SlotPlan:
         a kept copy (made once per dispatch, read by its four exchanges)."""
         return (self.copy_of_slot_S < self.kept_F.shape[0]).view(self.ep, self.block_rows)
 
+    @cached_property
+    def to_peers(self) -> Tensor:
+        """0-d int64: the slots of `used_PB` in other ranks' blocks (rows a source's exchange
+        sends them), counted once per dispatch on the device."""
+        return _outside_own_block(self.used_PB, self.rank)
+
+
+def _outside_own_block(used_PB: Tensor, rank: int) -> Tensor:
+    """0-d int64: the used slots of every block but block ``rank``."""
+    used_P = used_PB.sum(dim=1)
+    return used_P.sum() - used_P[rank]
+
 
 def _row_store_backend(dest: Tensor) -> str:
     """The kernel that writes only used rows: Triton on GPUs, where the saving is real."""
     return "triton" if dest.device.type == "cuda" else "torch"
 
 
-def _count(plan: SlotPlan, used_PB: Tensor | None, rows: Tensor, dispatch: bool) -> None:
+def _count(plan: SlotPlan, used_to_peers: Tensor | None, rows: Tensor, dispatch: bool) -> None:
     """Count the bytes of an exchange of ``rows``' width and dtype that leave for the other
-    ranks: the slots ``used_PB`` marks in their blocks where only used slots move (a count on
-    the device), every slot otherwise."""
+    ranks: ``used_to_peers`` rows where only used slots move (a count on the device), every
+    slot otherwise."""
     row_bytes = rows.shape[1] * rows.element_size()
     if plan.rows_only:
-        assert used_PB is not None
-        to_peers = used_PB.sum() - used_PB[plan.rank].sum()
-        plan.traffic.count(to_peers * row_bytes, dispatch=dispatch)
+        assert used_to_peers is not None
+        plan.traffic.count(used_to_peers * row_bytes, dispatch=dispatch)
     else:
         plan.traffic.count((plan.ep - 1) * plan.block_rows * row_bytes, dispatch=dispatch)
 
@@ -119,9 +133,11 @@ def _send_used_slots(plan: SlotPlan, device: torch.device) -> None:
     def write_block(peer: int, dest_LC: Tensor) -> None:
         dest_LC.view(-1).copy_(used_PB[peer])
 
-    plan.received.used_PLC = plan.transport.exchange_blocks(
+    used_PLC = plan.transport.exchange_blocks(
         (plan.num_local, plan.capacity), torch.uint8, device, write_block, lambda r: r.bool()
     )
+    plan.received.used_PLC = used_PLC
+    plan.received.from_peers = _outside_own_block(used_PLC.view(plan.ep, -1), plan.rank)
     plan.traffic.count((plan.ep - 1) * plan.block_rows, dispatch=True)
 
 
@@ -209,13 +225,12 @@ def _with_zero_row(rows_ND: Tensor) -> Tensor:
 
 def _source_writes(plan: SlotPlan, rows: Tensor, dispatch: bool) -> None:
     """Count an exchange in which this rank writes its copies' slots."""
-    _count(plan, plan.used_PB, rows, dispatch)
+    _count(plan, plan.to_peers if plan.rows_only else None, rows, dispatch)
 
 
 def _owner_writes(plan: SlotPlan, rows: Tensor) -> None:
     """Count an exchange in which this rank writes the slots its experts received."""
-    used_PLC = plan.received.used_PLC
-    _count(plan, None if used_PLC is None else used_PLC.view(plan.ep, -1), rows, False)
+    _count(plan, plan.received.from_peers, rows, False)
 
 
 class DispatchRows(torch.autograd.Function):

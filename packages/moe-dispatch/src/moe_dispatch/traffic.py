@@ -19,6 +19,15 @@ class TakenTraffic(NamedTuple):
     host_2: tuple[int, int]
     device_2: Tensor | None
 
+    def plus(self, other: TakenTraffic) -> TakenTraffic:
+        """Both takes' counts summed (host parts as integers, device parts on the device)."""
+        host_2 = (self.host_2[0] + other.host_2[0], self.host_2[1] + other.host_2[1])
+        if self.device_2 is None or other.device_2 is None:
+            device_2 = self.device_2 if other.device_2 is None else other.device_2
+        else:
+            device_2 = self.device_2 + other.device_2
+        return TakenTraffic(host_2, device_2)
+
     def tolist(self) -> list[int]:
         """Both counts as integers; reads the device part on the host (for reports and tests;
         the trainer reads it with the step's other figures)."""

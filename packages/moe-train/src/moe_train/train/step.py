@@ -110,15 +110,12 @@ def take_traffic(model: Transformer) -> TakenTraffic | None:
     """The bytes this rank's MoE layers sent other ranks since the last take, summed over the
     layers (`moe_dispatch.Traffic`), or None where a layer's dispatcher does not count them.
     Reads nothing on the host."""
-    host_2, device_2 = (0, 0), None
+    total = TakenTraffic((0, 0), None)
     for layer in model.moe_layers().values():
         if layer.dispatcher.traffic is None:
             return None
-        taken = layer.dispatcher.traffic.take()
-        host_2 = (host_2[0] + taken.host_2[0], host_2[1] + taken.host_2[1])
-        if taken.device_2 is not None:
-            device_2 = taken.device_2 if device_2 is None else device_2 + taken.device_2
-    return TakenTraffic(host_2, device_2)
+        total = total.plus(layer.dispatcher.traffic.take())
+    return total
 
 
 def _read_with_traffic(
