@@ -211,11 +211,32 @@ def _weight_grad_cast_seconds(
     return clock() - start
 
 
-def run_scaling(args: argparse.Namespace) -> list[dict]:
-    """Tokens/s of the MoE layer at each expert count relative to the first, interleaved.
+def _router_gemm_step(moe: MoEFeedForward, x_TD: Tensor) -> tuple[Callable[[], Tensor], Tensor]:
+    """The router's own GEMM alone (fp32 logits, as the router computes them), and a gradient
+    of its [T, E] output."""
+    x_leaf = x_TD.detach().float().requires_grad_()
+    weight = moe.router.gate.weight
 
-    Beside the whole layer, each expert count also times its grouped GEMMs alone (the same
-    FLOPs at every E, in more and smaller groups) and the weight-gradient cast pass.
+    def gemm() -> Tensor:
+        x_leaf.grad = None
+        with torch.autocast(x_TD.device.type, enabled=False):
+            return torch.nn.functional.linear(x_leaf, weight.float())
+
+    grad = torch.randn(x_TD.shape[0], weight.shape[0], generator=torch.Generator().manual_seed(2))
+    return gemm, grad
+
+
+def run_scaling(args: argparse.Namespace) -> list[dict]:
+    """Tokens/s of the MoE layer at each expert count relative to the first, interleaved, and
+    where the time goes.
+
+    Each expert count also times, alone, each stage of the layer (as the layer table does),
+    the router's own GEMM (FLOPs that grow with E) and the weight-gradient cast pass. The
+    grouped GEMMs do the same FLOPs at every E, in more and smaller groups. The time outside
+    the two GEMMs is in two parts: the router's work on the [T, E] scores (softmax, top-k
+    selection, balancing losses: it reads every token's E scores, as the GEMM writes them)
+    and the permutation and combine (O(tokens x top-k), plus the zero rows that pad each
+    expert's group to model.moe.group_alignment).
     """
     dtype = DTYPES[args.scaling_dtype]
     clock = CLOCKS[args.clock]
@@ -227,53 +248,60 @@ def run_scaling(args: argparse.Namespace) -> list[dict]:
         experts: build_moe(args.d_model, experts, args.scaling_top_k, args.scaling_expert_hidden)
         for experts in args.scaling_experts
     }
-    gemm_steps = {
-        experts: next(
-            (step, grad)
-            for name, step, grad in _moe_stage_steps(moe, x_TD, dtype)
-            if name == "grouped GEMMs"
-        )
-        for experts, moe in layers.items()
-    }
 
-    def layer_seconds(moe: MoEFeedForward) -> float:
-        seconds = _fwd_bwd_seconds(lambda: moe(x_leaf), grad_TD, dtype, clock)
+    def seconds(moe: MoEFeedForward, step: Callable[[], Tensor], grad: Tensor, dt) -> float:
+        # Every part starts without parameter gradients, as the layer does in training.
         _clear_grads(moe)
         x_leaf.grad = None
-        return seconds
+        return _fwd_bwd_seconds(step, grad, dt, clock)
 
     measures: dict[tuple[int, str], Callable[[], float]] = {}
     for experts, moe in layers.items():
-        measures[experts, "layer"] = partial(layer_seconds, moe)
-        measures[experts, "gemms"] = partial(_fwd_bwd_seconds, *gemm_steps[experts], dtype, clock)
+        measures[experts, "layer"] = partial(seconds, moe, partial(moe, x_leaf), grad_TD, dtype)
+        for name, step, grad in _moe_stage_steps(moe, x_TD, dtype):
+            measures[experts, name] = partial(seconds, moe, step, grad, dtype)
+        gemm, gemm_grad = _router_gemm_step(moe, x_TD)
+        measures[experts, "router GEMM"] = partial(seconds, moe, gemm, gemm_grad, torch.float32)
         measures[experts, "cast"] = partial(_weight_grad_cast_seconds, moe, dtype, clock)
     by_part = interleaved_medians(measures, args.warmup, args.reps)
     medians = {
-        experts: {part: by_part[experts, part] for part in ("layer", "gemms", "cast")}
+        experts: {part: value for (e, part), value in by_part.items() if e == experts}
         for experts in layers
     }
+    for median in medians.values():
+        median["scores"] = median["router"] - median["router GEMM"]
+        median["permutation"] = median["permute"] + median["unpermute"]
+        median["outside"] = median["scores"] + median["permutation"]
     first = medians[args.scaling_experts[0]]
-    rows = []
-    for experts, median in medians.items():
-        rows.append(
-            {
-                "dtype": args.scaling_dtype,
-                "tokens": args.tokens,
-                "d_model": args.d_model,
-                "experts": experts,
-                "top_k": args.scaling_top_k,
-                "expert_hidden": args.scaling_expert_hidden,
-                "ms": median["layer"] * 1e3,
-                "tokens_per_s": args.tokens / median["layer"],
-                "throughput_vs_first": first["layer"] / median["layer"],
-                "grouped_gemms_ms": median["gemms"] * 1e3,
-                "grouped_gemms_vs_first": first["gemms"] / median["gemms"],
-                "weight_grad_cast_ms": median["cast"] * 1e3,
-                "throughput_vs_first_bound": first["layer"]
-                / (first["layer"] + median["cast"] - first["cast"]),
-            }
-        )
-    return rows
+    return [_scaling_row(args, experts, median, first) for experts, median in medians.items()]
+
+
+def _scaling_row(
+    args: argparse.Namespace, experts: int, median: dict[str, float], first: dict[str, float]
+) -> dict:
+    """One expert count's row of the scaling table (times in ms, ratios to the first E)."""
+    return {
+        "dtype": args.scaling_dtype,
+        "tokens": args.tokens,
+        "d_model": args.d_model,
+        "experts": experts,
+        "top_k": args.scaling_top_k,
+        "expert_hidden": args.scaling_expert_hidden,
+        "ms": median["layer"] * 1e3,
+        "tokens_per_s": args.tokens / median["layer"],
+        "throughput_vs_first": first["layer"] / median["layer"],
+        "grouped_gemms_ms": median["grouped GEMMs"] * 1e3,
+        "grouped_gemms_vs_first": first["grouped GEMMs"] / median["grouped GEMMs"],
+        "weight_grad_cast_ms": median["cast"] * 1e3,
+        "throughput_vs_first_bound": first["layer"]
+        / (first["layer"] + median["cast"] - first["cast"]),
+        "router_gemm_ms": median["router GEMM"] * 1e3,
+        "router_scores_ms": median["scores"] * 1e3,
+        "permutation_ms": median["permutation"] * 1e3,
+        "outside_gemms_ms": median["outside"] * 1e3,
+        "outside_gemms_vs_first": median["outside"] / first["outside"],
+        "permutation_vs_first": median["permutation"] / first["permutation"],
+    }
 
 
 def main() -> None:
@@ -335,7 +363,22 @@ def main() -> None:
             f"{args.scaling_expert_hidden}): throughput relative to E={args.scaling_experts[0]}"
         )
         print_table(
-            ["E", "ms", "tokens/s", "relative", "GEMMs ms", "GEMMs rel", "cast ms", "bound"],
+            [
+                "E",
+                "ms",
+                "tokens/s",
+                "relative",
+                "GEMMs ms",
+                "GEMMs rel",
+                "cast ms",
+                "bound",
+                "router GEMM ms",
+                "scores ms",
+                "permute+combine ms",
+                "outside ms",
+                "outside rel",
+                "permute+combine rel",
+            ],
             (
                 [
                     row["experts"],
@@ -346,6 +389,12 @@ def main() -> None:
                     f"{row['grouped_gemms_vs_first']:.3f}",
                     f"{row['weight_grad_cast_ms']:.1f}",
                     f"{row['throughput_vs_first_bound']:.3f}",
+                    f"{row['router_gemm_ms']:.1f}",
+                    f"{row['router_scores_ms']:.1f}",
+                    f"{row['permutation_ms']:.1f}",
+                    f"{row['outside_gemms_ms']:.1f}",
+                    f"{row['outside_gemms_vs_first']:.3f}",
+                    f"{row['permutation_vs_first']:.3f}",
                 ]
                 for row in scaling_rows
             ),
@@ -354,7 +403,10 @@ def main() -> None:
             "(GEMMs: the experts' grouped GEMMs and SwiGLU alone, fwd+bwd, and their speed "
             "relative to the first E; cast: one compute-dtype -> fp32 pass over the expert "
             "weight gradients, timed alone; bound: the relative throughput if that pass were "
-            "the only cost growing with E)"
+            "the only cost growing with E; scores: the router's work on its [T, E] scores "
+            "(softmax, top-k, losses) less its GEMM; permute+combine: the dispatch's "
+            "permutation and the combine; outside: their sum, each stage timed alone, and "
+            "relative to the first E (goal at the last E: <= 1.1))"
         )
 
     print()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 import moe_layer
 
 
@@ -22,3 +24,8 @@ def test_the_layer_stages_and_the_scaling_table_run_and_are_written(tmp_path, mo
     assert set(layer["stages_ms"]) == {"router", "permute", "grouped GEMMs", "unpermute"}
     assert all(ms > 0 for ms in layer["stages_ms"].values())
     assert [row["experts"] for row in document["scaling"]] == [4, 8]
+    for row in document["scaling"]:
+        assert row["router_gemm_ms"] > 0
+        outside = row["router_scores_ms"] + row["permutation_ms"]
+        assert row["outside_gemms_ms"] == pytest.approx(outside)
+    assert document["scaling"][0]["outside_gemms_vs_first"] == 1.0
