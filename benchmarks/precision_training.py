@@ -17,7 +17,7 @@ of its own, --jobs at once (the losses do not depend on it; the tokens/s of runs
 a machine do, so compare their ratios with care).
 
     uv run python benchmarks/precision_training.py [--variants mxfp8 bf16-params fp8-rowwise
-        fp8-rowwise-linears fp32 bf16-init]
+        fp8-rowwise-linears fp8-dispatch fp32 bf16-init]
         [--steps 300] [--seeds 0 1 2 3 4 5 6 7] [--jobs 2] [--threads 1]
 """
 
@@ -51,17 +51,21 @@ VARIANTS: dict[str, tuple[str, ...]] = {
         "--precision.expert_gemm=fp8_rowwise",
         "--precision.linear=fp8_rowwise",
     ),
+    "fp8-dispatch": ("--precision.param_dtype=float32", "--model.moe.dispatch_dtype=fp8"),
 }
 """Runs: the baseline (bf16 compute on fp32 parameters); two references without a target,
 fp32 compute (what the bf16 roundings cost) and the baseline with init_std 0.02002 (tiny's
 0.02 plus 0.1%: how far a harmless perturbation moves the last loss); and in bf16 compute
 MXFP8 expert GEMMs, bf16 parameters with FP32 masters, rowwise FP8 expert GEMMs, and rowwise
-FP8 expert GEMMs and linear layers (attention, shared experts, dense layers)."""
+FP8 expert GEMMs and linear layers (attention, shared experts, dense layers), and the token
+rows the experts receive rounded to FP8 as FP8 dispatch sends them (model.moe.dispatch_dtype;
+one process rounds them exactly as an expert-parallel exchange would)."""
 TARGET_GAPS = {
     "mxfp8": 0.015,
     "bf16-params": 0.01,
     "fp8-rowwise": 0.01,
     "fp8-rowwise-linears": 0.01,
+    "fp8-dispatch": 0.01,
 }
 """Largest relative gap of each variant's final loss from the baseline's."""
 

@@ -50,8 +50,10 @@ ISSUE_FEATURES = {
     "fp8_rowwise",
     "dispatch_rowwise",
     "dispatch_dedup",
+    "fp8_dispatch",
 }
-"""The features issue 52 lists, by the names the tool gives them."""
+"""The features issue 52 lists, by the names the tool gives them, and those added since
+(FP8 dispatch)."""
 ISSUE_LAYOUTS = {
     "dp2": 2,
     "dp2_distopt": 2,

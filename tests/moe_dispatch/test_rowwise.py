@@ -288,6 +288,44 @@ def rows_only_checks(report: Report, rank: int, world_size: int) -> None:
     received = sum(copies_received(problem, rank, num_local))
     args = (written, received, traffic, (mine, theirs), headers, row_bytes)
     record(report, rank, "rowwise/rows_only", check_rows_only, *args)
+    fp8_bytes = _fp8_dispatch_bytes(group, problem, rank, max_tokens)
+    fp8_args = (fp8_bytes, mine, headers, problem.x_ND.shape[1])
+    record(report, rank, "rowwise/fp8_bytes", check_fp8_bytes, *fp8_args)
+
+
+def _fp8_dispatch_bytes(
+    group: dist.ProcessGroup, problem: Problem, rank: int, max_tokens: int
+) -> dict[str, list[int]]:
+    """The forward dispatch traffic of each backend that carries FP8 rows."""
+    dispatchers = {
+        "shm": RowwiseDispatcher(
+            NUM_EXPERTS, group, float(NUM_EXPERTS), max_tokens, 1, "symmetric_memory", "fp8"
+        ),
+        "padded": RowwiseDispatcher(
+            NUM_EXPERTS, group, float(NUM_EXPERTS), max_tokens, 1, "all_to_all", "fp8"
+        ),
+        "a2a": AllToAllDispatcher(NUM_EXPERTS, group, dispatch_dtype="fp8"),
+    }
+    rows = problem.rows(rank)
+    traffic = {}
+    with torch.no_grad():
+        for name, dispatcher in dispatchers.items():
+            dispatcher.dispatch(
+                problem.x_ND[rows], problem.topk_idx_NK[rows], problem.topk_weight_NK[rows]
+            )
+            traffic[name] = dispatcher.traffic.take().tolist()
+    return traffic
+
+
+def check_fp8_bytes(
+    traffic: dict[str, list[int]], mine: int, header_bytes: tuple[int, int], dim: int
+) -> None:
+    """FP8 rows are D bytes of e4m3 and a 4-byte scale: over symmetric memory and all_to_all
+    the copies routed to other ranks, the padded transport every slot of their blocks."""
+    shm_header, a2a_header = header_bytes
+    assert traffic["shm"][0] == mine * (dim + 4) + shm_header, traffic
+    assert traffic["a2a"][0] == mine * (dim + 4) + a2a_header, traffic
+    assert traffic["padded"][0] % (dim + 4) == 0 and traffic["padded"][0] > traffic["shm"][0]
 
 
 def rowwise_checks(rank: int, world_size: int) -> Report:
@@ -350,6 +388,10 @@ def test_symmetric_memory_writes_only_the_routed_rows_and_counts_them(
     """Over symmetric memory a source writes a peer only the slots holding its copies (with
     [L, capacity] slot flags ahead); dispatch_bytes are those rows, all_to_all's the same."""
     assert_report_passed(reports, "rowwise/rows_only")
+
+
+def test_fp8_dispatch_sends_a_byte_per_value_and_a_scale_per_row(reports: list[Report]) -> None:
+    assert_report_passed(reports, "rowwise/fp8_bytes")
 
 
 def test_make_dispatcher_builds_rowwise_and_needs_a_capacity(reports: list[Report]) -> None:

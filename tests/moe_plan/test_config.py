@@ -11,6 +11,7 @@ from moe_plan.config import (
     Config,
     DataConfig,
     DispatchChoice,
+    check_start,
     choose_dispatcher,
     config_from_dict,
     dispatcher_reason,
@@ -342,6 +343,22 @@ def test_saved_configs_with_unused_values_still_load(tmp_path):
     assert resumed.optim.muon_momentum == 0.9
     with pytest.raises(ConfigError, match=r"^optim\.muon_momentum is set on the command line"):
         load_config(tmp_path / "config.yaml", ["--optim.muon_momentum=0.8"])
+
+
+def test_fp8_dispatch_over_deepep_is_refused_at_the_start_check():
+    config = config_from_dict(
+        {"model": {"moe": {"dispatch_dtype": "fp8"}}, "parallel": {"ep": 2, "dispatcher": "deepep"}}
+    )
+    with pytest.raises(ConfigError) as info:
+        check_start(config, 2)
+    assert str(info.value) == (
+        "model.moe.dispatch_dtype=fp8 is not carried by parallel.dispatcher=deepep; use "
+        "all_to_all, all_to_all_dedup or rowwise, or dispatch_dtype=compute"
+    )
+    config.parallel.dispatcher = "all_to_all"
+    check_start(config, 2)
+    config.parallel.dispatcher, config.parallel.ep = "deepep", 1  # no exchange: local rounds
+    check_start(config, 2)
 
 
 def test_auto_dispatch_is_rowwise_with_a_capacity_and_all_to_all_without():

@@ -14,7 +14,9 @@ NUM_MICRO, MICRO, SEQ = 8, 2, 16
 
 
 def _config(ep: int, dispatcher: str):
-    """``dispatcher`` may name a rowwise transport: ``rowwise/symmetric_memory``."""
+    """``dispatcher`` may name a rowwise transport, ``rowwise/symmetric_memory``, and end in
+    ``+fp8`` for FP8 dispatch (model.moe.dispatch_dtype)."""
+    dispatcher, _, dispatch_dtype = dispatcher.partition("+")
     dispatcher, _, transport = dispatcher.partition("/")
     parallel = {"ep": ep, "dispatcher": dispatcher, "rowwise_transport": transport or "all_to_all"}
     return config_from_dict(
@@ -32,6 +34,7 @@ def _config(ep: int, dispatcher: str):
                     "expert_hidden": 16,
                     "shared_experts": 1,
                     "capacity_factor": 8.0 if dispatcher == "rowwise" else None,
+                    "dispatch_dtype": dispatch_dtype or "compute",
                 },
             },
             "data": {
@@ -89,10 +92,23 @@ def _expert_parallel_step(
 
 
 @pytest.fixture(scope="module")
-def single_process():
-    model = Transformer(_config(1, "local").model, seed=3)
-    logits = _step(model, _tokens())
-    return logits, {name: p.grad.clone() for name, p in model.named_parameters()}
+def single_process() -> dict[str, tuple]:
+    """Logits and gradients of the single-process model, by dispatch dtype."""
+    references = {}
+    for dispatch_dtype in ("compute", "fp8"):
+        model = Transformer(_config(1, f"local+{dispatch_dtype}").model, seed=3)
+        logits = _step(model, _tokens())
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        references[dispatch_dtype] = logits, grads
+    return references
+
+
+def test_fp8_dispatch_rounds_the_rows_the_experts_receive(single_process):
+    """The FP8 reference is not the compute-dtype one (else the FP8 cases prove nothing)."""
+    compute_logits, _ = single_process["compute"]
+    fp8_logits, _ = single_process["fp8"]
+    difference = (fp8_logits[0] - compute_logits[0]).abs().max().item()
+    assert 1e-4 < difference < 0.1, difference
 
 
 def _expert_parallel_steps(rank: int, world_size: int, cases: list[tuple]) -> dict:
@@ -111,6 +127,10 @@ def _expert_parallel_steps(rank: int, world_size: int, cases: list[tuple]) -> di
                 (2, "all_to_all", "full"),
                 (2, "rowwise", "selective"),
                 (2, "rowwise/symmetric_memory", "selective"),
+                (2, "all_to_all+fp8"),
+                (2, "rowwise+fp8"),
+                (2, "rowwise/symmetric_memory+fp8"),
+                (2, "all_to_all_dedup+fp8"),
             ],
         ),
         (
@@ -132,11 +152,13 @@ def _expert_parallel_steps(rank: int, world_size: int, cases: list[tuple]) -> di
 )
 def test_outputs_and_gradients_match_single_process(single_process, world_size, cases):
     """ep in {2, 4} with dp in {ep, 2 x ep}, the backends (rowwise over both transports,
-    all_to_all_dedup at ep 2 and 4 in the world-4 launch); recompute at ep 2."""
-    reference_logits, reference_grads = single_process
+    all_to_all_dedup at ep 2 and 4 in the world-4 launch); recompute at ep 2; FP8 dispatch
+    with every backend that carries it at ep 2."""
     per_case = run_distributed(_expert_parallel_steps, world_size, args=(cases,), timeout=600)
     per_rank = NUM_MICRO // world_size
     for case in cases:
+        fp8 = case[1].endswith("+fp8")
+        reference_logits, reference_grads = single_process["fp8" if fp8 else "compute"]
         for result in (r[case] for r in per_case):
             for i, logits in enumerate(result["logits"]):
                 expected = reference_logits[result["dp_rank"] * per_rank + i]

@@ -72,6 +72,8 @@ ROWWISE_SHM = [
 ]
 """The same over the rowwise dispatcher, writing into the peer's memory; a capacity of every
 copy of a micro-batch, so that none is dropped."""
+ROWWISE_SHM_FP8 = [*ROWWISE_SHM, "--model.moe.dispatch_dtype=fp8"]
+"""The same with the dispatched rows sent as FP8."""
 
 
 def _saved_bytes(config, rank: int) -> int:
@@ -211,6 +213,8 @@ def _rank_body(rank: int, world_size: int) -> dict:
     out["node-limited dedup step"] = _train_step_counted(dedup, record_routing=True)
     rowwise = memory_benchmark.row_config(ROWWISE_SHM, "none", Path("/unused"), 4)
     out["rowwise step"] = _train_step_counted(rowwise, record_routing=True)
+    fp8 = memory_benchmark.row_config(ROWWISE_SHM_FP8, "none", Path("/unused"), 4)
+    out["rowwise fp8 step"] = _train_step_counted(fp8, record_routing=True)
     return out
 
 
@@ -441,6 +445,25 @@ def test_rowwise_steps_send_the_routed_rows_as_all_to_all_does(two_ranks):
         flags = dispatches * local * capacity
         expected = (crossing[rank] * row + flags, 2 * sum(crossing) * row + flags)
         assert run["traffic"] == expected, rank
+
+
+def test_fp8_dispatch_sends_its_rows_as_a_byte_per_value_and_a_scale(two_ranks):
+    """rowwise over symmetric memory with model.moe.dispatch_dtype=fp8: the forward dispatch
+    sends each copy for the peer as d_model e4m3 bytes and a 4-byte scale; the combine and
+    both gradients stay fp32 (this config's compute dtype)."""
+    config = load_config(None, ROWWISE_SHM_FP8)
+    local = config.model.moe.num_experts // 2
+    tokens = config.data.micro_batch_size * config.data.seq_len
+    moe = config.model.moe
+    capacity = math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.num_experts)
+    row, fp8_row = config.model.d_model * 4, config.model.d_model + 4
+    runs = [two["rowwise fp8 step"] for two in two_ranks]
+    crossing = [_copies_to_peer(run["chosen"], rank, local) for rank, run in enumerate(runs)]
+    for rank, run in enumerate(runs):
+        flags = len(run["chosen"]) * local * capacity
+        mine, theirs = crossing[rank], crossing[1 - rank]
+        dispatched = mine * fp8_row + flags
+        assert run["traffic"] == (dispatched, dispatched + (mine + 2 * theirs) * row), rank
 
 
 def test_ranks_per_token_by_hand():

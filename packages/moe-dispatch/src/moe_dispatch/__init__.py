@@ -10,6 +10,7 @@ from moe_dispatch.dedup import ROUTE_ID_DTYPE, DedupAllToAllDispatcher
 from moe_dispatch.deepep import DeepEPDispatcher, deep_ep_module
 from moe_dispatch.local import LocalDispatcher
 from moe_dispatch.protocol import BackendUnavailable, Dispatcher, DispatchHandle
+from moe_dispatch.row_wire import DISPATCH_DTYPES, DispatchDtype, Fp8Rows
 from moe_dispatch.rowwise import (
     ROW_TRANSPORT_NAMES,
     RowTransport,
@@ -27,6 +28,7 @@ DISPATCHER_NAMES: tuple[str, ...] = ("local", "all_to_all", "rowwise", "deepep",
 
 __all__ = [
     "DISPATCHER_NAMES",
+    "DISPATCH_DTYPES",
     "ROUTE_ID_DTYPE",
     "ROW_TRANSPORT_NAMES",
     "AllToAllDispatcher",
@@ -34,8 +36,10 @@ __all__ = [
     "CapacityScope",
     "DedupAllToAllDispatcher",
     "DeepEPDispatcher",
+    "DispatchDtype",
     "DispatchHandle",
     "Dispatcher",
+    "Fp8Rows",
     "LocalDispatcher",
     "NvshmemTransport",
     "PaddedAllToAllTransport",
@@ -63,6 +67,7 @@ def make_dispatcher(
     group_alignment: int = 1,
     max_tokens_per_rank: int | None = None,
     row_transport: str | RowTransport = "all_to_all",
+    dispatch_dtype: DispatchDtype = "compute",
 ) -> Dispatcher:
     """Build the dispatcher named by ``parallel.dispatcher``.
 
@@ -71,7 +76,14 @@ def make_dispatcher(
     for an unknown name or inconsistent settings and ``BackendUnavailable`` for deepep without
     the ``deep_ep`` library. ``row_transport`` (rowwise only): a name in
     ``ROW_TRANSPORT_NAMES`` or a transport from ``make_row_transport`` shared between layers.
+    ``dispatch_dtype``: how the forward dispatch's token rows travel (`moe_dispatch.row_wire`;
+    local rounds them the same way); deepep carries only ``compute``.
     """
+    if name == "deepep" and dispatch_dtype != "compute":
+        raise ValueError(
+            f"deepep: dispatch_dtype={dispatch_dtype!r} is not carried by DeepEPDispatcher; "
+            "use all_to_all, all_to_all_dedup or rowwise, or dispatch_dtype='compute'"
+        )
     if name not in DISPATCHER_NAMES:
         raise ValueError(
             f"parallel.dispatcher={name!r} is not a dispatcher; valid: {', '.join(DISPATCHER_NAMES)}"
@@ -82,7 +94,7 @@ def make_dispatcher(
                 f"parallel.dispatcher=local keeps every expert on each rank, but parallel.ep="
                 f"{group.size()}; use all_to_all, rowwise or deepep for expert parallelism"
             )
-        return LocalDispatcher(num_experts, capacity_factor, group_alignment)
+        return LocalDispatcher(num_experts, capacity_factor, group_alignment, dispatch_dtype)
     if name == "deepep":
         deep_ep_module()  # BackendUnavailable first: the library decides whether deepep exists
     if group is None:
@@ -92,9 +104,13 @@ def make_dispatcher(
         )
     # The constructors check that parallel.ep divides model.moe.num_experts.
     if name == "all_to_all":
-        return AllToAllDispatcher(num_experts, group, capacity_factor, group_alignment)
+        return AllToAllDispatcher(
+            num_experts, group, capacity_factor, group_alignment, dispatch_dtype
+        )
     if name == "all_to_all_dedup":
-        return DedupAllToAllDispatcher(num_experts, group, capacity_factor, group_alignment)
+        return DedupAllToAllDispatcher(
+            num_experts, group, capacity_factor, group_alignment, dispatch_dtype
+        )
     if name == "rowwise":
         if capacity_factor is None:
             raise ValueError(
@@ -102,7 +118,13 @@ def make_dispatcher(
                 "(for example 1.25), or use all_to_all for dropless dispatch"
             )
         return RowwiseDispatcher(
-            num_experts, group, capacity_factor, max_tokens_per_rank, group_alignment, row_transport
+            num_experts,
+            group,
+            capacity_factor,
+            max_tokens_per_rank,
+            group_alignment,
+            row_transport,
+            dispatch_dtype,
         )
     return DeepEPDispatcher(num_experts, group, max_tokens_per_rank, group_alignment)
 

@@ -27,6 +27,7 @@ from moe_dispatch.protocol import (
     check_expert_output,
     state_of,
 )
+from moe_dispatch.row_wire import DispatchDtype, row_wire
 from moe_dispatch.traffic import Traffic
 from moe_dispatch.transport_a2a import exchange_rows
 from moe_kernels import Permutation, permute, unpermute
@@ -75,9 +76,12 @@ class ExpertsOverGroup(RoutedDispatcher):
         group: dist.ProcessGroup,
         capacity_factor: float | None = None,
         group_alignment: int = 1,
+        dispatch_dtype: DispatchDtype = "compute",
     ) -> None:
         ep = check_expert_parallel_args(self.backend, num_experts, group, group_alignment)
         check_capacity_factor(self.backend, capacity_factor)
+        self.wire = row_wire(dispatch_dtype, self.backend)
+        """How the forward dispatch's token rows travel (None: in their own dtype)."""
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
         self.group = group
@@ -134,6 +138,7 @@ class AllToAllDispatcher(ExpertsOverGroup):
             self.group,
             self.traffic,
             dispatch=True,
+            wire=self.wire,
         )
         # Received rows come grouped by source rank, then local expert: label each row with
         # its local expert and stable-sort them into expert groups (source order within one).

@@ -153,8 +153,10 @@ class DedupAllToAllDispatcher(ExpertsOverGroup):
         experts (int64), [R, K] weights. ``splits``: rows sent, then received, per peer."""
         send_splits, recv_splits = splits
         exchanged = [
-            exchange_rows(rows, recv_splits, send_splits, self.group, self.traffic, dispatch=True)
-            for rows in (rows_SD, weight_SK, local_SK)
+            exchange_rows(
+                rows, recv_splits, send_splits, self.group, self.traffic, dispatch=True, wire=wire
+            )
+            for rows, wire in ((rows_SD, self.wire), (weight_SK, None), (local_SK, None))
         ]
         recv_x_RD, recv_weight_RK, recv_local_RK = exchanged
         return recv_x_RD, recv_local_RK.to(torch.int64), recv_weight_RK

@@ -12,6 +12,7 @@ from moe_dispatch.capacity import (
     check_capacity_factor,
 )
 from moe_dispatch.protocol import DispatchHandle, RoutedDispatcher, Routing, state_of
+from moe_dispatch.row_wire import DispatchDtype, row_wire
 from moe_dispatch.traffic import Traffic
 from moe_kernels import Permutation, permute, unpermute
 
@@ -37,7 +38,11 @@ class LocalDispatcher(RoutedDispatcher):
     backend = "LocalDispatcher"
 
     def __init__(
-        self, num_experts: int, capacity_factor: float | None = None, group_alignment: int = 1
+        self,
+        num_experts: int,
+        capacity_factor: float | None = None,
+        group_alignment: int = 1,
+        dispatch_dtype: DispatchDtype = "compute",
     ) -> None:
         if num_experts < 1:
             raise ValueError(f"LocalDispatcher: num_experts={num_experts} must be at least 1")
@@ -51,6 +56,9 @@ class LocalDispatcher(RoutedDispatcher):
         self.first_local_expert = 0
         self.capacity_factor = capacity_factor
         self.group_alignment = group_alignment
+        self.wire = row_wire(dispatch_dtype, "LocalDispatcher")
+        """Rounds the rows as an exchange would carry them (None: rows as they are), so
+        that layouts with and without expert parallelism agree."""
         self.traffic = Traffic()
         """Stays zero: every expert is on this rank, nothing is exchanged."""
 
@@ -61,6 +69,8 @@ class LocalDispatcher(RoutedDispatcher):
     def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Permute token copies into expert order (T*K rows; dropped copies after the kept ones)."""
         keep_TK, kept_E = routing.keep(self.num_experts, self.capacity_factor)
+        if self.wire is not None:
+            x_TD = self.wire.round_trip(x_TD)
         expert_input_PD, permutation = permute(
             x_TD,
             routing.topk_idx_TK,

@@ -30,6 +30,7 @@ from moe_dispatch.protocol import (
     check_expert_output,
     state_of,
 )
+from moe_dispatch.row_wire import DispatchDtype, row_wire
 from moe_dispatch.rowwise_exchange import CombineRows, DispatchRows, SlotPlan
 from moe_dispatch.traffic import Traffic
 from moe_dispatch.transport_a2a import PaddedAllToAllTransport
@@ -155,8 +156,11 @@ class RowwiseDispatcher(RoutedDispatcher):
         max_tokens_per_rank: int | None = None,
         group_alignment: int = 1,
         transport: TransportName | RowTransport = "all_to_all",
+        dispatch_dtype: DispatchDtype = "compute",
     ) -> None:
         ep = check_expert_parallel_args("RowwiseDispatcher", num_experts, group, group_alignment)
+        self.wire = row_wire(dispatch_dtype, "RowwiseDispatcher")
+        """How the forward dispatch's token rows travel (None: in their own dtype)."""
         if capacity_factor is None or not capacity_factor > 0:
             raise ValueError(
                 f"RowwiseDispatcher: model.moe.capacity_factor={capacity_factor} must be "
@@ -248,6 +252,7 @@ class RowwiseDispatcher(RoutedDispatcher):
             traffic=self.traffic,
             rank=self.rank,
             ep=self.ep,
+            wire=self.wire,
         )
         expert_input_PD = DispatchRows.apply(x_TD, plan, top_k)
         tokens_per_expert_L = torch.full(

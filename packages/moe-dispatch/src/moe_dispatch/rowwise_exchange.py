@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from moe_dispatch.row_wire import Fp8Rows
 from moe_dispatch.traffic import Traffic
 from moe_kernels import store_rows
 
@@ -67,6 +68,8 @@ class SlotPlan:
     ep: int
     """Ranks of the group."""
     received: ReceivedSlots = field(default_factory=ReceivedSlots)
+    wire: Fp8Rows | None = None
+    """How the forward dispatch's token rows travel (None: in their own dtype)."""
 
     @property
     def block_rows(self) -> int:
@@ -245,13 +248,15 @@ class DispatchRows(torch.autograd.Function):
         num_tokens = x_TD.shape[0]
         copies = plan.copy_of_slot_S
         token_of_slot_S = torch.where(copies < num_tokens * top_k, copies // top_k, num_tokens)
-        _source_writes(plan, x_TD, dispatch=True)
-        return _exchange(
+        rows_TW = x_TD if plan.wire is None else plan.wire.encode(x_TD)
+        _source_writes(plan, rows_TW, dispatch=True)
+        expert_input = _exchange(
             plan,
-            x_TD,
-            _gather_into_blocks(plan, token_of_slot_S, _with_zero_row(x_TD)),
+            rows_TW,
+            _gather_into_blocks(plan, token_of_slot_S, _with_zero_row(rows_TW)),
             _read_expert_groups(plan),
         )
+        return expert_input if plan.wire is None else plan.wire.decode(expert_input, x_TD.dtype)
 
     @staticmethod
     def backward(ctx, grad_expert_input_RD: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe_dispatch.row_wire import Fp8Rows
 from moe_dispatch.traffic import Traffic
 from moe_dispatch.transport_base import BlockTransport
 
@@ -16,7 +17,8 @@ __all__ = ["PaddedAllToAllTransport", "exchange_rows"]
 
 
 class _ExchangeRows(torch.autograd.Function):
-    """``all_to_all_single`` of rows; the backward is the reverse exchange of gradients."""
+    """``all_to_all_single`` of rows (encoded by ``wire`` on the way, if given); the backward
+    is the reverse exchange of gradients, in their own dtype."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -27,12 +29,16 @@ class _ExchangeRows(torch.autograd.Function):
         group: dist.ProcessGroup,
         traffic: Traffic | None,
         dispatch: bool,
+        wire: Fp8Rows | None,
     ) -> Tensor:
         ctx.split_sizes = (output_split_sizes, input_split_sizes)
         ctx.group, ctx.traffic = group, traffic
+        payload_SW = send_SD if wire is None else wire.encode(send_SD)
         if traffic is not None:
-            traffic.count(_bytes_to_peers(send_SD, input_split_sizes, group), dispatch=dispatch)
-        return _all_to_all(send_SD, output_split_sizes, input_split_sizes, group)
+            sent = _bytes_to_peers(payload_SW, input_split_sizes, group)
+            traffic.count(sent, dispatch=dispatch)
+        received_RW = _all_to_all(payload_SW, output_split_sizes, input_split_sizes, group)
+        return received_RW if wire is None else wire.decode(received_RW, send_SD.dtype)
 
     @staticmethod
     def backward(ctx, grad_recv_RD: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -41,7 +47,7 @@ class _ExchangeRows(torch.autograd.Function):
             sent = _bytes_to_peers(grad_recv_RD, output_split_sizes, ctx.group)
             ctx.traffic.count(sent, dispatch=False)
         grad_send_SD = _all_to_all(grad_recv_RD, input_split_sizes, output_split_sizes, ctx.group)
-        return grad_send_SD, None, None, None, None, None
+        return grad_send_SD, None, None, None, None, None, None
 
 
 def _bytes_to_peers(
@@ -74,15 +80,17 @@ def exchange_rows(
     group: dist.ProcessGroup,
     traffic: Traffic | None = None,
     dispatch: bool = False,
+    wire: Fp8Rows | None = None,
 ) -> Tensor:
     """Send ``input_split_sizes[p]`` consecutive rows to group rank p; receive in rank order.
 
     Split sizes None means even splits (no host-side sizes needed). Differentiable wrt
     ``send_SD``: the gradient travels the reverse way. ``traffic`` counts the bytes sent to
-    other ranks both ways (``dispatch``: this forward is a dispatch).
+    other ranks both ways (``dispatch``: this forward is a dispatch). ``wire``: the rows
+    travel encoded by it and arrive decoded (see `moe_dispatch.row_wire`).
     """
     return _ExchangeRows.apply(
-        send_SD, output_split_sizes, input_split_sizes, group, traffic, dispatch
+        send_SD, output_split_sizes, input_split_sizes, group, traffic, dispatch, wire
     )
 
 

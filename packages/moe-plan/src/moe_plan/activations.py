@@ -29,6 +29,8 @@ from moe_plan.mirrored import capacity_per_expert
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 INDEX_BYTES = 8  # int64 token and slot indices
 FP32 = 4
+FP8_SCALE_BYTES = 4
+"""The fp32 scale each FP8-dispatched token row carries (model.moe.dispatch_dtype=fp8)."""
 HOST_GRAPH_BYTES_PER_BLOCK = 32 * 2**10
 """Host memory of one block's autograd graph and recompute records, seen by a host-memory
 measurement on the CPU (about this much per block whatever the sizes); on a GPU it is not

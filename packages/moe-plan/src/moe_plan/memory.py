@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from moe_plan.activations import (
     DTYPE_BYTES,
+    FP8_SCALE_BYTES,
     FP32,
     capacity,
     held_inputs,
@@ -400,4 +401,7 @@ def _dispatch_buffers(config: Config) -> float:
         return 0
     local = moe.num_experts // parallel.ep
     c = DTYPE_BYTES[config.precision.compute_dtype]
-    return 2 * parallel.ep * local * per_expert * config.model.d_model * c
+    row = config.model.d_model * c
+    if moe.dispatch_dtype == "fp8":  # the FP8 dispatch has its own buffers of byte rows
+        row += config.model.d_model + FP8_SCALE_BYTES
+    return 2 * parallel.ep * local * per_expert * row

@@ -30,7 +30,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from moe_plan.activations import DTYPE_BYTES, FP32, INDEX_BYTES, capacity
+from moe_plan.activations import DTYPE_BYTES, FP8_SCALE_BYTES, FP32, INDEX_BYTES, capacity
 from moe_plan.config import Config
 from moe_plan.config.layout_shape import layout_shape
 from moe_plan.memory import rank_params
@@ -76,10 +76,15 @@ def predict_traffic(
         _add_context_traffic(traffic, config, (layers, moe_layers), last, num_micro, rounds - 1)
     if ep > 1 and moe_layers:
         exchange = _exchange_bytes(config)
-        per_layer = exchange * (ep - 1) / ep
-        for kind in ("ep dispatch", "ep combine"):
-            calls = moe_layers * num_micro * rounds
-            traffic.add(kind, calls * exchange, calls * per_layer, ep, calls)
+        calls = moe_layers * num_micro * rounds
+        # The dispatch direction: the forward dispatches (FP8 rows with dispatch_dtype=fp8),
+        # then the combine's gradient (compute dtype).
+        forwards = moe_layers * num_micro * (rounds - 1)
+        dispatched = (
+            forwards * exchange * dispatch_row_share(config) + (calls - forwards) * exchange
+        )
+        for kind, payload in (("ep dispatch", dispatched), ("ep combine", calls * exchange)):
+            traffic.add(kind, payload, payload * (ep - 1) / ep, ep, calls)
         if parallel.dispatcher == "all_to_all_dedup":
             _add_dedup_routing(traffic, config, moe_layers * num_micro, rounds - 1)
     params = rank_params(config, pp_rank, model=model_key)
@@ -160,6 +165,15 @@ def _add_mtp_gathers(traffic: Traffic, config: Config, passes: int) -> None:
         traffic.add(kind, passes * shard, passes * shard * (cp - 1), cp, passes)
     grads = passes * cp * embeddings
     traffic.add("cp MTP reduce-scatter", grads, grads * (cp - 1) / cp, cp, passes)
+
+
+def dispatch_row_share(config: Config) -> float:
+    """Bytes of a forward dispatch's token row over a compute-dtype row: with
+    model.moe.dispatch_dtype=fp8, d_model e4m3 bytes and a 4-byte scale."""
+    if config.model.moe.dispatch_dtype != "fp8":
+        return 1.0
+    d = config.model.d_model
+    return (d + FP8_SCALE_BYTES) / (d * DTYPE_BYTES[config.precision.compute_dtype])
 
 
 def _exchange_bytes(config: Config) -> float:

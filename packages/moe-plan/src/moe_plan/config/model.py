@@ -60,6 +60,15 @@ class MoEConfig:
     group_alignment: int = 32
     """Pad each expert's group of rows with zero rows to a multiple of this, so grouped GEMM
     shapes repeat and libraries reuse their compiled kernels; 1 turns padding off."""
+    dispatch_dtype: Literal["compute", "fp8"] = "compute"
+    """How the token rows reach their experts. compute: in the compute dtype. fp8: rounded to
+    e4m3 with one power-of-two scale per row (the rowwise FP8 rule of
+    precision.expert_gemm=fp8_rowwise), and sent between expert-parallel ranks as those bytes
+    plus 4 per row, about half of bf16's; the experts receive the rounded rows, in every
+    layout alike (without expert parallelism the rows are rounded the same way). The combine
+    and every gradient stay in the compute dtype; the rounding's gradient is taken as the
+    identity. Carried by parallel.dispatcher all_to_all, all_to_all_dedup and rowwise, not
+    deepep."""
 
     def validate(self, path: str) -> None:
         _positive(self, path, "num_experts", "expert_hidden", "group_alignment")

@@ -36,6 +36,12 @@ def check_start(
             "parallel.dispatcher=rowwise needs model.moe.capacity_factor (its buffers are "
             "sized by it); set it, e.g. --model.moe.capacity_factor=2.0"
         )
+    if moe.dispatch_dtype != "compute" and parallel.ep > 1 and parallel.dispatcher == "deepep":
+        raise ConfigError(
+            f"model.moe.dispatch_dtype={moe.dispatch_dtype} is not carried by "
+            "parallel.dispatcher=deepep; use all_to_all, all_to_all_dedup or rowwise, or "
+            "dispatch_dtype=compute"
+        )
     check_pipeline(config, shape)
     return shape
 

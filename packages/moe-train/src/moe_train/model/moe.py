@@ -37,6 +37,7 @@ def local_dispatcher(moe: MoEConfig) -> Dispatcher:
         num_experts=moe.num_experts,
         capacity_factor=moe.capacity_factor,
         group_alignment=moe.group_alignment,
+        dispatch_dtype=moe.dispatch_dtype,
     )
 
 

@@ -92,6 +92,7 @@ def layer_dispatchers(
                 num_experts=moe.num_experts,
                 capacity_factor=moe.capacity_factor,
                 group_alignment=moe.group_alignment,
+                dispatch_dtype=moe.dispatch_dtype,
                 **kwargs,
             )
         except BackendUnavailable as e:
