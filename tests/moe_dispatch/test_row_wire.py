@@ -55,3 +55,19 @@ def test_an_unknown_dtype_and_deepep_are_refused_with_one_line():
         ValueError, match=r"^deepep: dispatch_dtype='fp8' is not carried by DeepEPDispatcher"
     ):
         make_dispatcher("deepep", num_experts=4, dispatch_dtype="fp8")
+
+
+def test_rowwise_fp8_experts_requantize_the_received_rows_exactly():
+    """The rowwise FP8 expert GEMMs quantize their input rows by the same rule: the rows FP8
+    dispatch delivers quantize to the very values that travelled (a row whose largest value
+    rounded down to 224 gets twice the scale and twice the codes: the same numbers)."""
+    from moe_kernels import dequantize_fp8_rowwise, to_fp8_rowwise
+
+    rows = torch.randn(64, 48, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    wire = Fp8Rows()
+    received = wire.decode(wire.encode(rows), torch.bfloat16)
+    requantized = dequantize_fp8_rowwise(*to_fp8_rowwise(received))
+    assert torch.equal(requantized, received.float())
+    _, scales = to_fp8_rowwise(received)
+    _, sent_scales = to_fp8_rowwise(rows)
+    assert not torch.equal(scales, sent_scales)  # this seed has such rows
