@@ -99,6 +99,7 @@ MODEL_1B = (
     "--model.moe.num_experts=16",
     "--model.moe.top_k=2",
     "--data.paths=[builtin:stdlib]",
+    "--model.moe.capacity_factor=null",
     "--parallel.ep=1",
     "--parallel.dispatcher=auto",
     "--precision.compute_dtype=bfloat16",
@@ -106,7 +107,8 @@ MODEL_1B = (
     "--optim.warmup_steps=5",
 )
 """Overrides of configs/olmoe-1b-7b.yaml: its d_model 2048, 16 heads, QK-norm and expert width
-1024; 8 layers, 16 experts at top-2 (OLMoE's 1-in-8 routing), the built-in byte-level data.
+1024; 8 layers, 16 experts at top-2 (OLMoE's 1-in-8 routing), dropless (the rowwise row sets
+its own capacity), the built-in byte-level data.
 0.94B parameters, 0.24B active."""
 
 BATCH_GPU = ("--data.seq_len=2048", "--data.global_batch_size=32", "--data.micro_batch_size=8")
@@ -128,8 +130,13 @@ TINY = (
 STEP_ROWS = ("--model.n_layers=2",)
 """The sync-free step rows: the trained model cut to 2 layers (and one micro-batch per step)."""
 
-ROWWISE = ("--model.moe.capacity_factor=1.25", "--parallel.dispatcher=rowwise")
-"""The rowwise step row: capacity-bounded routing (rowwise needs a capacity)."""
+ROWWISE = (
+    "--model.moe.capacity_factor=1.25",
+    "--parallel.dispatcher=rowwise",
+    "--parallel.rowwise_transport=all_to_all",
+)
+"""The rowwise step row: capacity-bounded routing (rowwise needs a capacity), over the padded
+all-to-all transport (gpu_dispatch.py checks symmetric memory against it)."""
 
 
 @dataclasses.dataclass(frozen=True)
