@@ -136,6 +136,12 @@ FEATURES: dict[str, Feature] = {
         {"parallel.dispatcher": "all_to_all_dedup"},
         doc="the deduplicating all-to-all dispatcher; local without ep",
     ),
+    "ep_overlap": Feature(
+        {"parallel.ep_overlap": True, "model.moe.capacity_factor": 1.0},
+        doc="each MoE layer in two chunks whose exchanges overlap the experts, on the "
+        "default path (rowwise, a capacity of the even share: copies dropped); nothing "
+        "to overlap without ep",
+    ),
     "fp8_dispatch": Feature(
         {"model.moe.dispatch_dtype": "fp8", "model.moe.capacity_factor": 2.0},
         doc="token rows dispatched as FP8 (e4m3, a scale per row) on the default path: "
@@ -199,6 +205,7 @@ CI_CELLS: tuple[tuple[str, str], ...] = (
     ("dispatch_rowwise", "cp2_ep2"),
     ("dispatch_dedup", "dp2_ep2"),
     ("fp8_dispatch", "ep2"),
+    ("ep_overlap", "ep4"),
 )
 """The fixed subset CI runs: every feature once and every layout at least once, each feature
 on a layout where it does something (the dispatchers, node-limited routing and capacity

@@ -51,9 +51,10 @@ ISSUE_FEATURES = {
     "dispatch_rowwise",
     "dispatch_dedup",
     "fp8_dispatch",
+    "ep_overlap",
 }
 """The features issue 52 lists, by the names the tool gives them, and those added since
-(FP8 dispatch)."""
+(FP8 dispatch, exchange overlap)."""
 ISSUE_LAYOUTS = {
     "dp2": 2,
     "dp2_distopt": 2,

@@ -361,6 +361,14 @@ def test_fp8_dispatch_over_deepep_is_refused_at_the_start_check():
     check_start(config, 2)
 
 
+def test_ep_overlap_with_recompute_is_refused_at_the_start_check():
+    config = config_from_dict({"parallel": {"ep": 2, "ep_overlap": True, "recompute": "full"}})
+    with pytest.raises(ConfigError, match=r"^parallel\.ep_overlap=true does not work with "):
+        check_start(config, 2)
+    config.parallel.recompute = "none"
+    check_start(config, 2)
+
+
 def test_auto_dispatch_is_rowwise_with_a_capacity_and_all_to_all_without():
     assert choose_dispatcher("rowwise", 1, 1.0) == "local"
     assert choose_dispatcher("auto", 2, None) == "all_to_all"

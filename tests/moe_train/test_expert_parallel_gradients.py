@@ -7,7 +7,13 @@ from harness.ranks import run_distributed
 from moe_parallel import GradientReducer, is_expert_parameter
 from moe_plan.config import config_from_dict
 from moe_train.model import Transformer, apply_recompute, lm_loss
-from moe_train.parallelize import apply_expert_parallel, layer_dispatchers, materialize
+from moe_train.model.exchange_worker import ExchangeWorker
+from moe_train.parallelize import (
+    apply_exchange_overlap,
+    apply_expert_parallel,
+    layer_dispatchers,
+    materialize,
+)
 from moe_train.train.runtime import start_runtime
 
 NUM_MICRO, MICRO, SEQ = 8, 2, 16
@@ -65,8 +71,14 @@ def _step(model: Transformer, micro_batches: torch.Tensor) -> list[torch.Tensor]
 
 
 def _expert_parallel_step(
-    rank: int, world_size: int, ep: int, dispatcher: str, recompute: str = "none"
+    rank: int,
+    world_size: int,
+    ep: int,
+    dispatcher: str,
+    recompute: str = "none",
+    overlap: bool = False,
 ) -> dict:
+    """One step of `_config(ep, dispatcher)` on this rank (`overlap`: parallel.ep_overlap)."""
     config = _config(ep, dispatcher)
     runtime = start_runtime(config)
     layout = runtime.layout
@@ -76,6 +88,8 @@ def _expert_parallel_step(
     apply_expert_parallel(model, dispatchers)
     materialize(model, runtime.device, seed=3)
     apply_recompute(model, recompute)
+    if overlap:
+        apply_exchange_overlap(model, ExchangeWorker(runtime.device))
     reducer = GradientReducer(model, layout.dp_group, layout.edp_group)
     per_rank = NUM_MICRO // layout.dp
     mine = _tokens()[layout.dp_rank * per_rank : (layout.dp_rank + 1) * per_rank]
@@ -131,6 +145,11 @@ def _expert_parallel_steps(rank: int, world_size: int, cases: list[tuple]) -> di
                 (2, "rowwise+fp8"),
                 (2, "rowwise/symmetric_memory+fp8"),
                 (2, "all_to_all_dedup+fp8"),
+                (2, "all_to_all", "none", True),
+                (2, "rowwise", "none", True),
+                (2, "rowwise/symmetric_memory", "none", True),
+                (2, "all_to_all_dedup", "none", True),
+                (2, "rowwise/symmetric_memory+fp8", "none", True),
             ],
         ),
         (
@@ -286,3 +305,68 @@ def test_symmetric_memory_across_hosts_is_one_clear_error_on_every_rank(errors_o
     for words in ("parallel.rowwise_transport", "share one host", "use the all_to_all transport"):
         assert words in messages[0], messages[0]
     assert not (root / "symmetric_memory").exists()
+
+
+def _overlap_against_one_call(rank: int, world_size: int, dispatchers: list[str]) -> dict:
+    """Per dispatcher, at a capacity that drops copies: one step without and with
+    parallel.ep_overlap (logits, gradients, and the routing statistics of the MoE layers)."""
+    from moe_train.model import Transformer as Model
+
+    out = {}
+    for dispatcher in dispatchers:
+        for overlap in (False, True):
+            config = _config(2, dispatcher)
+            config.model.moe.capacity_factor = 0.5
+            runtime = start_runtime(config)
+            with torch.device("meta"):
+                model = Model(config.model)
+            apply_expert_parallel(
+                model, layer_dispatchers(config, runtime.layout.ep_group, runtime.device)
+            )
+            materialize(model, runtime.device, seed=3)
+            if overlap:
+                apply_exchange_overlap(model, ExchangeWorker(runtime.device))
+            per_rank = NUM_MICRO // runtime.layout.dp
+            rank_rows = slice(
+                runtime.layout.dp_rank * per_rank, (runtime.layout.dp_rank + 1) * per_rank
+            )
+            logits = _step(model, _tokens()[rank_rows])
+            stats = [layer.take_stats() for layer in model.moe_layers().values()]
+            out[dispatcher, overlap] = {
+                "logits": logits,
+                "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                "kept": [s.kept_per_expert for s in stats],
+                "dropped": [float(s.dropped_copies) for s in stats],
+                "routed": [float(s.routed_copies) for s in stats],
+            }
+    return out
+
+
+OVERLAP_DISPATCHERS = ["all_to_all", "rowwise", "rowwise/symmetric_memory", "all_to_all_dedup"]
+
+
+def test_overlap_keeps_and_drops_the_copies_one_call_does():
+    """A capacity of half the even share drops copies: with the layer cut into chunks
+    (rowwise by slots, the others by tokens) the same copies are kept, the logits and
+    gradients agree to fp32 rounding (expert weight gradients summed over two GEMMs)."""
+    per_rank = run_distributed(
+        _overlap_against_one_call, 2, args=(OVERLAP_DISPATCHERS,), timeout=600
+    )
+    for result in per_rank:
+        for dispatcher in OVERLAP_DISPATCHERS:
+            one, chunked = result[dispatcher, False], result[dispatcher, True]
+            assert sum(one["dropped"]) > 0, dispatcher
+            assert chunked["dropped"] == one["dropped"], dispatcher
+            assert chunked["routed"] == one["routed"], dispatcher
+            for kept, expected in zip(chunked["kept"], one["kept"], strict=True):
+                assert torch.equal(kept, expected), dispatcher
+            for got, expected in zip(chunked["logits"], one["logits"], strict=True):
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+            for name, grad in chunked["grads"].items():
+                torch.testing.assert_close(
+                    grad,
+                    one["grads"][name],
+                    rtol=1e-5,
+                    atol=1e-7,
+                    msg=lambda m, n=name, d=dispatcher: f"{d} {n}: {m}",
+                )

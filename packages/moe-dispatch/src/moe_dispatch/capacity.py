@@ -74,6 +74,20 @@ class CapacityScope:
     order, then k order) that went to the same expert."""
     num_tokens: int
     """Tokens of the whole set: capacity is `ceil(factor x num_tokens x K / E)`."""
+    capacity: int | None = None
+    """The capacity itself, where the call takes one range of each expert's slots (positions
+    already counted from the range's start; copies outside it marked at or past it): then
+    `num_tokens` sets only the buffers' size."""
+
+    def capacity_of(
+        self, capacity_factor: float | None, top_k: int, num_experts: int
+    ) -> int | None:
+        """The capacity of a call over this scope (None if dropless)."""
+        if capacity_factor is None:
+            return None
+        if self.capacity is not None:
+            return self.capacity
+        return capacity_per_expert(capacity_factor, self.num_tokens, top_k, num_experts)
 
 
 def capacity_keep_mask(
@@ -104,9 +118,10 @@ def keep_within_capacity(
     capacity is counted over a `scope`, the kept copies per expert (else None): what
     `permute` would count."""
     num_tokens, top_k = topk_idx_TK.shape
-    if scope is not None:
-        num_tokens = scope.num_tokens
-    capacity = capacity_per_expert(capacity_factor, num_tokens, top_k, num_experts)
+    if scope is None:
+        capacity = capacity_per_expert(capacity_factor, num_tokens, top_k, num_experts)
+    else:
+        capacity = scope.capacity_of(capacity_factor, top_k, num_experts)
     if capacity is None:
         return None, copies_per_expert_E
     if scope is None:

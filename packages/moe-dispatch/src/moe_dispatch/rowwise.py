@@ -211,9 +211,8 @@ class RowwiseDispatcher(RoutedDispatcher):
             )
             return capacity, position_F
         scope = routing.scope
-        capacity = capacity_per_expert(
-            self.capacity_factor, scope.num_tokens, routing.top_k, self.num_experts
-        )
+        capacity = scope.capacity_of(self.capacity_factor, routing.top_k, self.num_experts)
+        assert capacity is not None  # rowwise has a capacity factor
         return capacity, scope.positions_TK.reshape(-1)
 
     def _dispatch(self, x_TD: Tensor, routing: Routing) -> tuple[Tensor, Tensor, DispatchHandle]:

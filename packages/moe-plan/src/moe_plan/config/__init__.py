@@ -39,7 +39,13 @@ from moe_plan.config.loading import (
 )
 from moe_plan.config.model import ModelConfig, MoEConfig, RopeScalingConfig
 from moe_plan.config.root import Config
-from moe_plan.config.runtime import CheckpointConfig, EvalConfig, ParallelConfig, PrecisionConfig
+from moe_plan.config.runtime import (
+    EP_OVERLAP_CHUNKS,
+    CheckpointConfig,
+    EvalConfig,
+    ParallelConfig,
+    PrecisionConfig,
+)
 from moe_plan.config.stage_plan import StagePlan, plan_stages
 from moe_plan.config.start_check import check_start
 from moe_plan.config.task_names import BUILTIN_TASK_PREFIX, BUILTIN_TASKS, TASK_SUFFIXES, task_name
@@ -48,6 +54,7 @@ from moe_plan.config.training import OptimConfig, RoutingCheckConfig, TrainConfi
 __all__ = [
     "BUILTIN_TASKS",
     "BUILTIN_TASK_PREFIX",
+    "EP_OVERLAP_CHUNKS",
     "KEY_RULES",
     "LAYOUT",
     "PEER_MEMORY_TRANSPORTS",

@@ -55,10 +55,14 @@ class DispatchChoice:
     """The rowwise dispatcher's transport, as parallel.rowwise_transport spells it (None for
     the other backends)."""
     why: str
+    overlap: bool = False
+    """Whether the exchanges run beside the experts' compute (parallel.ep_overlap)."""
 
     def describe(self) -> str:
-        """One line: the backend, its transport and the reason."""
+        """One line: the backend, its transport, whether it overlaps, and the reason."""
         over = f" over {self.transport}" if self.transport else ""
+        if self.overlap:
+            over += ", exchanges overlapped with the experts (parallel.ep_overlap)"
         return f"{self.dispatcher}{over} ({self.why})"
 
 

@@ -10,6 +10,11 @@ from moe_plan.config.checks import _non_negative, _positive
 from moe_plan.config.task_names import BUILTIN_TASKS, TASK_SUFFIXES, task_name
 from moe_plan.errors import ConfigError
 
+EP_OVERLAP_CHUNKS = 2
+"""Chunks parallel.ep_overlap cuts a MoE layer's routed tokens into: the exchange of one runs
+while the experts compute another, so all but the first dispatch and the last combine of
+each direction can hide."""
+
 
 @dataclass(kw_only=True)
 class ParallelConfig:
@@ -48,6 +53,14 @@ class ParallelConfig:
     nvshmem4py imports on a GPU, else symmetric_memory where it connects; where neither
     does, dispatcher=auto falls back to the all_to_all dispatcher and dispatcher=rowwise to
     this all_to_all transport (the banner says which ran and why)."""
+    ep_overlap: bool = False
+    """With ep > 1, cut each MoE layer's routed tokens into two chunks and run one chunk's
+    token exchange while the experts compute the other, forward and backward (the exchanges
+    on a thread of their own, on GPUs on a side stream, not yet run on one): only the first
+    dispatch and the last combine of each direction wait. Rowwise is cut by capacity slots,
+    the other dispatchers by tokens; which copies a capacity keeps does not change. Losses
+    equal those without to rounding (the expert weights' gradients are summed over two
+    GEMMs). Not with parallel.recompute other than none."""
     distributed_optimizer: bool = False
     """Shard optimizer state over each gradient-reduction group."""
     recompute: Literal["none", "selective", "full"] = "none"

@@ -42,6 +42,12 @@ def check_start(
             "parallel.dispatcher=deepep; use all_to_all, all_to_all_dedup or rowwise, or "
             "dispatch_dtype=compute"
         )
+    if parallel.ep_overlap and parallel.recompute != "none":
+        raise ConfigError(
+            f"parallel.ep_overlap=true does not work with parallel.recompute="
+            f"{parallel.recompute} yet (the overlapped exchanges keep what they save for "
+            "backward, which the recompute would not free); set one of them off"
+        )
     check_pipeline(config, shape)
     return shape
 

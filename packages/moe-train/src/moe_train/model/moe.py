@@ -13,11 +13,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_dispatch import CapacityScope, Dispatcher, make_dispatcher, position_in_expert
+from moe_dispatch import (
+    CapacityScope,
+    Dispatcher,
+    DispatchHandle,
+    make_dispatcher,
+    position_in_expert,
+)
 from moe_kernels import fp8_rowwise_grouped_mm, grouped_mm, mxfp8_grouped_mm
 from moe_parallel import mark_expert_parameter
 from moe_plan.config import MoEConfig
+from moe_train.model.exchange_worker import ExchangeWorker
 from moe_train.model.fused import swiglu
+from moe_train.model.moe_overlap import (
+    OVERLAP_CHUNKS,
+    RoutedTotals,
+    chunks_of,
+    overlapped_experts,
+)
 from moe_train.model.ranges import traced
 from moe_train.model.recompute import recording_side_effects
 from moe_train.model.routing_stats import RoutingStats
@@ -321,6 +334,12 @@ class MoEFeedForward(nn.Module):
             self.register_buffer(name, torch.zeros(shape, dtype=dtype), persistent=False)
         self.last_lb_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
+        self.exchange_worker: ExchangeWorker | None = None
+        """Where the exchanges of two chunks of tokens run while the experts compute the other
+        chunk (parallel.ep_overlap, `moe_train.parallelize.apply_exchange_overlap`); None:
+        one dispatch, the experts, one combine."""
+        self.exchange_chunks = OVERLAP_CHUNKS
+        """Chunks of the overlapped layer."""
 
     def use_dispatcher(self, dispatcher: Dispatcher) -> None:
         """Dispatch with `dispatcher`, holding only its rank's experts (`Experts.keep_experts`)."""
@@ -341,21 +360,10 @@ class MoEFeedForward(nn.Module):
         device = x_TD.device
         with traced("moe.route", device):
             routed = self.router(x_TD, num_sequences=x_BSD.shape[0])
-        with traced("moe.dispatch", device):
-            # Tokens travel in the compute dtype: half the bytes to permute and exchange.
-            expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(
-                x_TD.to(compute_dtype_of(x_TD)),
-                routed.topk_idx_TK,
-                routed.topk_weight_TK,
-                routed.copies_per_expert,
-                self.capacity_scope(routed.topk_idx_TK, x_BSD.shape[0]),
-            )
-        with traced("moe.experts", device):
-            expert_output = self.experts(expert_input, tokens_per_expert, handle.group_ends)
-        with traced("moe.combine", device):
-            # Left in the compute dtype, as a dense feed-forward under autocast returns it:
-            # the residual add promotes it, so a separate cast pass (and its backward) is saved.
-            y_TD = self.dispatcher.combine(expert_output, handle)
+        # Tokens travel in the compute dtype: half the bytes to permute and exchange.
+        # The output stays in it, as a dense feed-forward under autocast returns it: the
+        # residual add promotes it, so a separate cast pass (and its backward) is saved.
+        y_TD, handle = self._routed_experts(x_TD.to(compute_dtype_of(x_TD)), routed, x_BSD.shape[0])
         if self.shared is not None:
             with traced("moe.shared_experts", device):
                 shared_TD = self.shared(x_TD)
@@ -377,6 +385,35 @@ class MoEFeedForward(nn.Module):
                 self.step_lb_loss += routed.lb_loss.detach().double()
                 self.step_z_loss += routed.z_loss.detach().double()
         return y_TD.view_as(x_BSD)
+
+    def _routed_experts(
+        self, x_TD: Tensor, routed: RouterOutput, batch: int
+    ) -> tuple[Tensor, DispatchHandle | RoutedTotals]:
+        """The routed experts' output for `x_TD` and the routing statistics: dispatch, experts
+        and combine in one call, or overlapped in chunks on `exchange_worker`."""
+        device = x_TD.device
+        scope = self.capacity_scope(routed.topk_idx_TK, batch)
+        if self.exchange_worker is not None:
+            chunks, summed = chunks_of(
+                self.dispatcher,
+                routed.topk_idx_TK,
+                routed.topk_weight_TK,
+                scope,
+                self.config.capacity_factor,
+                self.config.num_experts,
+                self.exchange_chunks,
+            )
+            return overlapped_experts(
+                self.dispatcher, self.experts, self.exchange_worker, x_TD, chunks, summed
+            )
+        with traced("moe.dispatch", device):
+            expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(
+                x_TD, routed.topk_idx_TK, routed.topk_weight_TK, routed.copies_per_expert, scope
+            )
+        with traced("moe.experts", device):
+            expert_output = self.experts(expert_input, tokens_per_expert, handle.group_ends)
+        with traced("moe.combine", device):
+            return self.dispatcher.combine(expert_output, handle), handle
 
     @torch.no_grad()
     def capacity_scope(self, topk_idx_TK: Tensor, batch: int) -> CapacityScope | None:

@@ -7,6 +7,7 @@ layers (`dispatchers`) and its part of each sequence (`context_parallel`).
 
 from moe_train.parallelize.apply import (
     apply_context_parallel,
+    apply_exchange_overlap,
     apply_expert_parallel,
     apply_pipeline_split,
     materialize,
@@ -23,6 +24,7 @@ __all__ = [
     "DispatcherFactory",
     "LayerDispatchers",
     "apply_context_parallel",
+    "apply_exchange_overlap",
     "apply_expert_parallel",
     "apply_pipeline_split",
     "context_shard",

@@ -29,6 +29,8 @@ from torch import nn
 
 from moe_train.model import Router, Transformer
 from moe_train.model.attention import Attention
+from moe_train.model.exchange_worker import ExchangeWorker
+from moe_train.model.moe_overlap import OVERLAP_CHUNKS
 from moe_train.parallelize.context_parallel import ContextShard
 from moe_train.parallelize.dispatchers import DispatcherFactory
 
@@ -38,6 +40,15 @@ def apply_expert_parallel(model: Transformer, dispatchers: DispatcherFactory) ->
     experts that dispatcher's rank holds."""
     for index, layer in model.moe_layers().items():
         layer.use_dispatcher(dispatchers(index))
+
+
+def apply_exchange_overlap(
+    model: Transformer, worker: ExchangeWorker, chunks: int = OVERLAP_CHUNKS
+) -> None:
+    """Run every MoE layer's routed experts in `chunks` chunks whose token exchanges run on
+    `worker` while the experts compute another chunk (`moe_train.model.moe_overlap`)."""
+    for layer in model.moe_layers().values():
+        layer.exchange_worker, layer.exchange_chunks = worker, chunks
 
 
 def apply_context_parallel(model: Transformer, shard: ContextShard) -> None:

@@ -23,8 +23,15 @@ from moe_dispatch import TakenTraffic
 from moe_parallel import TrainingOptimizer
 from moe_plan.config import Config
 from moe_train.model import Transformer
+from moe_train.model.exchange_worker import ExchangeWorker
 from moe_train.model.routing_stats import RoutingStats
-from moe_train.parallelize import ContextShard, LayerDispatchers, context_shard, layer_dispatchers
+from moe_train.parallelize import (
+    ContextShard,
+    LayerDispatchers,
+    apply_exchange_overlap,
+    context_shard,
+    layer_dispatchers,
+)
 from moe_train.train.micro_batches import MicroBatches, model_inputs
 from moe_train.train.pipeline import PipelineRunner
 from moe_train.train.rank_build import (
@@ -252,6 +259,12 @@ class StepRunner:
             device,
             self.context,
         )
+        self.exchange_worker: ExchangeWorker | None = None
+        """The thread of the MoE layers' token exchanges with parallel.ep_overlap."""
+        if config.parallel.ep_overlap and layout.ep > 1:
+            self.exchange_worker = ExchangeWorker(device)
+            apply_exchange_overlap(self.model, self.exchange_worker)
+            self.dispatch = replace(self.dispatch, overlap=True)
         self.kernels = apply_training_choices(self.model, config, device)
         """The kernels the expert GEMMs and linears run, and why (banner and manifest)."""
         self.model.set_aux_loss_scale(1.0 / self.num_micro)
