@@ -79,15 +79,7 @@ def make_dispatcher(
     ``dispatch_dtype``: how the forward dispatch's token rows travel (`moe_dispatch.row_wire`;
     local rounds them the same way); deepep carries only ``compute``.
     """
-    if name == "deepep" and dispatch_dtype != "compute":
-        raise ValueError(
-            f"deepep: dispatch_dtype={dispatch_dtype!r} is not carried by DeepEPDispatcher; "
-            "use all_to_all, all_to_all_dedup or rowwise, or dispatch_dtype='compute'"
-        )
-    if name not in DISPATCHER_NAMES:
-        raise ValueError(
-            f"parallel.dispatcher={name!r} is not a dispatcher; valid: {', '.join(DISPATCHER_NAMES)}"
-        )
+    _check_request(name, dispatch_dtype)
     if name == "local":
         if group is not None and group.size() > 1:
             raise ValueError(
@@ -127,6 +119,20 @@ def make_dispatcher(
             dispatch_dtype,
         )
     return DeepEPDispatcher(num_experts, group, max_tokens_per_rank, group_alignment)
+
+
+def _check_request(name: str, dispatch_dtype: str) -> None:
+    """ValueError for an unknown backend ``name``, or one that cannot carry
+    ``dispatch_dtype``."""
+    if name not in DISPATCHER_NAMES:
+        raise ValueError(
+            f"parallel.dispatcher={name!r} is not a dispatcher; valid: {', '.join(DISPATCHER_NAMES)}"
+        )
+    if name == "deepep" and dispatch_dtype != "compute":
+        raise ValueError(
+            f"deepep: dispatch_dtype={dispatch_dtype!r} is not carried by DeepEPDispatcher; "
+            "use all_to_all, all_to_all_dedup or rowwise, or dispatch_dtype='compute'"
+        )
 
 
 __version__ = "0.1.0"

@@ -259,12 +259,8 @@ class StepRunner:
             device,
             self.context,
         )
-        self.exchange_worker: ExchangeWorker | None = None
-        """The thread of the MoE layers' token exchanges with parallel.ep_overlap."""
-        if config.parallel.ep_overlap and layout.ep > 1:
-            self.exchange_worker = ExchangeWorker(device)
-            apply_exchange_overlap(self.model, self.exchange_worker)
-            self.dispatch = replace(self.dispatch, overlap=True)
+        self.exchange_worker = self._overlap_exchanges(device)
+        """The thread of the MoE layers' token exchanges with parallel.ep_overlap (or None)."""
         self.kernels = apply_training_choices(self.model, config, device)
         """The kernels the expert GEMMs and linears run, and why (banner and manifest)."""
         self.model.set_aux_loss_scale(1.0 / self.num_micro)
@@ -291,6 +287,16 @@ class StepRunner:
         data.validate_end_of_document(eos_id)
         if data.document_masking:
             self.document_eos_id = eos_id
+
+    def _overlap_exchanges(self, device: torch.device) -> ExchangeWorker | None:
+        """With parallel.ep_overlap at ep > 1: the thread the MoE layers' exchanges run on
+        beside the experts, applied to the model (and said in `dispatch`)."""
+        if not (self.config.parallel.ep_overlap and self.runtime.layout.ep > 1):
+            return None
+        worker = ExchangeWorker(device)
+        apply_exchange_overlap(self.model, worker)
+        self.dispatch = replace(self.dispatch, overlap=True)
+        return worker
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The compute-dtype context of forward passes."""
