@@ -65,10 +65,26 @@ class ExchangeWorker:
         result, done = future.result()
         self.wait_s += time.perf_counter() - start
         if done is not None:
-            main = torch.cuda.current_stream(self.device)
-            main.wait_event(done)
-            _record_stream(result, main)
+            torch.cuda.current_stream(self.device).wait_event(done)
+            self.hand_over(result if isinstance(result, (tuple, list)) else (result,))
         return result
+
+    def hand_over(self, tensors: Sequence[Any]) -> None:
+        """Tell the caching allocator that the main stream uses the tensors among `tensors`
+        that jobs made on the side stream."""
+        if self._side is not None:
+            main = torch.cuda.current_stream(self.device)
+            for tensor in tensors:
+                if isinstance(tensor, Tensor) and tensor.is_cuda:
+                    tensor.record_stream(main)
+
+    def lend(self, tensors: Sequence[Tensor | None]) -> None:
+        """Tell the caching allocator that jobs read `tensors` (made on the main stream) on
+        the side stream, so their memory is not reused before the jobs are done."""
+        if self._side is not None:
+            for tensor in tensors:
+                if tensor is not None and tensor.is_cuda:
+                    tensor.record_stream(self._side)
 
     def take_wait_s(self) -> float:
         """`wait_s`, which starts again from zero."""
@@ -78,14 +94,6 @@ class ExchangeWorker:
     def close(self) -> None:
         """Finish the queued jobs and stop the thread."""
         self._pool.shutdown(wait=True)
-
-
-def _record_stream(result: Any, stream: torch.cuda.Stream) -> None:
-    """Tell the caching allocator the main stream uses the tensors the side stream made."""
-    items = result if isinstance(result, (tuple, list)) else (result,)
-    for item in items:
-        if isinstance(item, Tensor) and item.is_cuda:
-            item.record_stream(stream)
 
 
 class WorkerGraph:
@@ -117,6 +125,8 @@ class WorkerGraph:
         return _Land.apply(self, token)
 
     def _run_forward(self, inputs: Sequence[Tensor]) -> None:
+        self.worker.lend(inputs)
+
         def job() -> None:
             self.leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
             outputs, self.extra = self.fn(*self.leaves)
@@ -125,6 +135,8 @@ class WorkerGraph:
         self._forward = self.worker.submit(job, grad=self._record)
 
     def _run_backward(self, grads: Sequence[Tensor | None]) -> None:
+        self.worker.lend(grads)
+
         def job() -> list[Tensor | None]:
             pairs = [
                 (out, grad)
@@ -158,7 +170,9 @@ class _Land(torch.autograd.Function):
         ctx.graph = graph
         assert graph._forward is not None
         graph.worker.wait(graph._forward)
-        return tuple(out.detach() for out in graph.outputs)
+        outputs = tuple(out.detach() for out in graph.outputs)
+        graph.worker.hand_over(outputs)
+        return outputs
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]

@@ -120,6 +120,7 @@ def overlapped_experts(
     for graph, token in zip(dispatches, tokens, strict=True):
         (expert_input,) = graph.land(token)
         rows_per_expert, handle = graph.extra
+        worker.hand_over([rows_per_expert, handle.group_ends])
         with traced("moe.experts", expert_input.device):
             expert_output = experts(expert_input, rows_per_expert, handle.group_ends)
         combine = _combine_graph(dispatcher, worker, handle)
