@@ -82,7 +82,8 @@ def chunks_of(
         assert scope is not None, "rowwise has a capacity"
         capacity = scope.capacity_of(capacity_factor, top_k, num_experts)
         assert capacity is not None
-        bounds = [capacity * c // num_chunks for c in range(num_chunks + 1)]
+        parts = max(1, min(num_chunks, capacity))  # no chunk without slots
+        bounds = [capacity * c // parts for c in range(parts + 1)]
         chunks = []
         for low, high in itertools.pairwise(bounds):
             inside = (scope.positions_TK >= low) & (scope.positions_TK < high)
@@ -90,7 +91,8 @@ def chunks_of(
             part = CapacityScope(positions_TK, scope.num_tokens, high - low)
             chunks.append(Chunk(slice(None), topk_idx_TK, topk_weight_TK, part))
         return chunks, True
-    bounds = [num_tokens * c // num_chunks for c in range(num_chunks + 1)]
+    parts = max(1, min(num_chunks, num_tokens))  # no chunk without tokens
+    bounds = [num_tokens * c // parts for c in range(parts + 1)]
     chunks = []
     for low, high in itertools.pairwise(bounds):
         rows = slice(low, high)
