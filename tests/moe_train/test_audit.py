@@ -65,6 +65,7 @@ def test_the_manifest_records_config_data_code_and_each_launch(tmp_path, token_f
         "dispatcher": "local",
         "transport": None,
         "why": "one rank holds every expert: tokens are only permuted",
+        "overlap": False,
     }
     assert segment["source"]["commit"] == _git("rev-parse", "HEAD")
     assert segment["source"]["dirty"] == bool(_git("status", "--porcelain", "--untracked-files=no"))

@@ -187,7 +187,7 @@ def start_manifest(
     resumes from, continuing) at `start_step`: the config and data as they are now, and the
     segments of the run so far plus this one (code, environment, layout, the `kernels` the
     expert GEMMs and linears ran, the token `dispatch` between expert-parallel ranks (keys
-    dispatcher, transport and why), steps)."""
+    dispatcher, transport, overlap and why), steps)."""
     segment = {
         "start_step": start_step,
         "end_step": start_step,
