@@ -367,6 +367,8 @@ def test_ep_overlap_with_recompute_is_refused_at_the_start_check():
         check_start(config, 2)
     config.parallel.recompute = "none"
     check_start(config, 2)
+    config.parallel.ep, config.parallel.recompute = 1, "full"  # nothing to overlap at ep 1
+    check_start(config, 2)
 
 
 def test_auto_dispatch_is_rowwise_with_a_capacity_and_all_to_all_without():

@@ -42,7 +42,7 @@ def check_start(
             "parallel.dispatcher=deepep; use all_to_all, all_to_all_dedup or rowwise, or "
             "dispatch_dtype=compute"
         )
-    if parallel.ep_overlap and parallel.recompute != "none":
+    if parallel.ep_overlap and parallel.ep > 1 and parallel.recompute != "none":
         raise ConfigError(
             f"parallel.ep_overlap=true does not work with parallel.recompute="
             f"{parallel.recompute} yet (the overlapped exchanges keep what they save for "
