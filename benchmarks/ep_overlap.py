@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from harness.arguments import names_among
 from harness.output import print_table, write_json
 from harness.ranks import run_distributed
 from moe_plan.config import Config, config_from_dict
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--dispatchers",
-        default=",".join(DISPATCHERS),
+        type=names_among(DISPATCHERS),
+        default=list(DISPATCHERS),
         help=f"comma-separated, of {', '.join(DISPATCHERS)}",
     )
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (4096)")
@@ -192,13 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7, help="timed rounds (7)")
     parser.add_argument("--json", type=Path, help="write one object per dispatcher")
     args = parser.parse_args(argv)
-    chosen = args.dispatchers.split(",")
-    unknown = [d for d in chosen if d not in DISPATCHERS]
-    if unknown:
-        parser.error(
-            f"--dispatchers: unknown {', '.join(unknown)}; valid: {', '.join(DISPATCHERS)}"
-        )
-    results = measure(chosen, args.tokens, args.d_model, args.reps)
+    results = measure(args.dispatchers, args.tokens, args.d_model, args.reps)
     _print(results)
     if args.json:
         write_json(args.json, results)

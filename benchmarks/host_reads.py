@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from harness.arguments import names_among
 from harness.host_reads import HostReadCounter
 from harness.output import print_table, write_json
 from harness.ranks import run_distributed
@@ -179,18 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--dispatchers",
-        default=",".join(DISPATCHERS),
+        type=names_among(DISPATCHERS),
+        default=list(DISPATCHERS),
         help=f"comma-separated, of {', '.join(DISPATCHERS)}",
     )
     parser.add_argument("--json", type=Path, help="write one object per dispatcher")
     args = parser.parse_args(argv)
-    chosen = args.dispatchers.split(",")
-    unknown = [d for d in chosen if d not in DISPATCHERS]
-    if unknown:
-        parser.error(
-            f"--dispatchers: unknown {', '.join(unknown)}; valid: {', '.join(DISPATCHERS)}"
-        )
-    results = measure(chosen)
+    results = measure(args.dispatchers)
     _print(results)
     if args.json:
         write_json(args.json, results)

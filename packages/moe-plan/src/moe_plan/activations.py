@@ -30,7 +30,15 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 INDEX_BYTES = 8  # int64 token and slot indices
 FP32 = 4
 FP8_SCALE_BYTES = 4
-"""The fp32 scale each FP8-dispatched token row carries (model.moe.dispatch_dtype=fp8)."""
+"""The fp32 scale each FP8-dispatched token row carries (model.moe.dispatch_dtype=fp8; the
+layout of `moe_dispatch.row_wire.Fp8Rows`, which this torch-free package cannot import)."""
+
+
+def fp8_dispatch_row_bytes(config: Config) -> int:
+    """Bytes of one token row as FP8 dispatch sends it: d_model e4m3 values and its scale."""
+    return config.model.d_model + FP8_SCALE_BYTES
+
+
 HOST_GRAPH_BYTES_PER_BLOCK = 32 * 2**10
 """Host memory of one block's autograd graph and recompute records, seen by a host-memory
 measurement on the CPU (about this much per block whatever the sizes); on a GPU it is not

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from moe_plan.activations import (
     DTYPE_BYTES,
-    FP8_SCALE_BYTES,
     FP32,
     capacity,
+    fp8_dispatch_row_bytes,
     held_inputs,
     held_per_micro_batch,
 )
@@ -403,5 +403,5 @@ def _dispatch_buffers(config: Config) -> float:
     c = DTYPE_BYTES[config.precision.compute_dtype]
     row = config.model.d_model * c
     if moe.dispatch_dtype == "fp8":  # the FP8 dispatch has its own buffers of byte rows
-        row += config.model.d_model + FP8_SCALE_BYTES
+        row += fp8_dispatch_row_bytes(config)
     return 2 * parallel.ep * local * per_expert * row

@@ -30,7 +30,13 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from moe_plan.activations import DTYPE_BYTES, FP8_SCALE_BYTES, FP32, INDEX_BYTES, capacity
+from moe_plan.activations import (
+    DTYPE_BYTES,
+    FP32,
+    INDEX_BYTES,
+    capacity,
+    fp8_dispatch_row_bytes,
+)
 from moe_plan.config import Config
 from moe_plan.config.layout_shape import layout_shape
 from moe_plan.memory import rank_params
@@ -172,8 +178,8 @@ def dispatch_row_share(config: Config) -> float:
     model.moe.dispatch_dtype=fp8, d_model e4m3 bytes and a 4-byte scale."""
     if config.model.moe.dispatch_dtype != "fp8":
         return 1.0
-    d = config.model.d_model
-    return (d + FP8_SCALE_BYTES) / (d * DTYPE_BYTES[config.precision.compute_dtype])
+    compute_row = config.model.d_model * DTYPE_BYTES[config.precision.compute_dtype]
+    return fp8_dispatch_row_bytes(config) / compute_row
 
 
 def _exchange_bytes(config: Config) -> float:

@@ -24,6 +24,7 @@ Shape suffixes as in `moe_train.model.moe`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -130,7 +131,8 @@ def overlapped_experts(
         combines.append(combine)
         handles.append(handle)
     outputs = [graph.land(token)[0] for graph, token in zip(combines, combine_tokens, strict=True)]
-    y_TD = torch.stack(outputs).sum(0) if summed else torch.cat(outputs)
+    # Slot chunks each give every token's sum over its own copies: add them (no stacked copy).
+    y_TD = functools.reduce(torch.add, outputs) if summed else torch.cat(outputs)
     return y_TD, _totals(handles, summed)
 
 
